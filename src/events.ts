@@ -1,0 +1,68 @@
+/**
+ * Typed events on `locks.events`. Listeners run synchronously; an exception thrown by a listener is logged
+ * and never disturbs the job or the lock.
+ */
+import { EventEmitter } from "node:events";
+import type { Job, TaskSpec } from "graphile-worker";
+import type { ConflictStrategy } from "./options.js";
+
+export interface LocksEvents {
+  /** A job took its key and is about to run. */
+  "lock:acquired": { taskIdentifier: string; lockKey: bigint; job: Job };
+  /** A job's key was held when it was about to run; `strategy` says what happens next. */
+  "lock:conflict": {
+    taskIdentifier: string;
+    lockKey: bigint;
+    job: Job;
+    strategy: ConflictStrategy;
+    /** True when this process itself holds the key (no round trip was needed to know). */
+    local: boolean;
+  };
+  /** A job finished and its key was released. `outcome` is `lost` when the session had died first. */
+  "lock:released": {
+    taskIdentifier: string;
+    lockKey: bigint;
+    job: Job;
+    outcome: "ok" | "lost" | "unverified";
+    heldMs: number;
+  };
+  /** The lock session died; every listed hold lost its lock and its job's `abortSignal` fired. */
+  "lock:lost": {
+    holds: Array<{ taskIdentifier: string; lockKey: bigint; jobId: string | null }>;
+    error: Error;
+  };
+  /** The lock session (re)connected. */
+  "session:connected": { pid: number | null };
+  /** A job was completed without running, because its key was held (`onConflict: "drop"`). */
+  "job:dropped": { taskIdentifier: string; lockKey: bigint; job: Job };
+  /** A job met a conflict and was replaced by a copy that runs later (`onConflict: "reschedule"`). */
+  "job:rescheduled": {
+    taskIdentifier: string;
+    lockKey: bigint;
+    job: Job;
+    newJobId: string;
+    runAt: Date;
+    delayMs: number;
+  };
+  /** `addJob` did not add a job because its key was held (the preemptive check). */
+  "enqueue:dropped": {
+    taskIdentifier: string;
+    lockKey: bigint;
+    payload: unknown;
+    spec: TaskSpec | undefined;
+  };
+}
+
+export type LocksEventName = keyof LocksEvents;
+
+/** An `EventEmitter` whose event names and payloads are typed. */
+export interface LocksEventEmitter extends EventEmitter {
+  on<K extends LocksEventName>(event: K, listener: (payload: LocksEvents[K]) => void): this;
+  once<K extends LocksEventName>(event: K, listener: (payload: LocksEvents[K]) => void): this;
+  off<K extends LocksEventName>(event: K, listener: (payload: LocksEvents[K]) => void): this;
+  emit<K extends LocksEventName>(event: K, payload: LocksEvents[K]): boolean;
+}
+
+export function makeEmitter(): LocksEventEmitter {
+  return new EventEmitter() as LocksEventEmitter;
+}

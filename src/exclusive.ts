@@ -1,0 +1,134 @@
+/**
+ * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
+ * and applies the conflict strategy when the key is held.
+ */
+import type { Job, JobHelpers, Task } from "graphile-worker";
+import { LockConflictError } from "./errors.js";
+import type { LocksContext } from "./context.js";
+import { slotKeys } from "./key.js";
+import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
+import type { AddJobResult } from "./enqueue.js";
+
+/** A graphile-worker task that runs at most `limit` jobs per key at a time. */
+export interface ExclusiveTask<TPayload = unknown> extends Task {
+  readonly taskIdentifier: string;
+  readonly options: Readonly<ResolvedExclusiveOptions<TPayload>>;
+  /** The advisory lock key of a payload (slot 0 when `limit > 1`). */
+  lockKey(payload: TPayload): bigint;
+  /** Whether a job with this payload could take its lock now. Advisory: it never takes the lock. */
+  lockAvailable(payload: TPayload): Promise<boolean>;
+  /** Adds a job of this task, dropped up front if its key is held (unless `preemptive: false`). */
+  addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;
+}
+
+/** Remembers consecutive conflicts per key for the reschedule backoff; bounded in size. */
+class ConflictCounter {
+  private readonly counts = new Map<string, number>();
+  next(key: string): number {
+    const n = this.counts.get(key) ?? 0;
+    this.counts.delete(key);
+    if (this.counts.size >= 10_000) this.counts.delete(this.counts.keys().next().value!);
+    this.counts.set(key, n + 1);
+    return n;
+  }
+  clear(key: string): void {
+    if (this.counts.size > 0) this.counts.delete(key);
+  }
+}
+
+export function makeExclusiveTask<TPayload>(
+  ctx: LocksContext,
+  taskIdentifier: string,
+  task: (payload: TPayload, helpers: JobHelpers) => unknown,
+  options: ResolvedExclusiveOptions<TPayload>,
+): ExclusiveTask<TPayload> {
+  const conflicts = new ConflictCounter();
+  const keysOf = (payload: TPayload) => slotKeys(taskIdentifier, options.key(payload), options.limit);
+
+  const onConflict = async (job: Job, helpers: JobHelpers, lockKey: bigint, local: boolean) => {
+    const strategy = options.onConflict;
+    ctx.emit("lock:conflict", { taskIdentifier, lockKey, job, strategy, local });
+    switch (strategy) {
+      case "drop":
+        helpers.logger.info(`Dropped job ${job.id}: lock ${lockKey} is held by another job`);
+        ctx.emit("job:dropped", { taskIdentifier, lockKey, job });
+        return;
+      case "raise":
+        throw new LockConflictError(taskIdentifier, lockKey);
+      case "reschedule": {
+        const { minDelay, maxDelay, jitter } = options.reschedule;
+        const n = conflicts.next(lockKey.toString());
+        const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
+        const delayMs = Math.round(base * (1 - jitter * Math.random()));
+        const runAt = new Date(Date.now() + delayMs);
+        const { rows } = await helpers.withPgClient((client) =>
+          client.query<{ id: string | null }>(ctx.sql.rescheduleJob, [job.id, runAt.toISOString()]),
+        );
+        const newJobId = rows[0]?.id;
+        if (!newJobId) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
+        helpers.logger.debug(`Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`);
+        ctx.emit("job:rescheduled", { taskIdentifier, lockKey, job, newJobId, runAt, delayMs });
+        return;
+      }
+    }
+  };
+
+  const wrapped = async (payload: unknown, helpers: JobHelpers) => {
+    const { job } = helpers;
+    const slots = keysOf(payload as TPayload);
+    const result = await ctx.session.acquire(slots, { taskIdentifier, jobId: job.id });
+    if (!result.acquired) return onConflict(job, helpers, slots[0]!, result.local);
+
+    const { hold } = result;
+    if (options.onConflict === "reschedule") conflicts.clear(slots[0]!.toString());
+    ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job });
+
+    // The job's abort signal fires on graphile-worker's shutdown abort and when the lock is lost.
+    const controller = new AbortController();
+    const abort = (signal: AbortSignal) => controller.abort(signal.reason);
+    const outer = helpers.abortSignal;
+    const onOuterAbort = () => abort(outer!);
+    const onLockLost = () => abort(hold.signal);
+    if (outer?.aborted) abort(outer);
+    outer?.addEventListener("abort", onOuterAbort, { once: true });
+    hold.signal.addEventListener("abort", onLockLost, { once: true });
+    const abortPromise = new Promise<void>((_resolve, reject) => {
+      if (controller.signal.aborted) reject(controller.signal.reason);
+      controller.signal.addEventListener("abort", () => reject(controller.signal.reason), { once: true });
+    });
+    abortPromise.catch(() => undefined);
+
+    const started = performance.now();
+    try {
+      const value = await task(payload as TPayload, {
+        ...helpers,
+        abortSignal: controller.signal,
+        abortPromise,
+      });
+      // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
+      if (Array.isArray(value)) await Promise.allSettled(value);
+      return value as ReturnType<Task>;
+    } finally {
+      outer?.removeEventListener("abort", onOuterAbort);
+      hold.signal.removeEventListener("abort", onLockLost);
+      const { outcome } = await hold.release();
+      ctx.emit("lock:released", {
+        taskIdentifier,
+        lockKey: hold.key,
+        job,
+        outcome,
+        heldMs: performance.now() - started,
+      });
+    }
+  };
+
+  return Object.assign(wrapped as Task, {
+    taskIdentifier,
+    options,
+    lockKey: (payload: TPayload) => keysOf(payload)[0]!,
+    lockAvailable: (payload: TPayload) => ctx.lockAvailable(taskIdentifier, keysOf(payload)),
+    addJob: (payload: TPayload, spec?: AddJobSpec) =>
+      ctx.addJob(taskIdentifier, payload, spec, { keys: keysOf(payload), preemptive: options.preemptive }),
+  }) as ExclusiveTask<TPayload>;
+}
+

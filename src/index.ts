@@ -1,0 +1,19 @@
+export { makeLocks } from "./locks.js";
+export type { Locks, HeldLock } from "./locks.js";
+export type { ExclusiveTask } from "./exclusive.js";
+export type { AddJobResult } from "./enqueue.js";
+export type { LocksEvents, LocksEventName, LocksEventEmitter } from "./events.js";
+export type {
+  AddJobSpec,
+  ConflictStrategy,
+  ExclusiveOptions,
+  LocksOptions,
+  RescheduleOptions,
+  ResolvedExclusiveOptions,
+} from "./options.js";
+export { CONFLICT_STRATEGIES } from "./options.js";
+export { lockKey, lockKeyMaterial, slotKeys, canonicalJson, assertJsonSafe, advisoryParts, KEY_VERSION } from "./key.js";
+export { migrate } from "./migrate.js";
+export type { MigrateOptions } from "./migrate.js";
+export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
+export type { ErrorCode } from "./errors.js";

@@ -1,0 +1,129 @@
+/**
+ * Canonical key derivation (pure). A key is derived from a readable, versioned string
+ *
+ *     gwl:v1:<kind>:<task identifier>:<canonical JSON>
+ *
+ * hashed with SHA-256; the first 8 bytes, read as a signed big-endian integer, are the bigint that
+ * PostgreSQL's advisory lock functions take. Changing any part of this derivation changes every key in a
+ * running system, so the version is part of the string and the tests pin known values.
+ *
+ * The canonical JSON is `fast-json-stable-stringify` of the value (object keys sorted). Before that, the
+ * value is checked so that what the worker later receives from PostgreSQL yields the same key: values that
+ * JSON cannot carry faithfully are rejected with an error naming their path.
+ */
+import { createHash } from "node:crypto";
+import stringify from "fast-json-stable-stringify";
+import { InvalidArgumentError } from "./errors.js";
+
+/** The derivation version; part of every key's material. */
+export const KEY_VERSION = "v1";
+
+function describePath(path: string, key: string | number): string {
+  if (typeof key === "number") return `${path}[${key}]`;
+  return /^[A-Za-z_$][\w$]*$/.test(key) ? `${path}.${key}` : `${path}[${JSON.stringify(key)}]`;
+}
+
+/**
+ * Throws an {@link InvalidArgumentError} naming the first place in `value` that JSON cannot carry
+ * faithfully: BigInt, functions, symbols, non-finite numbers, `undefined` inside arrays or at the top, and
+ * cycles. `undefined` object properties are allowed: JSON drops them, and so does the key.
+ */
+export function assertJsonSafe(value: unknown, path = "payload"): void {
+  const ancestors: object[] = [];
+  const visit = (input: unknown, at: string, inObject: boolean): void => {
+    let node = input;
+    if (node !== null && typeof node === "object" && typeof (node as { toJSON?: unknown }).toJSON === "function") {
+      node = (node as { toJSON: () => unknown }).toJSON();
+    }
+    switch (typeof node) {
+      case "string":
+      case "boolean":
+        return;
+      case "number":
+        if (!Number.isFinite(node)) {
+          throw new InvalidArgumentError(`${at} is ${node}, which JSON cannot carry (it would become null)`);
+        }
+        return;
+      case "undefined":
+        if (inObject) return;
+        throw new InvalidArgumentError(`${at} is undefined, which JSON cannot carry (it would become null)`);
+      case "bigint":
+        throw new InvalidArgumentError(`${at} is a BigInt, which JSON cannot carry; convert it to a string`);
+      case "function":
+        throw new InvalidArgumentError(`${at} is a function, which JSON cannot carry`);
+      case "symbol":
+        throw new InvalidArgumentError(`${at} is a symbol, which JSON cannot carry`);
+      case "object": {
+        if (node === null) return;
+        if (ancestors.includes(node)) {
+          throw new InvalidArgumentError(`${at} is a circular reference, which JSON cannot carry`);
+        }
+        ancestors.push(node);
+        if (Array.isArray(node)) {
+          node.forEach((item, index) => visit(item, describePath(at, index), false));
+        } else {
+          for (const key of Object.keys(node)) {
+            visit((node as Record<string, unknown>)[key], describePath(at, key), true);
+          }
+        }
+        ancestors.pop();
+        return;
+      }
+    }
+  };
+  visit(value, path, false);
+}
+
+/** Sorted-keys JSON of `value`, after {@link assertJsonSafe}. */
+export function canonicalJson(value: unknown, path = "payload"): string {
+  assertJsonSafe(value, path);
+  return stringify(value);
+}
+
+function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is string {
+  if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
+    throw new InvalidArgumentError(
+      `\`taskIdentifier\` must be a non-empty string, got ${JSON.stringify(taskIdentifier) ?? String(taskIdentifier)}`,
+    );
+  }
+}
+
+/** The readable string a lock key is hashed from. Exposed for debugging and documentation. */
+export function lockKeyMaterial(taskIdentifier: string, value: unknown): string {
+  assertIdentifier(taskIdentifier);
+  return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value)}`;
+}
+
+/** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */
+export function hashKey(material: string): bigint {
+  return createHash("sha256").update(material, "utf8").digest().readBigInt64BE(0);
+}
+
+/**
+ * The advisory lock key of a task identifier and payload (or whatever the task's `key` option returns).
+ *
+ * @example lockKey("charge_card", { userId: 1 }) // a signed 64-bit bigint
+ */
+export function lockKey(taskIdentifier: string, value: unknown): bigint {
+  return hashKey(lockKeyMaterial(taskIdentifier, value));
+}
+
+/**
+ * The advisory keys of a semaphore of `limit` slots. Slot 0 is {@link lockKey} itself, so raising a limit
+ * from 1 keeps the key of the first slot.
+ */
+export function slotKeys(taskIdentifier: string, value: unknown, limit: number): bigint[] {
+  const material = lockKeyMaterial(taskIdentifier, value);
+  const keys = [hashKey(material)];
+  for (let slot = 1; slot < limit; slot++) keys.push(hashKey(`${material}#slot:${slot}`));
+  return keys;
+}
+
+/**
+ * How PostgreSQL shows a one-bigint advisory lock in `pg_locks`: the high 32 bits in `classid`, the low 32
+ * bits in `objid` (both unsigned), with `objsubid = 1`.
+ */
+export function advisoryParts(key: bigint): { classid: number; objid: number } {
+  const unsigned = BigInt.asUintN(64, key);
+  return { classid: Number(unsigned >> 32n), objid: Number(unsigned & 0xffffffffn) };
+}

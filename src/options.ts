@@ -1,0 +1,141 @@
+/**
+ * Options of `makeLocks` and `locks.exclusive`, their defaults, and their validation. Validation errors are
+ * `InvalidArgumentError`s (a `TypeError`) naming the option in backticks.
+ */
+import type { Pool, PoolClient, Client } from "pg";
+import type { Logger, TaskSpec } from "graphile-worker";
+import { InvalidArgumentError } from "./errors.js";
+
+export const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
+/** What an exclusive job does when its key is held: see the README. */
+export type ConflictStrategy = (typeof CONFLICT_STRATEGIES)[number];
+
+export interface RescheduleOptions {
+  /** Delay after the first conflict, in milliseconds. @defaultValue `250` */
+  minDelay?: number;
+  /** The delay doubles with each consecutive conflict on the same key, up to this. @defaultValue `30000` */
+  maxDelay?: number;
+  /** Fraction of the delay that is randomised (0 to 1) so that waiting jobs spread out. @defaultValue `0.5` */
+  jitter?: number;
+}
+
+export interface ExclusiveOptions<TPayload = unknown> {
+  /**
+   * What to do when the job's key is held by another job when it is about to run.
+   * - `"drop"`: complete the job without running it (que-locks semantics).
+   * - `"reschedule"`: replace it by a copy that runs later, without counting an attempt.
+   * - `"raise"`: throw a `LockConflictError`, so graphile-worker retries it with its own backoff.
+   * @defaultValue `"drop"`
+   */
+  onConflict?: ConflictStrategy;
+  /** What identifies "the same job": the value whose canonical JSON makes the key. @defaultValue the whole payload */
+  key?: (payload: TPayload) => unknown;
+  /** How many jobs with the same key may run at once. @defaultValue `1` */
+  limit?: number;
+  /** Whether `addJob` drops a job up front when its key is held. @defaultValue `true` */
+  preemptive?: boolean;
+  /** Backoff of the `reschedule` strategy. */
+  reschedule?: RescheduleOptions;
+}
+
+export interface ResolvedExclusiveOptions<TPayload = unknown> {
+  onConflict: ConflictStrategy;
+  key: (payload: TPayload) => unknown;
+  limit: number;
+  preemptive: boolean;
+  reschedule: Required<RescheduleOptions>;
+}
+
+export interface LocksOptions {
+  /** Connection string for enqueueing and introspection (and for the lock session, unless `lockConnectionString` is set). */
+  connectionString?: string;
+  /** An existing pool for enqueueing and introspection, instead of `connectionString`. Not closed by `release()`. */
+  pgPool?: Pool;
+  /**
+   * Connection string of the lock session. Set it when `connectionString` or `pgPool` goes through
+   * PgBouncer in transaction mode: session advisory locks need a direct connection to PostgreSQL.
+   * @defaultValue `connectionString`, or the pool's connection settings
+   */
+  lockConnectionString?: string;
+  /** This library's schema. @defaultValue `"graphile_worker_locks"` */
+  schema?: string;
+  /** graphile-worker's schema; must match the runner's `schema`. @defaultValue `"graphile_worker"` */
+  workerSchema?: string;
+  /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<pid>"` */
+  applicationName?: string;
+  /** Where warnings go. @defaultValue graphile-worker's console logger */
+  logger?: Logger;
+  /** How often the lock session is checked while it holds locks, in ms (detects a silently dead connection). @defaultValue `5000` */
+  heartbeatInterval?: number;
+  /** Reconnection backoff of the lock session, in ms. @defaultValue `{ min: 100, max: 5000 }` */
+  reconnectDelay?: { min?: number; max?: number };
+  /** Defaults for every exclusive task of this instance. */
+  defaults?: ExclusiveOptions;
+}
+
+/** A graphile-worker `TaskSpec` plus what this library adds to an enqueue. */
+export interface AddJobSpec extends TaskSpec {
+  /** Override the task's `preemptive` option for this call. */
+  preemptive?: boolean;
+  /** Enqueue on this client, e.g. inside your own transaction. @defaultValue the Locks pool */
+  pgClient?: PoolClient | Client;
+}
+
+function assertPositiveInteger(name: string, value: unknown): asserts value is number {
+  if (typeof value !== "number" || !Number.isInteger(value) || value < 1) {
+    throw new InvalidArgumentError(`\`${name}\` must be a positive integer, got ${String(value)}`);
+  }
+}
+
+function assertNonNegative(name: string, value: unknown): asserts value is number {
+  if (typeof value !== "number" || !Number.isFinite(value) || value < 0) {
+    throw new InvalidArgumentError(`\`${name}\` must be a non-negative number, got ${String(value)}`);
+  }
+}
+
+export function resolveExclusiveOptions<TPayload>(
+  options: ExclusiveOptions<TPayload> | undefined,
+  defaults: ExclusiveOptions | undefined,
+): ResolvedExclusiveOptions<TPayload> {
+  const merged = { ...defaults, ...options } as ExclusiveOptions<TPayload>;
+  const onConflict = merged.onConflict ?? "drop";
+  if (!CONFLICT_STRATEGIES.includes(onConflict)) {
+    throw new InvalidArgumentError(
+      `\`onConflict\` must be one of ${CONFLICT_STRATEGIES.map((s) => `"${s}"`).join(", ")}, got ${JSON.stringify(onConflict)}`,
+    );
+  }
+  const limit = merged.limit ?? 1;
+  assertPositiveInteger("limit", limit);
+  if (merged.key !== undefined && typeof merged.key !== "function") {
+    throw new InvalidArgumentError(`\`key\` must be a function of the payload, got ${typeof merged.key}`);
+  }
+  const preemptive = merged.preemptive ?? true;
+  if (typeof preemptive !== "boolean") {
+    throw new InvalidArgumentError(`\`preemptive\` must be a boolean, got ${typeof preemptive}`);
+  }
+  const reschedule = {
+    minDelay: 250,
+    maxDelay: 30_000,
+    jitter: 0.5,
+    ...defaults?.reschedule,
+    ...options?.reschedule,
+  };
+  assertNonNegative("reschedule.minDelay", reschedule.minDelay);
+  assertNonNegative("reschedule.maxDelay", reschedule.maxDelay);
+  assertNonNegative("reschedule.jitter", reschedule.jitter);
+  if (reschedule.jitter > 1) {
+    throw new InvalidArgumentError(`\`reschedule.jitter\` must be between 0 and 1, got ${reschedule.jitter}`);
+  }
+  if (reschedule.maxDelay < reschedule.minDelay) {
+    throw new InvalidArgumentError(
+      `\`reschedule.maxDelay\` (${reschedule.maxDelay}) must not be below \`reschedule.minDelay\` (${reschedule.minDelay})`,
+    );
+  }
+  return {
+    onConflict,
+    key: merged.key ?? ((payload: TPayload) => payload),
+    limit,
+    preemptive,
+    reschedule,
+  };
+}

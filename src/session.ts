@@ -1,0 +1,417 @@
+/**
+ * The lock session: the one PostgreSQL connection of a `Locks` instance on which every advisory lock of
+ * this process is taken and released. It is separate from graphile-worker's pool (holding a pool client
+ * per running job deadlocks the pool) and it is shared by every job of every runner in the process.
+ *
+ * State machine:
+ *
+ *     idle ──first acquire──▶ connecting ──ok──▶ ready ──error / end / failed statement──▶ broken
+ *                                  │ fail                                                  │ backoff
+ *                                  └──────────────▶ broken ◀───────────────── connecting ◀─┘
+ *     any state ──close()──▶ closed
+ *
+ * Invariants:
+ * - Session advisory locks are re-entrant, so PostgreSQL cannot tell two jobs of this process apart. This
+ *   module does: a key is held by at most one `Hold` (`holds`), and a key that is being acquired or
+ *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
+ *   round trip, never a re-entrant "success".
+ * - Requests are coalesced: while one statement is in flight, every lock and unlock request queues up, and
+ *   the next statement carries all of them (`gwl_lock_batch_v1`). One statement is in flight at a time.
+ * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
+ *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
+ *   it can never unlock a key that a hold of the new connection now owns.
+ * - A failed lock statement leaves the session's state uncertain, so the connection is destroyed (which
+ *   releases everything) rather than reused.
+ * - While the session is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE: no job
+ *   ever runs unlocked.
+ */
+import pg from "pg";
+import type { ClientConfig } from "pg";
+import { lockLost, lockSessionUnavailable } from "./errors.js";
+import type { Sql } from "./sql.js";
+
+export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed";
+
+/** What a hold is for, written to the holder registry for operators. */
+export interface HoldInfo {
+  taskIdentifier: string;
+  jobId: string | null;
+}
+
+export interface ReleaseResult {
+  /** True when PostgreSQL confirmed the unlock. */
+  released: boolean;
+  /** `ok`; `lost` when the session died first (the lock went with it); `unverified` when the unlock returned false. */
+  outcome: "ok" | "lost" | "unverified";
+}
+
+/** A key held by this process on the lock session. */
+export interface Hold {
+  readonly key: bigint;
+  readonly info: HoldInfo;
+  readonly since: Date;
+  /** Aborts (with a GWL_LOCK_LOST error) if the session is lost while the key is held. */
+  readonly signal: AbortSignal;
+  /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
+  release(): Promise<ReleaseResult>;
+}
+
+export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; local: boolean };
+
+export interface LockSessionOptions {
+  sql: Sql;
+  client: ClientConfig;
+  /** Ensures the library's schema exists; called before the first connection. */
+  prepare(): Promise<void>;
+  onLost(holds: Hold[], error: Error): void;
+  onConnected(): void;
+  onWarning(message: string, error?: unknown): void;
+  heartbeatIntervalMs: number;
+  registryIntervalMs: number;
+  reconnectDelayMs: { min: number; max: number };
+}
+
+class HoldImpl implements Hold {
+  readonly controller = new AbortController();
+  readonly since = new Date();
+  lost = false;
+  releasing: Promise<ReleaseResult> | undefined;
+  constructor(
+    readonly session: LockSession,
+    readonly key: bigint,
+    readonly keyText: string,
+    readonly generation: number,
+    readonly info: HoldInfo,
+  ) {}
+  get signal(): AbortSignal {
+    return this.controller.signal;
+  }
+  release(): Promise<ReleaseResult> {
+    this.releasing ??= this.session.release(this);
+    return this.releasing;
+  }
+}
+
+interface LockRequest {
+  slots: string[];
+  info: HoldInfo;
+  resolve(result: AcquireResult): void;
+  reject(error: Error): void;
+}
+
+interface UnlockRequest {
+  hold: HoldImpl;
+  resolve(result: ReleaseResult): void;
+}
+
+export class LockSession {
+  private state: SessionState = "idle";
+  private client: pg.Client | null = null;
+  private connecting: Promise<void> | null = null;
+  private generation = 0;
+  private reconnectAttempt = 0;
+  private reconnectTimer: NodeJS.Timeout | null = null;
+  private readonly holds = new Map<string, HoldImpl>();
+  private readonly pending = new Set<string>();
+  private lockQueue: LockRequest[] = [];
+  private unlockQueue: UnlockRequest[] = [];
+  private inFlight: Promise<void> | null = null;
+  private flushScheduled = false;
+  private registryDirty = false;
+  private readonly timers: NodeJS.Timeout[] = [];
+  /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
+  statements = 0;
+
+  constructor(private readonly options: LockSessionOptions) {}
+
+  get currentState(): SessionState {
+    return this.state;
+  }
+
+  /** The backend pid of the current connection, if connected. */
+  get pid(): number | null {
+    return (this.client as unknown as { processID?: number } | null)?.processID ?? null;
+  }
+
+  /** Keys this process holds right now. */
+  heldKeys(): Array<{ key: bigint; info: HoldInfo; since: Date }> {
+    return [...this.holds.values()].map((h) => ({ key: h.key, info: h.info, since: h.since }));
+  }
+
+  /** Whether this process holds, or is acquiring or releasing, any of `keys`. */
+  holdsAny(keys: readonly bigint[]): boolean {
+    return keys.some((k) => this.holds.has(k.toString()) || this.pending.has(k.toString()));
+  }
+
+  /**
+   * Tries the slots in order and takes the first that is free. Resolves `{ acquired: false }` on a
+   * conflict (`local: true` when this process itself holds every slot), throws GWL_LOCK_SESSION_UNAVAILABLE
+   * when there is no session.
+   */
+  async acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+    if (this.state !== "ready") await this.ensureReady();
+    const free = slots.map(String).filter((k) => !this.holds.has(k) && !this.pending.has(k));
+    if (free.length === 0) return { acquired: false, local: true };
+    for (const k of free) this.pending.add(k);
+    return new Promise<AcquireResult>((resolve, reject) => {
+      this.lockQueue.push({ slots: free, info, resolve, reject });
+      this.scheduleFlush();
+    });
+  }
+
+  release(hold: HoldImpl): Promise<ReleaseResult> {
+    if (hold.lost || hold.generation !== this.generation || this.state !== "ready") {
+      return Promise.resolve({ released: false, outcome: "lost" });
+    }
+    return new Promise<ReleaseResult>((resolve) => {
+      this.unlockQueue.push({ hold, resolve });
+      this.scheduleFlush();
+    });
+  }
+
+  private async ensureReady(): Promise<void> {
+    switch (this.state) {
+      case "ready":
+        return;
+      case "closed":
+        throw lockSessionUnavailable("the Locks instance was released");
+      case "broken":
+        throw lockSessionUnavailable("reconnecting");
+      case "idle":
+      case "connecting":
+        await this.connect();
+        if ((this.state as SessionState) !== "ready") throw lockSessionUnavailable("could not connect");
+    }
+  }
+
+  private connect(): Promise<void> {
+    this.connecting ??= this.doConnect().finally(() => {
+      this.connecting = null;
+    });
+    return this.connecting;
+  }
+
+  private async doConnect(): Promise<void> {
+    this.state = "connecting";
+    const client = new pg.Client({ keepAlive: true, ...this.options.client });
+    const onBroken = (error: Error) => this.handleLost(client, error);
+    client.on("error", onBroken);
+    client.on("end", () => onBroken(new Error("The lock session's connection ended")));
+    try {
+      await this.options.prepare();
+      await client.connect();
+      await client.query(this.options.sql.cleanHolders);
+    } catch (error) {
+      client.removeAllListeners("end");
+      client.end().catch(() => undefined);
+      if (this.isClosed()) return;
+      this.state = "broken";
+      this.options.onWarning("The lock session could not connect; retrying", error);
+      this.scheduleReconnect();
+      return;
+    }
+    if (this.isClosed()) {
+      client.removeAllListeners("end");
+      await client.end().catch(() => undefined);
+      return;
+    }
+    this.client = client;
+    this.state = "ready";
+    this.reconnectAttempt = 0;
+    this.registryDirty = this.holds.size > 0;
+    if (this.timers.length === 0) this.startTimers();
+    this.options.onConnected();
+    this.scheduleFlush();
+  }
+
+  /** State changes while awaiting; TypeScript's narrowing does not know that. */
+  private isClosed(): boolean {
+    return this.state === "closed";
+  }
+
+  private startTimers(): void {
+    const heartbeat = setInterval(() => {
+      // Only needed while something is held: that is when a silently dead connection matters.
+      if (this.state !== "ready" || this.holds.size === 0 || this.inFlight) return;
+      const client = this.client;
+      this.statements++;
+      client?.query(this.options.sql.heartbeat).catch((error: Error) => this.handleLost(client, error));
+    }, this.options.heartbeatIntervalMs);
+    const registry = setInterval(() => void this.writeRegistry(), this.options.registryIntervalMs);
+    heartbeat.unref();
+    registry.unref();
+    this.timers.push(heartbeat, registry);
+  }
+
+  private async writeRegistry(): Promise<void> {
+    if (!this.registryDirty || this.state !== "ready" || !this.client) return;
+    this.registryDirty = false;
+    const holds = [...this.holds.values()];
+    try {
+      this.statements++;
+      await this.client.query(this.options.sql.writeHolders, [
+        holds.map((h) => h.keyText),
+        holds.map((h) => h.info.taskIdentifier),
+        holds.map((h) => h.info.jobId),
+        holds.map((h) => h.since.toISOString()),
+      ]);
+    } catch (error) {
+      this.registryDirty = true;
+      this.options.onWarning("Could not update the lock holder registry", error);
+    }
+  }
+
+  private scheduleReconnect(): void {
+    const { min, max } = this.options.reconnectDelayMs;
+    const base = Math.min(max, min * 2 ** this.reconnectAttempt++);
+    const delay = base / 2 + Math.random() * (base / 2);
+    this.reconnectTimer = setTimeout(() => {
+      this.reconnectTimer = null;
+      if (this.state === "broken") void this.connect();
+    }, delay);
+  }
+
+  /** The connection of this generation failed: everything it held is gone. */
+  private handleLost(client: pg.Client | null, error: Error): void {
+    if (client !== this.client || this.state !== "ready") return;
+    this.generation++;
+    this.client = null;
+    this.state = "broken";
+    client?.removeAllListeners("end");
+    client?.on("error", () => undefined);
+    client?.end().catch(() => undefined);
+
+    const lost = [...this.holds.values()];
+    this.holds.clear();
+    this.pending.clear();
+    const unavailable = lockSessionUnavailable("the connection was lost", error);
+    for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
+    for (const request of this.unlockQueue.splice(0)) request.resolve({ released: false, outcome: "lost" });
+    const reason = lockLost(error);
+    for (const hold of lost) {
+      hold.lost = true;
+      hold.controller.abort(reason);
+    }
+    this.options.onLost(lost, error);
+    this.scheduleReconnect();
+  }
+
+  private scheduleFlush(): void {
+    if (this.flushScheduled || this.inFlight) return;
+    this.flushScheduled = true;
+    setImmediate(() => {
+      this.flushScheduled = false;
+      this.flush();
+    });
+  }
+
+  private flush(): void {
+    if (this.inFlight || this.state !== "ready" || !this.client) return;
+    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0) return;
+    const client = this.client;
+    const generation = this.generation;
+    const unlocks = this.unlockQueue.splice(0);
+    const locks = this.lockQueue.splice(0);
+    const singles: LockRequest[] = [];
+    const multis: LockRequest[] = [];
+    for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
+
+    this.statements++;
+    this.inFlight = client
+      .query<{ op: number; i: number; key: string | null; ok: boolean }>({
+        name: this.options.sql.lockBatch.name,
+        text: this.options.sql.lockBatch.text,
+        values: [
+          unlocks.map((u) => u.hold.keyText),
+          singles.map((r) => r.slots[0]),
+          multis.map((r) => r.slots.join(",")),
+        ],
+      })
+      .then(
+        ({ rows }) => {
+          if (generation !== this.generation) {
+            // The connection died after answering: whatever this statement took died with it.
+            const unavailable = lockSessionUnavailable("the connection was lost");
+            for (const request of locks) request.reject(unavailable);
+            for (const u of unlocks) u.resolve({ released: false, outcome: "lost" });
+            return;
+          }
+          for (const row of rows) {
+            if (row.op === 0) this.settleUnlock(unlocks[row.i - 1]!, row.ok);
+            else this.settleLock((row.op === 1 ? singles : multis)[row.i - 1]!, row.ok ? row.key : null, generation);
+          }
+        },
+        (error: Error) => {
+          const unavailable = lockSessionUnavailable("a lock statement failed", error);
+          for (const request of locks) {
+            for (const k of request.slots) this.pending.delete(k);
+            request.reject(unavailable);
+          }
+          for (const u of unlocks) u.resolve({ released: false, outcome: "lost" });
+          if (generation === this.generation) {
+            this.options.onWarning("A lock statement failed; dropping the lock session", error);
+            this.handleLost(client, error);
+          }
+        },
+      )
+      .finally(() => {
+        this.inFlight = null;
+        this.flush();
+      });
+  }
+
+  private settleLock(request: LockRequest, key: string | null, generation: number): void {
+    for (const k of request.slots) this.pending.delete(k);
+    if (key === null) {
+      request.resolve({ acquired: false, local: false });
+      return;
+    }
+    const hold = new HoldImpl(this, BigInt(key), key, generation, request.info);
+    this.holds.set(key, hold);
+    this.registryDirty = true;
+    request.resolve({ acquired: true, hold });
+  }
+
+  private settleUnlock(request: UnlockRequest, ok: boolean): void {
+    const { hold } = request;
+    if (this.holds.get(hold.keyText) === hold) this.holds.delete(hold.keyText);
+    this.registryDirty = true;
+    if (!ok) {
+      this.options.onWarning(
+        `pg_advisory_unlock(${hold.keyText}) returned false: the lock session did not hold the key it was releasing`,
+      );
+    }
+    request.resolve({ released: ok, outcome: ok ? "ok" : "unverified" });
+  }
+
+  /**
+   * Closes the connection, which releases every lock it holds. Holds still open are marked lost and their
+   * signals abort. Idempotent.
+   */
+  async close(): Promise<void> {
+    if (this.state === "closed") return;
+    this.state = "closed";
+    for (const timer of this.timers.splice(0)) clearInterval(timer);
+    if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
+    await this.connecting?.catch(() => undefined);
+    await this.inFlight?.catch(() => undefined);
+    this.generation++;
+    const unavailable = lockSessionUnavailable("the Locks instance was released");
+    for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
+    for (const request of this.unlockQueue.splice(0)) request.resolve({ released: false, outcome: "lost" });
+    const open = [...this.holds.values()];
+    this.holds.clear();
+    this.pending.clear();
+    for (const hold of open) {
+      hold.lost = true;
+      hold.controller.abort(lockLost(new Error("The Locks instance was released")));
+    }
+    const client = this.client;
+    this.client = null;
+    if (client) {
+      client.removeAllListeners("end");
+      client.on("error", () => undefined);
+      await client.end().catch(() => undefined);
+    }
+  }
+}

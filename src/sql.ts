@@ -1,0 +1,102 @@
+/**
+ * Every SQL statement the library sends, built once per `Locks` instance from the two escaped schema names.
+ */
+
+/** Quotes a PostgreSQL identifier. */
+export function escapeIdentifier(name: string): string {
+  return `"${name.replaceAll('"', '""')}"`;
+}
+
+const THIS_DATABASE = "(select oid from pg_catalog.pg_database where datname = current_database())";
+
+/**
+ * How many of the given keys (as pg_locks shows them: classid, objid) some session holds. Reads the lock
+ * table only: it never takes a lock, not even briefly.
+ */
+function heldCount(classids: string, objids: string): string {
+  return `(select count(*) from pg_catalog.pg_locks l
+      join unnest(${classids}::oid[], ${objids}::oid[]) as s(classid, objid)
+        on l.classid = s.classid and l.objid = s.objid
+      where l.locktype = 'advisory' and l.objsubid = 1 and l.granted
+        and l.database = ${THIS_DATABASE})`;
+}
+
+const ADD_JOB_ARGS = `identifier => $1::text,
+    payload => $2::json,
+    queue_name => $3::text,
+    run_at => $4::timestamptz,
+    max_attempts => $5::int,
+    job_key => $6::text,
+    priority => $7::int,
+    flags => $8::text[],
+    job_key_mode => $9::text`;
+
+export function makeSql(schema: string, workerSchema: string) {
+  const s = escapeIdentifier(schema);
+  const w = escapeIdentifier(workerSchema);
+  return {
+    escapedSchema: s,
+    escapedWorkerSchema: w,
+
+    /**
+     * One round trip for every lock and unlock request that queued up while the previous one was in
+     * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
+     * list of slot keys tried in order. Rows come back per part in input order.
+     */
+    lockBatch: {
+      name: `gwl_lock_batch_v1`,
+      text: `select 0 as op, t.i::int as i, t.k::text as key, pg_catalog.pg_advisory_unlock(t.k) as ok
+        from unnest($1::bigint[]) with ordinality as t(k, i)
+      union all
+      select 1, t.i::int, t.k::text, pg_catalog.pg_try_advisory_lock(t.k)
+        from unnest($2::bigint[]) with ordinality as t(k, i)
+      union all
+      select 2, r.i::int, r.got::text, r.got is not null
+        from (select t.i, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[]) as got
+              from unnest($3::text[]) with ordinality as t(slots, i)) r`,
+    },
+
+    /** Replaces this session's rows in the holder registry with the locks it holds now. */
+    writeHolders: `with gone as (
+        delete from ${s}.lock_holders
+        where pid = pg_backend_pid() and not (lock_key = any($1::bigint[]))
+      )
+      insert into ${s}.lock_holders (pid, lock_key, task_identifier, job_id, since)
+      select pg_backend_pid(), u.k, u.t, u.j, u.s
+      from unnest($1::bigint[], $2::text[], $3::bigint[], $4::timestamptz[]) as u(k, t, j, s)
+      on conflict (pid, lock_key) do update
+        set task_identifier = excluded.task_identifier, job_id = excluded.job_id, since = excluded.since`,
+
+    /** Drops registry rows of this backend (a reused pid) and of sessions that no longer exist. */
+    cleanHolders: `delete from ${s}.lock_holders h
+      where h.pid = pg_backend_pid()
+         or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)`,
+
+    heartbeat: "select 1",
+
+    /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
+    lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,
+
+    addJob: `select * from ${w}.add_job(
+    ${ADD_JOB_ARGS}
+  )`,
+
+    /**
+     * add_job, gated by the preemptive check: the condition does not depend on the function's output, so
+     * PostgreSQL evaluates it once, before calling add_job at all (a one-time filter). $10, $11, $12 as
+     * $1, $2, $3 of `lockAvailable`.
+     */
+    addJobIfAvailable: `select * from ${w}.add_job(
+    ${ADD_JOB_ARGS}
+  ) where ${heldCount("$10", "$11")} < $12::int`,
+
+    /** The `reschedule` strategy; see sql/000001.sql. */
+    rescheduleJob: `select ${s}.reschedule_job($1::bigint, $2::timestamptz)::text as id`,
+
+    heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,
+        application_name, since, session_started_at
+      from ${s}.held_locks order by since nulls last, lock_key`,
+  };
+}
+
+export type Sql = ReturnType<typeof makeSql>;
