@@ -5,7 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
-import { slotKeys } from "./key.js";
+import { assertJsonSafe, slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
 
@@ -43,7 +43,8 @@ export function makeExclusiveTask<TPayload>(
   options: ResolvedExclusiveOptions<TPayload>,
 ): ExclusiveTask<TPayload> {
   const conflicts = new ConflictCounter();
-  const keysOf = (payload: TPayload) => slotKeys(taskIdentifier, options.key(payload), options.limit);
+  const keysOf = (payload: TPayload) =>
+    slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
 
   const onConflict = async (job: Job, helpers: JobHelpers, lockKey: bigint, local: boolean) => {
     const strategy = options.onConflict;
@@ -126,9 +127,12 @@ export function makeExclusiveTask<TPayload>(
     taskIdentifier,
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
-    lockAvailable: (payload: TPayload) => ctx.lockAvailable(taskIdentifier, keysOf(payload)),
-    addJob: (payload: TPayload, spec?: AddJobSpec) =>
-      ctx.addJob(taskIdentifier, payload, spec, { keys: keysOf(payload), preemptive: options.preemptive }),
+    lockAvailable: async (payload: TPayload) => ctx.lockAvailable(taskIdentifier, keysOf(payload)),
+    addJob: async (payload: TPayload, spec?: AddJobSpec) => {
+      // The payload itself must survive JSON, whatever the key function picks from it.
+      assertJsonSafe(payload);
+      return ctx.addJob(taskIdentifier, payload, spec, { keys: keysOf(payload), preemptive: options.preemptive });
+    },
   }) as ExclusiveTask<TPayload>;
 }
 

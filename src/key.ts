@@ -89,9 +89,9 @@ function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is st
 }
 
 /** The readable string a lock key is hashed from. Exposed for debugging and documentation. */
-export function lockKeyMaterial(taskIdentifier: string, value: unknown): string {
+export function lockKeyMaterial(taskIdentifier: string, value: unknown, path = "payload"): string {
   assertIdentifier(taskIdentifier);
-  return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value)}`;
+  return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value, path)}`;
 }
 
 /** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */
@@ -112,8 +112,8 @@ export function lockKey(taskIdentifier: string, value: unknown): bigint {
  * The advisory keys of a semaphore of `limit` slots. Slot 0 is {@link lockKey} itself, so raising a limit
  * from 1 keeps the key of the first slot.
  */
-export function slotKeys(taskIdentifier: string, value: unknown, limit: number): bigint[] {
-  const material = lockKeyMaterial(taskIdentifier, value);
+export function slotKeys(taskIdentifier: string, value: unknown, limit: number, path = "payload"): bigint[] {
+  const material = lockKeyMaterial(taskIdentifier, value, path);
   const keys = [hashKey(material)];
   for (let slot = 1; slot < limit; slot++) keys.push(hashKey(`${material}#slot:${slot}`));
   return keys;

@@ -12,7 +12,7 @@ import { addJob, lockAvailable, type AddJobResult } from "./enqueue.js";
 import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
-import { slotKeys } from "./key.js";
+import { assertJsonSafe, slotKeys } from "./key.js";
 import { migrate } from "./migrate.js";
 import {
   resolveExclusiveOptions,
@@ -168,8 +168,12 @@ export function makeLocks(options: LocksOptions): Locks {
     },
   };
 
-  const definitionOf = (taskIdentifier: string) =>
-    definitions.get(taskIdentifier) ?? resolveExclusiveOptions(undefined, options.defaults);
+  const fallback = resolveExclusiveOptions(undefined, options.defaults);
+  const definitionOf = (taskIdentifier: string) => definitions.get(taskIdentifier) ?? fallback;
+  const keysOf = (taskIdentifier: string, payload: unknown) => {
+    const def = definitionOf(taskIdentifier);
+    return slotKeys(taskIdentifier, def.key(payload as never), def.limit, def.keyPath);
+  };
 
   return {
     events,
@@ -185,14 +189,13 @@ export function makeLocks(options: LocksOptions): Locks {
       definitions.set(taskIdentifier, resolved as ResolvedExclusiveOptions<never>);
       return makeExclusiveTask(ctx, taskIdentifier, task, resolved);
     },
-    lockAvailable(taskIdentifier, payload) {
-      const def = definitionOf(taskIdentifier);
-      return ctx.lockAvailable(taskIdentifier, slotKeys(taskIdentifier, def.key(payload as never), def.limit));
+    async lockAvailable(taskIdentifier, payload) {
+      return ctx.lockAvailable(taskIdentifier, keysOf(taskIdentifier, payload));
     },
-    addJob(taskIdentifier, payload, spec) {
-      const def = definitionOf(taskIdentifier);
-      const keys = slotKeys(taskIdentifier, def.key(payload as never), def.limit);
-      return ctx.addJob(taskIdentifier, payload, spec, { keys, preemptive: def.preemptive });
+    async addJob(taskIdentifier, payload, spec) {
+      assertJsonSafe(payload);
+      const keys = keysOf(taskIdentifier, payload);
+      return ctx.addJob(taskIdentifier, payload, spec, { keys, preemptive: definitionOf(taskIdentifier).preemptive });
     },
     async heldLocks() {
       assertOpen();

@@ -41,6 +41,8 @@ export interface ExclusiveOptions<TPayload = unknown> {
 export interface ResolvedExclusiveOptions<TPayload = unknown> {
   onConflict: ConflictStrategy;
   key: (payload: TPayload) => unknown;
+  /** How errors name the key value: `payload`, or `key(payload)` with a custom `key`. */
+  keyPath: string;
   limit: number;
   preemptive: boolean;
   reschedule: Required<RescheduleOptions>;
@@ -134,6 +136,7 @@ export function resolveExclusiveOptions<TPayload>(
   return {
     onConflict,
     key: merged.key ?? ((payload: TPayload) => payload),
+    keyPath: merged.key ? "key(payload)" : "payload",
     limit,
     preemptive,
     reschedule,

@@ -1,0 +1,123 @@
+import { createHash } from "node:crypto";
+import fc from "fast-check";
+import { describe, expect, it } from "vitest";
+import { InvalidArgumentError, advisoryParts, lockKey, lockKeyMaterial, slotKeys } from "../src/index.js";
+
+describe("lockKey", () => {
+  it("is pinned: a change of derivation must be deliberate (and bump KEY_VERSION)", () => {
+    expect(lockKeyMaterial("charge_card", { userId: 1 })).toBe('gwl:v1:lock:charge_card:{"userId":1}');
+    expect(lockKey("charge_card", { userId: 1 })).toBe(-2845878471433284211n);
+    expect(lockKey("charge_card", { b: [1, "x", null], a: { z: true, y: 1.5 } })).toBe(5326669206727628750n);
+    expect(lockKey("t", {})).toBe(-6689673674604766519n);
+    expect(lockKey("t", null)).toBe(-8116930185374386854n);
+    expect(slotKeys("t", { a: 1 }, 3)).toEqual([
+      -463490328411734452n,
+      1635828814036869118n,
+      -2364969172733044843n,
+    ]);
+  });
+
+  it("is the first 8 bytes of SHA-256 of the material, as a signed 64-bit integer", () => {
+    const material = lockKeyMaterial("x", { n: [1, 2] });
+    const digest = createHash("sha256").update(material).digest();
+    expect(lockKey("x", { n: [1, 2] })).toBe(digest.readBigInt64BE(0));
+  });
+
+  it("ignores key order, distinguishes tasks and values", () => {
+    expect(lockKey("t", { a: 1, b: { c: 2, d: 3 } })).toBe(lockKey("t", { b: { d: 3, c: 2 }, a: 1 }));
+    expect(lockKey("t", { a: 1 })).not.toBe(lockKey("u", { a: 1 }));
+    expect(lockKey("t", { a: 1 })).not.toBe(lockKey("t", { a: "1" }));
+    expect(lockKey("t", [1, 2])).not.toBe(lockKey("t", [2, 1]));
+  });
+
+  it("treats values that JSON cannot tell apart as the same key (1 and 1.0, -0 and 0, Date and its ISO string)", () => {
+    expect(lockKey("t", { n: 1 })).toBe(lockKey("t", { n: 1.0 }));
+    expect(lockKey("t", { n: -0 })).toBe(lockKey("t", { n: 0 }));
+    const date = new Date("2026-01-02T03:04:05.678Z");
+    expect(lockKey("t", { at: date })).toBe(lockKey("t", { at: "2026-01-02T03:04:05.678Z" }));
+    expect(lockKey("t", { a: 1, gone: undefined })).toBe(lockKey("t", { a: 1 }));
+  });
+
+  it("slot 0 of a semaphore is the plain key; slots are distinct", () => {
+    const slots = slotKeys("t", { a: 1 }, 5);
+    expect(slots[0]).toBe(lockKey("t", { a: 1 }));
+    expect(new Set(slots).size).toBe(5);
+  });
+
+  it("rejects what JSON cannot carry faithfully, naming the path, with a TypeError", () => {
+    const cyclic: Record<string, unknown> = { a: 1 };
+    cyclic.self = cyclic;
+    const cases: Array<[unknown, RegExp]> = [
+      [{ amount: 10n }, /payload\.amount is a BigInt/],
+      [{ items: [{ f: () => 1 }] }, /payload\.items\[0\]\.f is a function/],
+      [{ s: Symbol("x") }, /payload\.s is a symbol/],
+      [cyclic, /payload\.self is a circular reference/],
+      [{ n: Number.NaN }, /payload\.n is NaN/],
+      [{ n: Number.POSITIVE_INFINITY }, /payload\.n is Infinity/],
+      [{ list: [1, undefined] }, /payload\.list\[1\] is undefined/],
+      [{ "odd key": 1n }, /payload\["odd key"\] is a BigInt/],
+      [undefined, /payload is undefined/],
+    ];
+    for (const [value, message] of cases) {
+      const attempt = () => lockKey("t", value);
+      expect(attempt).toThrow(InvalidArgumentError);
+      expect(attempt).toThrow(TypeError);
+      expect(attempt).toThrow(message);
+    }
+  });
+
+  it("allows a shared (non-cyclic) reference", () => {
+    const shared = { x: 1 };
+    expect(lockKey("t", { a: shared, b: shared })).toBe(lockKey("t", { a: { x: 1 }, b: { x: 1 } }));
+  });
+
+  it("rejects an empty task identifier", () => {
+    expect(() => lockKey("", {})).toThrow(/`taskIdentifier` must be a non-empty string/);
+  });
+
+  it("maps to pg_locks coordinates (classid = high 32 bits, objid = low 32 bits, unsigned)", () => {
+    expect(advisoryParts(1n)).toEqual({ classid: 0, objid: 1 });
+    expect(advisoryParts(-1n)).toEqual({ classid: 0xffffffff, objid: 0xffffffff });
+    expect(advisoryParts(-(2n ** 63n))).toEqual({ classid: 0x80000000, objid: 0 });
+    expect(advisoryParts(0x1234567890abcdefn)).toEqual({ classid: 0x12345678, objid: 0x90abcdef });
+  });
+});
+
+describe("lockKey properties", () => {
+  it("is stable under a JSON round trip (what the worker receives)", () => {
+    fc.assert(
+      fc.property(fc.jsonValue(), (value) => {
+        expect(lockKey("t", JSON.parse(JSON.stringify(value)))).toBe(lockKey("t", value));
+      }),
+      { numRuns: 500 },
+    );
+  });
+
+  it("does not depend on the order of object keys", () => {
+    const shuffle = (value: unknown, seed: number): unknown => {
+      if (Array.isArray(value)) return value.map((v, i) => shuffle(v, seed + i));
+      if (value && typeof value === "object") {
+        const entries = Object.entries(value);
+        entries.sort((a, b) => ((a[0].length * 31 + seed) % 7) - ((b[0].length * 31 + seed) % 7) || (seed % 2 ? 1 : -1));
+        return Object.fromEntries(entries.reverse().map(([k, v]) => [k, shuffle(v, seed + 1)]));
+      }
+      return value;
+    };
+    fc.assert(
+      fc.property(fc.jsonValue(), fc.integer({ min: 0, max: 1000 }), (value, seed) => {
+        expect(lockKey("t", shuffle(value, seed))).toBe(lockKey("t", value));
+      }),
+      { numRuns: 300 },
+    );
+  });
+
+  it("differs for different canonical values (no collision in a sample)", () => {
+    fc.assert(
+      fc.property(fc.uniqueArray(fc.jsonValue(), { minLength: 2, maxLength: 50, selector: (v) => lockKeyMaterial("t", v) }), (values) => {
+        const keys = new Set(values.map((v) => lockKey("t", v)));
+        expect(keys.size).toBe(values.length);
+      }),
+      { numRuns: 100 },
+    );
+  });
+});

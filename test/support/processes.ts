@@ -1,0 +1,55 @@
+import { fork, type ChildProcess } from "node:child_process";
+import { fileURLToPath } from "node:url";
+
+const WORKER = fileURLToPath(new URL("../fixtures/worker.ts", import.meta.url));
+
+export interface WorkerProcessOptions {
+  name: string;
+  concurrency?: number;
+  strategy?: "drop" | "reschedule" | "raise";
+  limit?: number;
+  localQueue?: boolean;
+}
+
+export interface WorkerProcess {
+  readonly name: string;
+  readonly pid: number;
+  readonly child: ChildProcess;
+  /** Graceful stop: the runner finishes its jobs, records are flushed, locks released. */
+  stop(): Promise<void>;
+  /** Resolves when the process has exited (after a kill). */
+  exited: Promise<number | null>;
+}
+
+/** Starts test/fixtures/worker.ts in a separate Node process and waits until its runner is started. */
+export async function startWorkerProcess(url: string, options: WorkerProcessOptions): Promise<WorkerProcess> {
+  const child = fork(WORKER, [], {
+    execArgv: ["--import", "tsx"],
+    env: {
+      ...process.env,
+      DATABASE_URL: url,
+      WORKER_NAME: options.name,
+      CONCURRENCY: String(options.concurrency ?? 4),
+      STRATEGY: options.strategy ?? "drop",
+      LIMIT: String(options.limit ?? 1),
+      LOCAL_QUEUE: options.localQueue ? "1" : "0",
+    },
+    stdio: ["ignore", "inherit", "inherit", "ipc"],
+  });
+  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)));
+  await new Promise<void>((resolve, reject) => {
+    child.once("message", () => resolve());
+    child.once("exit", (code) => reject(new Error(`worker ${options.name} exited early with ${code}`)));
+  });
+  return {
+    name: options.name,
+    pid: child.pid!,
+    child,
+    exited,
+    async stop() {
+      if (child.exitCode !== null || child.signalCode !== null) return;
+      child.send({ type: "stop" });
+      await exited;
+    },
+  };
+}
