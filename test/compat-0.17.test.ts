@@ -1,0 +1,117 @@
+/**
+ * The `reschedule` strategy reads and updates graphile-worker's private job tables. Those are not public
+ * API, so the same scenarios run here against graphile-worker 0.17.3 (the rest of the suite runs 0.18).
+ */
+import { randomBytes } from "node:crypto";
+import * as gw17 from "graphile-worker-0.17";
+import pg from "pg";
+import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
+import { makeLocks, type Locks } from "../src/index.js";
+import { databaseUrl } from "../scripts/postgres.js";
+import { waitFor } from "./support/db.js";
+
+const name = `gwl_c17_${randomBytes(5).toString("hex")}`;
+let url: string;
+let pool: pg.Pool;
+let locks: Locks;
+let runner: gw17.Runner | undefined;
+
+async function admin<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
+  const client = new pg.Client({ connectionString: inject("baseUrl") });
+  await client.connect();
+  try {
+    return await fn(client);
+  } finally {
+    await client.end();
+  }
+}
+
+beforeAll(async () => {
+  await admin((c) => c.query(`create database ${name} template template0`));
+  url = databaseUrl(inject("baseUrl"), name);
+  await gw17.runMigrations({ connectionString: url, logger: new gw17.Logger(() => () => undefined) });
+  pool = new pg.Pool({ connectionString: url });
+  locks = makeLocks({ pgPool: pool, logger: new gw17.Logger(() => () => undefined) as never });
+  await locks.migrate();
+});
+
+afterAll(async () => {
+  await runner?.stop();
+  await locks?.release();
+  const { rows } = await pool.query<{ n: number }>(
+    "select count(*)::int as n from pg_locks where locktype = 'advisory' and database = (select oid from pg_database where datname = current_database())",
+  );
+  await pool?.end();
+  await admin((c) => c.query(`drop database if exists ${name} with (force)`));
+  expect(rows[0]!.n).toBe(0);
+});
+
+describe("graphile-worker 0.17.3", () => {
+  it("the version under test really is 0.17", async () => {
+    const { rows } = await pool.query<{ id: number }>("select max(id) as id from graphile_worker.migrations");
+    expect(rows[0]!.id).toBe(19); // 0.18.0 adds migration 20
+  });
+
+  it("reschedule replaces a conflicting job by a copy that keeps attempts, job key and options, and runs it later", async () => {
+    const ran: number[] = [];
+    const task = locks.exclusive("later", async (_p: { id: number }, helpers) => void ran.push(helpers.job.attempts), {
+      onConflict: "reschedule",
+      reschedule: { minDelay: 50, maxDelay: 100 },
+    });
+    const holder = new pg.Client({ connectionString: url });
+    await holder.connect();
+    await holder.query("select pg_advisory_lock($1)", [task.lockKey({ id: 1 }).toString()]);
+    const { job } = await task.addJob({ id: 1 }, { jobKey: "k1", queueName: "q", priority: 2, maxAttempts: 5, preemptive: false });
+    const rescheduled = new Promise<string>((resolve) => locks.events.once("job:rescheduled", (e) => resolve(e.newJobId)));
+    runner = await gw17.run({
+      connectionString: url,
+      concurrency: 2,
+      taskList: { later: task as gw17.Task },
+      noHandleSignals: true,
+      pollInterval: 50,
+      logger: new gw17.Logger(() => () => undefined),
+    });
+    const newId = await rescheduled;
+    const rows = await waitFor(async () => {
+      const r = await pool.query<{ id: string; attempts: number; key: string | null; max_attempts: number; priority: number; queue_name: string | null }>(
+        "select id::text, attempts, key, max_attempts, priority, queue_name from graphile_worker.jobs",
+      );
+      return r.rows.length === 1 && r.rows[0]!.id !== job!.id ? r.rows : null;
+    }, { message: "the copy alone to remain" });
+    expect(rows[0]!.id).not.toBe(job!.id);
+    expect([rows[0]!.attempts, rows[0]!.key, rows[0]!.max_attempts, rows[0]!.priority, rows[0]!.queue_name]).toEqual([0, "k1", 5, 2, "q"]);
+    expect(Number(newId)).toBeGreaterThan(Number(job!.id));
+    await holder.end();
+    await waitFor(async () => ran.length === 1, { message: "the job to run once the key is free" });
+    expect(ran).toEqual([1]);
+    await runner.stop();
+    runner = undefined;
+  });
+
+  it("a crash between the copy and the completion neither loses nor duplicates the job", async () => {
+    const { job } = await locks.addJob("crashy", { id: 2 }, { preemptive: false });
+    await pool.query(
+      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'dead', attempts = attempts + 1 where id = $1",
+      [job!.id],
+    );
+    const { rows } = await pool.query<{ id: string }>("select graphile_worker_locks.reschedule_job($1, now())::text as id", [job!.id]);
+    const utils = await gw17.makeWorkerUtils({ connectionString: url, logger: new gw17.Logger(() => () => undefined) });
+    await utils.forceUnlockWorkers(["dead"]);
+    await utils.release();
+    const ran: string[] = [];
+    const task = locks.exclusive("crashy", async (_p, helpers) => void ran.push(helpers.job.id));
+    runner = await gw17.run({
+      connectionString: url,
+      concurrency: 2,
+      taskList: { crashy: task as gw17.Task },
+      noHandleSignals: true,
+      pollInterval: 50,
+      logger: new gw17.Logger(() => () => undefined),
+    });
+    await waitFor(async () => ran.length === 1, { message: "the copy to run" });
+    await new Promise((r) => setTimeout(r, 300));
+    expect(ran).toEqual([rows[0]!.id]);
+    await runner.stop();
+    runner = undefined;
+  });
+});
