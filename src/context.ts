@@ -9,11 +9,7 @@ export interface LocksContext {
   readonly session: LockSession;
   readonly sql: Sql;
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
-  lockAvailable(taskIdentifier: string, keys: readonly bigint[]): Promise<boolean>;
-  addJob(
-    taskIdentifier: string,
-    payload: unknown,
-    spec: AddJobSpec | undefined,
-    check: { keys: readonly bigint[]; preemptive: boolean },
-  ): Promise<AddJobResult>;
+  lockAvailable(keys: readonly bigint[]): Promise<boolean>;
+  /** Enqueues with the rules of the task defined under `taskIdentifier`. */
+  addJob(taskIdentifier: string, payload: unknown, spec: AddJobSpec | undefined): Promise<AddJobResult>;
 }

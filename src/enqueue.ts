@@ -1,21 +1,40 @@
 /**
- * Enqueueing through graphile-worker's public `add_job`, with the preemptive check: when the job's key is
- * held, the job is not added. The check and the insert are one statement; the check only reads pg_locks.
+ * Enqueueing. Plain jobs go through graphile-worker's public `add_job`; unique jobs through this library's
+ * `add_unique_job(s)` (sql/000002.sql). The preemptive check is part of the same statement: a condition
+ * that does not depend on the function's result, which PostgreSQL evaluates once, before calling it. It
+ * only reads pg_locks.
  */
 import type { Job } from "graphile-worker";
-import type { AddJobSpec } from "./options.js";
+import { InvalidArgumentError } from "./errors.js";
 import { advisoryParts } from "./key.js";
+import type { AddJobSpec } from "./options.js";
 import type { Sql } from "./sql.js";
+import type { ResolvedUnique } from "./unique.js";
 
 export interface AddJobResult {
-  /** The job that was added, or `null` when none was. */
+  /** The job added, or for a duplicate the existing job (null if a `uniqueFor` window outlived it). */
   job: Job | null;
-  /** `added`, or `dropped` when the preemptive check found the key held. */
-  outcome: "added" | "dropped";
+  /**
+   * - `added`: a new job.
+   * - `duplicate`: a unique job with the same key refused it; `job` is that job.
+   * - `replaced`: `onDuplicate: "replace"` updated the waiting duplicate; `job` is it, updated.
+   * - `dropped`: the preemptive check found the key's lock held; `job` is null.
+   */
+  outcome: "added" | "duplicate" | "replaced" | "dropped";
 }
 
 export interface Queryable {
   query<R extends object>(text: string, values?: unknown[]): Promise<{ rows: R[] }>;
+}
+
+/** One enqueue, resolved: what to add, which lock to check first, and its uniqueness. */
+export interface EnqueuePlan {
+  taskIdentifier: string;
+  payload: unknown;
+  spec: AddJobSpec | undefined;
+  /** The lock's slot keys when the preemptive check applies. */
+  lockKeys: readonly bigint[] | null;
+  unique: ResolvedUnique | null;
 }
 
 /** pg_locks coordinates of keys, as the `lockAvailable` statement takes them. */
@@ -29,29 +48,105 @@ export async function lockAvailable(db: Queryable, sql: Sql, keys: readonly bigi
   return rows[0]!.available;
 }
 
-export async function addJob(
-  db: Queryable,
-  sql: Sql,
-  taskIdentifier: string,
-  payload: unknown,
-  spec: AddJobSpec | undefined,
-  checkKeys: readonly bigint[] | null,
-): Promise<AddJobResult> {
-  const values: unknown[] = [
-    taskIdentifier,
-    JSON.stringify(payload ?? {}),
-    spec?.queueName ?? null,
-    spec?.runAt ? spec.runAt.toISOString() : null,
-    spec?.maxAttempts ?? null,
-    spec?.jobKey ?? null,
-    spec?.priority ?? null,
-    spec?.flags ?? null,
-    spec?.jobKeyMode ?? null,
-  ];
-  const text = checkKeys ? sql.addJobIfAvailable : sql.addJob;
-  if (checkKeys) values.push(...lockCoordinates(checkKeys));
-  const { rows } = await db.query<Job>(text, values);
+type JobRow = Job & { outcome?: string; ord?: number };
+
+function toJob(row: JobRow, taskIdentifier: string): Job | null {
+  const { outcome: _outcome, ord: _ord, ...job } = row;
+  if (job.id === null) return null;
+  return { ...job, task_identifier: job.task_identifier ?? taskIdentifier };
+}
+
+function commonValues(plan: EnqueuePlan) {
+  const { spec } = plan;
+  return {
+    payload: JSON.stringify(plan.payload ?? {}),
+    queueName: spec?.queueName ?? null,
+    runAt: spec?.runAt ? spec.runAt.toISOString() : null,
+    maxAttempts: spec?.maxAttempts ?? null,
+    priority: spec?.priority ?? null,
+    flags: spec?.flags ?? null,
+  };
+}
+
+export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promise<AddJobResult> {
+  const v = commonValues(plan);
+  const { unique, lockKeys, spec } = plan;
+  let text: string;
+  let values: unknown[];
+  if (unique) {
+    text = sql.addUniqueJob(lockKeys !== null);
+    values = [
+      plan.taskIdentifier,
+      v.payload,
+      v.queueName,
+      v.runAt,
+      v.maxAttempts,
+      v.priority,
+      v.flags,
+      unique.key,
+      unique.scope,
+      unique.windowSeconds,
+      unique.onDuplicate,
+    ];
+  } else {
+    text = lockKeys ? sql.addJobIfAvailable : sql.addJob;
+    values = [
+      plan.taskIdentifier,
+      v.payload,
+      v.queueName,
+      v.runAt,
+      v.maxAttempts,
+      spec?.jobKey ?? null,
+      v.priority,
+      v.flags,
+      spec?.jobKeyMode ?? null,
+    ];
+  }
+  if (lockKeys) values.push(...lockCoordinates(lockKeys));
+  const { rows } = await db.query<JobRow>(text, values);
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
-  return { job: { ...row, task_identifier: taskIdentifier }, outcome: "added" };
+  return {
+    job: toJob(row, plan.taskIdentifier),
+    outcome: (row.outcome as AddJobResult["outcome"] | undefined) ?? "added",
+  };
+}
+
+/**
+ * Many enqueues in one statement, deduplicated within the batch (the first of a key wins) and against
+ * existing jobs. No preemptive check. Results in input order.
+ */
+export async function addJobs(db: Queryable, sql: Sql, plans: readonly EnqueuePlan[]): Promise<AddJobResult[]> {
+  const specs = plans.map((plan, index) => {
+    if (plan.spec?.jobKey !== undefined || plan.spec?.jobKeyMode !== undefined) {
+      throw new InvalidArgumentError(
+        `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
+      );
+    }
+    const v = commonValues(plan);
+    return {
+      identifier: plan.taskIdentifier,
+      payload: plan.payload ?? {},
+      queue_name: v.queueName,
+      run_at: v.runAt,
+      max_attempts: v.maxAttempts,
+      priority: v.priority,
+      flags: v.flags,
+      unique_key: plan.unique?.key ?? null,
+      scope: plan.unique?.scope ?? null,
+      window_seconds: plan.unique?.windowSeconds ?? null,
+      on_duplicate: plan.unique?.onDuplicate ?? null,
+    };
+  });
+  if (specs.length === 0) return [];
+  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [JSON.stringify(specs)]);
+  const results: AddJobResult[] = new Array(plans.length);
+  for (const row of rows) {
+    const index = row.ord! - 1;
+    results[index] = {
+      job: toJob(row, plans[index]!.taskIdentifier),
+      outcome: row.outcome as AddJobResult["outcome"],
+    };
+  }
+  return results;
 }

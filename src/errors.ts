@@ -1,3 +1,5 @@
+import type { Job } from "graphile-worker";
+
 /**
  * Errors thrown by graphile-worker-locks. Every error carries a stable, readable `code`; subclasses exist
  * only where callers are expected to branch on them.
@@ -15,6 +17,8 @@ export const ErrorCodes = {
   UNIQUE_CONFLICT: "GWL_UNIQUE_CONFLICT",
   /** Bad options or a value that cannot be turned into a key. */
   INVALID_ARGUMENT: "GWL_INVALID_ARGUMENT",
+  /** graphile-worker's schema is not installed in the database. */
+  SCHEMA_MISSING: "GWL_SCHEMA_MISSING",
   /** The `Locks` instance was released. */
   RELEASED: "GWL_RELEASED",
 } as const;
@@ -74,4 +78,30 @@ export function lockLost(cause?: unknown): LocksError {
     "The lock session was lost while this job held its lock; another job may now hold the key",
     { cause },
   );
+}
+
+/**
+ * Thrown by `onDuplicate: "raise"` when a unique job with the same key already blocks this one. Carries
+ * the existing job (null when only its id is known, e.g. a bulk enqueue inside an aborted transaction).
+ */
+export class UniqueConflictError extends LocksError {
+  readonly uniqueKey: string;
+  readonly existingJobId: string | null;
+  readonly existingJob: Job | null;
+  constructor(
+    taskIdentifier: string,
+    uniqueKey: string,
+    existingJobId: string | null,
+    existingJob: Job | null,
+    options?: { cause?: unknown },
+  ) {
+    super(
+      ErrorCodes.UNIQUE_CONFLICT,
+      `A job of task '${taskIdentifier}' with unique key ${uniqueKey} already exists${existingJobId ? ` (job ${existingJobId})` : ""}`,
+      options,
+    );
+    this.uniqueKey = uniqueKey;
+    this.existingJobId = existingJobId;
+    this.existingJob = existingJob;
+  }
 }

@@ -51,6 +51,16 @@ export interface LocksEvents {
     payload: unknown;
     spec: TaskSpec | undefined;
   };
+  /** A unique enqueue met a job with the same key that still refuses duplicates; nothing was added. */
+  "enqueue:duplicate": {
+    taskIdentifier: string;
+    uniqueKey: string;
+    payload: unknown;
+    /** The existing job (null when a `uniqueFor` window outlived it). */
+    job: Job | null;
+  };
+  /** `onDuplicate: "replace"` updated the waiting job with this enqueue's payload, `runAt` and `priority`. */
+  "enqueue:replaced": { taskIdentifier: string; uniqueKey: string; payload: unknown; job: Job };
 }
 
 export type LocksEventName = keyof LocksEvents;

@@ -5,7 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
-import { assertJsonSafe, slotKeys } from "./key.js";
+import { slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
 
@@ -127,12 +127,8 @@ export function makeExclusiveTask<TPayload>(
     taskIdentifier,
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
-    lockAvailable: async (payload: TPayload) => ctx.lockAvailable(taskIdentifier, keysOf(payload)),
-    addJob: async (payload: TPayload, spec?: AddJobSpec) => {
-      // The payload itself must survive JSON, whatever the key function picks from it.
-      assertJsonSafe(payload);
-      return ctx.addJob(taskIdentifier, payload, spec, { keys: keysOf(payload), preemptive: options.preemptive });
-    },
+    lockAvailable: async (payload: TPayload) => ctx.lockAvailable(keysOf(payload)),
+    addJob: (payload: TPayload, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
   }) as ExclusiveTask<TPayload>;
 }
 

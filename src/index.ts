@@ -1,11 +1,12 @@
 export { makeLocks } from "./locks.js";
-export type { Locks, HeldLock } from "./locks.js";
+export type { Locks, HeldLock, UniqueTask, AddJobsItem } from "./locks.js";
 export type { ExclusiveTask } from "./exclusive.js";
 export type { AddJobResult } from "./enqueue.js";
 export type { LocksEvents, LocksEventName, LocksEventEmitter } from "./events.js";
 export type {
   AddJobSpec,
   ConflictStrategy,
+  DefineOptions,
   ExclusiveOptions,
   LocksOptions,
   RescheduleOptions,
@@ -15,5 +16,7 @@ export { CONFLICT_STRATEGIES } from "./options.js";
 export { lockKey, lockKeyMaterial, slotKeys, canonicalJson, assertJsonSafe, advisoryParts, KEY_VERSION } from "./key.js";
 export { migrate } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
-export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
+export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError, UniqueConflictError } from "./errors.js";
+export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
+export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";
 export type { ErrorCode } from "./errors.js";

@@ -4,12 +4,12 @@
  */
 import { hostname } from "node:os";
 import pg from "pg";
-import type { ClientConfig, Pool } from "pg";
-import type { JobHelpers } from "graphile-worker";
+import type { Client, ClientConfig, Pool, PoolClient } from "pg";
+import type { Job, JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
-import { addJob, lockAvailable, type AddJobResult } from "./enqueue.js";
-import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
+import { addJob, addJobs, lockAvailable, type AddJobResult, type EnqueuePlan, type Queryable } from "./enqueue.js";
+import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
 import { assertJsonSafe, slotKeys } from "./key.js";
@@ -17,12 +17,14 @@ import { migrate } from "./migrate.js";
 import {
   resolveExclusiveOptions,
   type AddJobSpec,
+  type DefineOptions,
   type ExclusiveOptions,
   type LocksOptions,
   type ResolvedExclusiveOptions,
 } from "./options.js";
 import { LockSession } from "./session.js";
 import { makeSql } from "./sql.js";
+import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
 /** A row of the held-locks view. */
 export interface HeldLock {
@@ -37,6 +39,19 @@ export interface HeldLock {
   sessionStartedAt: Date;
 }
 
+/** A unique-only task: a graphile-worker task (run as is) whose enqueues are deduplicated. */
+export interface UniqueTask<TPayload = unknown> extends Task {
+  readonly taskIdentifier: string;
+  /** Adds a job of this task under its unique rules (overridable per call). */
+  addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;
+}
+
+/** An item of `locks.addJobs`. */
+export interface AddJobsItem extends AddJobSpec {
+  identifier: string;
+  payload: unknown;
+}
+
 export interface Locks {
   /** Wraps a task so that at most `limit` jobs per key run at once, across every process. */
   exclusive<TPayload = unknown>(
@@ -44,13 +59,29 @@ export interface Locks {
     task: (payload: TPayload, helpers: JobHelpers) => unknown,
     options?: ExclusiveOptions<TPayload>,
   ): ExclusiveTask<TPayload>;
+  /** Defines a task whose enqueues are deduplicated, without an execution lock. Returns the task unchanged in behaviour. */
+  unique<TPayload = unknown>(
+    taskIdentifier: string,
+    task: (payload: TPayload, helpers: JobHelpers) => unknown,
+    options: UniqueOptions<TPayload>,
+  ): UniqueTask<TPayload>;
+  /** Registers a task's rules without its function, for processes that only enqueue. */
+  define<TPayload = unknown>(taskIdentifier: string, options: DefineOptions<TPayload>): void;
   /** Whether a job of this task with this payload could take its lock now. Advisory, side-effect free. */
   lockAvailable(taskIdentifier: string, payload: unknown): Promise<boolean>;
   /**
-   * Adds a job, dropping it up front when its key is held. Uses the options of the exclusive task defined
-   * on this instance under `taskIdentifier`, or the defaults (whole payload, limit 1) if there is none.
+   * Adds a job under the rules of the task defined on this instance under `taskIdentifier` (and the
+   * spec's overrides): the preemptive check for exclusive tasks, and uniqueness.
    */
   addJob(taskIdentifier: string, payload: unknown, spec?: AddJobSpec): Promise<AddJobResult>;
+  /**
+   * Adds many jobs in one statement, deduplicated within the batch and against existing jobs, with an
+   * outcome per item in input order. No preemptive check. With `onDuplicate: "raise"` on any item, a
+   * duplicate aborts the whole batch.
+   */
+  addJobs(items: readonly AddJobsItem[], options?: { pgClient?: PoolClient | Client }): Promise<AddJobResult[]>;
+  /** Removes expired `uniqueFor` windows now (it also happens on its own); resolves how many. */
+  sweep(): Promise<number>;
   /** Every advisory lock held in the database, with its holder. */
   heldLocks(): Promise<HeldLock[]>;
   /** Typed events; see `LocksEvents`. */
@@ -68,6 +99,14 @@ export interface Locks {
   release(): Promise<void>;
 }
 
+/** What is known about a task identifier on this instance. */
+interface Definition {
+  exclusive: ResolvedExclusiveOptions<never> | null;
+  unique: UniqueOptions<never>;
+}
+
+const SWEEP_INTERVAL_MS = 60_000;
+
 function parseConnectionString(connectionString: string): ClientConfig {
   return { connectionString };
 }
@@ -84,7 +123,6 @@ export function makeLocks(options: LocksOptions): Locks {
   if (ownPool) pool.on("error", (error) => logger.warn(`graphile-worker-locks pool error: ${error.message}`));
   const sql = makeSql(schema, workerSchema);
   const events = makeEmitter();
-  const definitions = new Map<string, ResolvedExclusiveOptions<never>>();
   let released = false;
 
   let migrated: Promise<void> | undefined;
@@ -146,56 +184,161 @@ export function makeLocks(options: LocksOptions): Locks {
     if (released) throw new LocksError(ErrorCodes.RELEASED, "This Locks instance was released");
   };
 
+  const definitions = new Map<string, Definition>();
+  const defaultExclusive = resolveExclusiveOptions<never>(undefined, options.defaults);
+  const keysOf = (taskIdentifier: string, payload: unknown) => {
+    const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
+    return slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath);
+  };
+
+  let lastSweep = Date.now();
+  const maybeSweep = (db: Queryable) => {
+    if (Date.now() - lastSweep < SWEEP_INTERVAL_MS) return;
+    lastSweep = Date.now();
+    db.query(sql.sweepUniqueWindows).catch((error: unknown) =>
+      logger.warn(`graphile-worker-locks: sweeping unique windows failed: ${String(error)}`, { error }),
+    );
+  };
+
+  /** Resolves an enqueue, validating everything before anything is written. */
+  const plan = (taskIdentifier: string, payload: unknown, spec: AddJobSpec | undefined): EnqueuePlan => {
+    if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
+      throw new InvalidArgumentError(`\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`);
+    }
+    assertJsonSafe(payload);
+    const definition = definitions.get(taskIdentifier);
+    const exclusive = definition?.exclusive ?? null;
+    const preemptive = spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
+    const rules = exclusive ?? defaultExclusive;
+    const lockKeys = preemptive ? slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath) : null;
+    const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
+    return { taskIdentifier, payload, spec, lockKeys, unique };
+  };
+
+  const report = (result: AddJobResult, p: EnqueuePlan) => {
+    const { taskIdentifier, payload, spec } = p;
+    switch (result.outcome) {
+      case "dropped": {
+        const { pgClient: _client, ...rest } = spec ?? {};
+        emit("enqueue:dropped", { taskIdentifier, lockKey: p.lockKeys![0]!, payload, spec: spec ? rest : undefined });
+        break;
+      }
+      case "duplicate":
+        emit("enqueue:duplicate", { taskIdentifier, uniqueKey: p.unique!.key, payload, job: result.job });
+        break;
+      case "replaced":
+        emit("enqueue:replaced", { taskIdentifier, uniqueKey: p.unique!.key, payload, job: result.job! });
+        break;
+      case "added":
+        break;
+    }
+  };
+
   const ctx: LocksContext = {
     session,
     sql,
     emit,
-    async lockAvailable(_taskIdentifier, keys) {
+    async lockAvailable(keys) {
       assertOpen();
       await ensureMigrated();
       return lockAvailable(pool, sql, keys);
     },
-    async addJob(taskIdentifier, payload, spec, check) {
+    async addJob(taskIdentifier, payload, spec) {
       assertOpen();
-      const preemptive = spec?.preemptive ?? check.preemptive;
-      const db = spec?.pgClient ?? pool;
-      const result = await addJob(db, sql, taskIdentifier, payload, spec, preemptive ? check.keys : null);
-      if (result.outcome === "dropped") {
-        const { pgClient: _client, ...rest } = spec ?? {};
-        emit("enqueue:dropped", { taskIdentifier, lockKey: check.keys[0]!, payload, spec: spec ? rest : undefined });
+      const p = plan(taskIdentifier, payload, spec);
+      if (p.unique) await ensureMigrated();
+      const db: Queryable = spec?.pgClient ?? pool;
+      const result = await addJob(db, sql, p);
+      report(result, p);
+      if (p.unique?.windowSeconds) maybeSweep(pool);
+      if (result.outcome === "duplicate" && p.unique?.onDuplicate === "raise") {
+        throw new UniqueConflictError(taskIdentifier, p.unique.key, result.job?.id ?? null, result.job);
       }
       return result;
     },
   };
 
-  const fallback = resolveExclusiveOptions(undefined, options.defaults);
-  const definitionOf = (taskIdentifier: string) => definitions.get(taskIdentifier) ?? fallback;
-  const keysOf = (taskIdentifier: string, payload: unknown) => {
-    const def = definitionOf(taskIdentifier);
-    return slotKeys(taskIdentifier, def.key(payload as never), def.limit, def.keyPath);
+  const define = (taskIdentifier: string, exclusive: ResolvedExclusiveOptions<never> | null, unique: UniqueOptions<never>) => {
+    validateUniqueOptions(unique, `'${taskIdentifier}'`);
+    definitions.set(taskIdentifier, { exclusive, unique });
+  };
+  const assertTask = (taskIdentifier: string, task: unknown) => {
+    assertOpen();
+    if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
+      throw new InvalidArgumentError(`\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`);
+    }
+    if (typeof task !== "function") {
+      throw new InvalidArgumentError(`\`task\` for '${taskIdentifier}' must be a function, got ${typeof task}`);
+    }
   };
 
   return {
     events,
     exclusive(taskIdentifier, task, taskOptions) {
-      assertOpen();
-      if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
-        throw new InvalidArgumentError(`\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`);
-      }
-      if (typeof task !== "function") {
-        throw new InvalidArgumentError(`\`task\` for '${taskIdentifier}' must be a function, got ${typeof task}`);
-      }
+      assertTask(taskIdentifier, task);
       const resolved = resolveExclusiveOptions(taskOptions, options.defaults);
-      definitions.set(taskIdentifier, resolved as ResolvedExclusiveOptions<never>);
+      define(taskIdentifier, resolved as ResolvedExclusiveOptions<never>, { ...options.defaults, ...taskOptions } as UniqueOptions<never>);
       return makeExclusiveTask(ctx, taskIdentifier, task, resolved);
     },
-    async lockAvailable(taskIdentifier, payload) {
-      return ctx.lockAvailable(taskIdentifier, keysOf(taskIdentifier, payload));
+    unique(taskIdentifier, task, uniqueOptions) {
+      assertTask(taskIdentifier, task);
+      define(taskIdentifier, null, uniqueOptions as UniqueOptions<never>);
+      const wrapped: Task = (payload, helpers) => task(payload as never, helpers) as ReturnType<Task>;
+      return Object.assign(wrapped, {
+        taskIdentifier,
+        addJob: (payload: unknown, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
+      }) as UniqueTask<never>;
     },
-    async addJob(taskIdentifier, payload, spec) {
-      assertJsonSafe(payload);
-      const keys = keysOf(taskIdentifier, payload);
-      return ctx.addJob(taskIdentifier, payload, spec, { keys, preemptive: definitionOf(taskIdentifier).preemptive });
+    define(taskIdentifier, defineOptions) {
+      assertTask(taskIdentifier, () => undefined);
+      const { exclusive, ...rest } = defineOptions;
+      define(
+        taskIdentifier,
+        exclusive ? (resolveExclusiveOptions(rest, options.defaults) as ResolvedExclusiveOptions<never>) : null,
+        { ...options.defaults, ...rest } as UniqueOptions<never>,
+      );
+    },
+    async lockAvailable(taskIdentifier, payload) {
+      return ctx.lockAvailable(keysOf(taskIdentifier, payload));
+    },
+    addJob(taskIdentifier, payload, spec) {
+      return ctx.addJob(taskIdentifier, payload, spec);
+    },
+    async addJobs(items, addOptions) {
+      assertOpen();
+      if (!Array.isArray(items)) throw new InvalidArgumentError(`\`addJobs\` takes an array, got ${typeof items}`);
+      const plans = items.map((item, index) => {
+        if (!item || typeof item !== "object") {
+          throw new InvalidArgumentError(`addJobs: item ${index} must be an object, got ${String(item)}`);
+        }
+        const { identifier, payload, ...spec } = item;
+        return { ...plan(identifier, payload, { ...spec, preemptive: false }), lockKeys: null };
+      });
+      await ensureMigrated();
+      const db: Queryable = addOptions?.pgClient ?? pool;
+      let results: AddJobResult[];
+      try {
+        results = await addJobs(db, sql, plans);
+      } catch (error) {
+        const e = error as { code?: string; detail?: string; hint?: string };
+        if (e.code !== "GWLUQ") throw error;
+        const p = plans[Number(e.hint) - 1]!;
+        const existingJobId = e.detail || null;
+        const existing = existingJobId && !addOptions?.pgClient
+          ? ((await pool.query<Job>(sql.jobById, [existingJobId])).rows[0] ?? null)
+          : null;
+        throw new UniqueConflictError(p.taskIdentifier, p.unique!.key, existingJobId, existing, { cause: error });
+      }
+      results.forEach((result, index) => report(result, plans[index]!));
+      if (plans.some((p) => p.unique?.windowSeconds)) maybeSweep(pool);
+      return results;
+    },
+    async sweep() {
+      assertOpen();
+      await ensureMigrated();
+      lastSweep = Date.now();
+      const { rows } = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
+      return rows[0]!.removed;
     },
     async heldLocks() {
       assertOpen();

@@ -4,6 +4,7 @@
  */
 import { readdir, readFile } from "node:fs/promises";
 import type { Pool, PoolClient } from "pg";
+import { ErrorCodes, LocksError } from "./errors.js";
 import { hashKey } from "./key.js";
 import { escapeIdentifier } from "./sql.js";
 
@@ -81,6 +82,16 @@ async function runMigrations(
          applied_at timestamptz not null default now()
        )`,
     );
+    const { rows: found } = await client.query<{ ok: boolean }>(
+      "select to_regclass($1) is not null as ok",
+      [`${escapeIdentifier(workerSchema)}._private_jobs`],
+    );
+    if (!found[0]?.ok) {
+      throw new LocksError(
+        ErrorCodes.SCHEMA_MISSING,
+        `graphile-worker's schema '${workerSchema}' is not installed in this database: run graphile-worker's migrations first (graphile-worker's run(), runMigrations() and makeWorkerUtils() do it)`,
+      );
+    }
     const { rows } = await client.query<{ id: number }>(`select id from ${s}.migrations`);
     const applied = new Set(rows.map((r) => r.id));
     for (const migration of migrations) {

@@ -5,6 +5,7 @@
 import type { Pool, PoolClient, Client } from "pg";
 import type { Logger, TaskSpec } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
+import { validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
 export const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
@@ -19,7 +20,7 @@ export interface RescheduleOptions {
   jitter?: number;
 }
 
-export interface ExclusiveOptions<TPayload = unknown> {
+export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPayload> {
   /**
    * What to do when the job's key is held by another job when it is about to run.
    * - `"drop"`: complete the job without running it (que-locks semantics).
@@ -46,6 +47,12 @@ export interface ResolvedExclusiveOptions<TPayload = unknown> {
   limit: number;
   preemptive: boolean;
   reschedule: Required<RescheduleOptions>;
+}
+
+/** Options of `locks.define`: a task's rules without its function, for processes that only enqueue. */
+export interface DefineOptions<TPayload = unknown> extends ExclusiveOptions<TPayload> {
+  /** Whether the task is exclusive (its jobs take a lock, and enqueues get the preemptive check). @defaultValue `false` */
+  exclusive?: boolean;
 }
 
 export interface LocksOptions {
@@ -76,8 +83,11 @@ export interface LocksOptions {
 }
 
 /** A graphile-worker `TaskSpec` plus what this library adds to an enqueue. */
-export interface AddJobSpec extends TaskSpec {
-  /** Override the task's `preemptive` option for this call. */
+export interface AddJobSpec extends TaskSpec, UniqueOptions<never> {
+  /**
+   * Override the task's `preemptive` option for this call. `true` on a task that is not exclusive on this
+   * instance checks the lock of the default derivation (whole payload, limit 1).
+   */
   preemptive?: boolean;
   /** Enqueue on this client, e.g. inside your own transaction. @defaultValue the Locks pool */
   pgClient?: PoolClient | Client;
@@ -100,6 +110,7 @@ export function resolveExclusiveOptions<TPayload>(
   defaults: ExclusiveOptions | undefined,
 ): ResolvedExclusiveOptions<TPayload> {
   const merged = { ...defaults, ...options } as ExclusiveOptions<TPayload>;
+  validateUniqueOptions(merged as UniqueOptions<never>, "task options");
   const onConflict = merged.onConflict ?? "drop";
   if (!CONFLICT_STRATEGIES.includes(onConflict)) {
     throw new InvalidArgumentError(

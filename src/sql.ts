@@ -90,6 +90,27 @@ export function makeSql(schema: string, workerSchema: string) {
     ${ADD_JOB_ARGS}
   ) where ${heldCount("$10", "$11")} < $12::int`,
 
+    /**
+     * One unique enqueue (see sql/000002.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
+     * of `lockAvailable`). The job's columns are expanded from the function's result, so a new column of
+     * graphile-worker's table comes along without a change here.
+     */
+    addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
+      from ${s}.add_unique_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::text[],
+        $8::text, $9::text, $10::float8, $11::text)::${s}.unique_job_spec) r
+      left join ${w}._private_tasks t on t.id = (r.job).task_id
+      ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
+
+    /** A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec. */
+    addUniqueJobs: `select r.ord, r.outcome, t.identifier as task_identifier, (r.job).*
+      from ${s}.add_unique_jobs($1::json) r
+      left join ${w}._private_tasks t on t.id = (r.job).task_id`,
+
+    sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
+
+    jobById: `select j.*, t.identifier as task_identifier from ${w}._private_jobs j
+      join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,
+
     /** The `reschedule` strategy; see sql/000001.sql. */
     rescheduleJob: `select ${s}.reschedule_job($1::bigint, $2::timestamptz)::text as id`,
 

@@ -1,0 +1,303 @@
+-- graphile-worker-locks, migration 2: unique jobs.
+--
+-- A unique job's key is stored as its graphile-worker job key (`gwl:u:<sha-256>`), so the database's own
+-- unique index on that column decides every race: two enqueuers of one key can never both insert. The job's
+-- own rules travel on its row as flags, so they survive retries and the `reschedule` strategy's copy:
+--   gwl:unique:queued | gwl:unique:active | gwl:unique:exists   its scope
+--   gwl:unique-until:<epoch seconds>                             the end of its `uniqueFor` window
+-- A job whose key another enqueue meets either still blocks it (by the EXISTING job's scope and window) or
+-- gives up the key (it keeps running or retrying, just without the key) to the new job. No bookkeeping
+-- table is involved, so nothing is left behind when jobs complete.
+--
+-- A window alone (`uniqueFor` without a scope) must outlive its job, so it is a row of `unique_windows`,
+-- removed once expired (by `sweep_unique_windows`, and reused by the next claim of the same key).
+--
+-- Requires graphile-worker's schema (its job tables are read and written here; tested against each
+-- supported graphile-worker version).
+
+create table :GWL_SCHEMA.unique_windows (
+  unique_key text primary key,
+  job_id bigint,
+  expires_at timestamptz not null
+);
+create index unique_windows_expires_at on :GWL_SCHEMA.unique_windows (expires_at);
+
+create type :GWL_SCHEMA.unique_job_spec as (
+  identifier text,
+  payload json,
+  queue_name text,
+  run_at timestamptz,
+  max_attempts int,
+  priority int,
+  flags text[],
+  unique_key text,
+  scope text,
+  window_seconds float8,
+  on_duplicate text
+);
+
+-- Whether an existing job still refuses a duplicate, by its own scope and window.
+create function :GWL_SCHEMA.unique_job_blocks(j :GRAPHILE_WORKER_SCHEMA._private_jobs) returns boolean
+language sql stable as $$
+  select
+    case
+      when j.flags ? 'gwl:unique:queued' then j.locked_at is null and j.attempts = 0
+      when j.flags ? 'gwl:unique:exists' then true
+      -- active (also the rule for a keyed row without our flags): queued, running or waiting to retry
+      else j.locked_at is not null or j.attempts < j.max_attempts
+    end
+    and coalesce((
+      select to_timestamp(substr(f, 18)::float8) > now()
+      from jsonb_object_keys(coalesce(j.flags, '{}'::jsonb)) as f
+      where f like 'gwl:unique-until:%'
+      limit 1
+    ), true)
+$$;
+
+create function :GWL_SCHEMA.unique_flags(p_flags text[], p_scope text, p_until timestamptz) returns jsonb
+language sql immutable as $$
+  select nullif(
+    coalesce((select jsonb_object_agg(f, true) from unnest(p_flags) as f), '{}'::jsonb)
+    || case when p_scope is null then '{}'::jsonb else jsonb_build_object('gwl:unique:' || p_scope, true) end
+    || case when p_scope is null or p_until is null then '{}'::jsonb
+            else jsonb_build_object('gwl:unique-until:' || extract(epoch from p_until)::text, true) end,
+    '{}'::jsonb)
+$$;
+
+-- Ensures the task and queue exist (as graphile-worker's add_job does) and returns their ids.
+create function :GWL_SCHEMA.task_and_queue_ids(p_identifier text, p_queue_name text, out task_id int, out queue_id int)
+language plpgsql volatile as $$
+begin
+  select t.id into task_id from :GRAPHILE_WORKER_SCHEMA._private_tasks t where t.identifier = p_identifier;
+  if task_id is null then
+    insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier) values (p_identifier) on conflict do nothing;
+    select t.id into task_id from :GRAPHILE_WORKER_SCHEMA._private_tasks t where t.identifier = p_identifier;
+  end if;
+  if p_queue_name is not null then
+    select q.id into queue_id from :GRAPHILE_WORKER_SCHEMA._private_job_queues q where q.queue_name = p_queue_name;
+    if queue_id is null then
+      insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name) values (p_queue_name) on conflict do nothing;
+      select q.id into queue_id from :GRAPHILE_WORKER_SCHEMA._private_job_queues q where q.queue_name = p_queue_name;
+    end if;
+  end if;
+end;
+$$;
+
+-- Replaces a duplicate's payload, run_at and priority, if it has not started. Null if it has.
+create function :GWL_SCHEMA.replace_waiting_job(p_job_id bigint, p_payload json, p_run_at timestamptz, p_priority int)
+returns :GRAPHILE_WORKER_SCHEMA._private_jobs
+language plpgsql volatile as $$
+declare
+  v_job :GRAPHILE_WORKER_SCHEMA._private_jobs;
+begin
+  update :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+    set payload = coalesce(p_payload, j.payload),
+        run_at = coalesce(p_run_at, j.run_at),
+        priority = coalesce(p_priority::smallint, j.priority),
+        revision = j.revision + 1,
+        updated_at = now()
+    where j.id = p_job_id and j.locked_at is null and j.attempts = 0
+    returning * into v_job;
+  return v_job;
+end;
+$$;
+
+-- One enqueue. Outcomes: added, duplicate (job = the existing job, or null when a window outlived it),
+-- replaced (job = the existing job, updated). A duplicate writes nothing.
+create function :GWL_SCHEMA.add_unique_job_one(s :GWL_SCHEMA.unique_job_spec, p_notify boolean,
+  out outcome text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+language plpgsql volatile as $$
+declare
+  v_ids record;
+  v_until timestamptz;
+  v_window_job bigint;
+  v_claimed text;
+  v_replaced :GRAPHILE_WORKER_SCHEMA._private_jobs;
+  v_tries int := 0;
+begin
+  select * into v_ids from :GWL_SCHEMA.task_and_queue_ids(s.identifier, s.queue_name);
+  if s.window_seconds is not null then
+    v_until := coalesce(s.run_at, now()) + s.window_seconds * interval '1 second';
+  end if;
+
+  loop
+    v_tries := v_tries + 1;
+    if v_tries > 20 then
+      raise exception 'graphile-worker-locks: could not settle unique key % after 20 tries', s.unique_key;
+    end if;
+
+    if s.unique_key is null then
+      -- uniqueness bypassed
+      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
+        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+      values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
+        coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), :GWL_SCHEMA.unique_flags(s.flags, null, null))
+      returning * into job;
+      outcome := 'added';
+      exit;
+    end if;
+
+    if s.scope is null then
+      -- A window alone: claim the key in unique_windows unless an unexpired window holds it.
+      insert into :GWL_SCHEMA.unique_windows as w (unique_key, job_id, expires_at)
+        values (s.unique_key, null, v_until)
+        on conflict (unique_key) do update set job_id = null, expires_at = excluded.expires_at
+          where w.expires_at <= now()
+        returning w.unique_key into v_claimed;
+      if found then
+        insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
+          (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+        values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
+          coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), :GWL_SCHEMA.unique_flags(s.flags, null, null))
+        returning * into job;
+        update :GWL_SCHEMA.unique_windows set job_id = job.id where unique_key = s.unique_key;
+        outcome := 'added';
+        exit;
+      end if;
+      select w.job_id into v_window_job from :GWL_SCHEMA.unique_windows w
+        where w.unique_key = s.unique_key and w.expires_at > now();
+      if not found then
+        continue; -- expired or removed meanwhile
+      end if;
+      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = v_window_job for update;
+      if not found then
+        job := null;
+      end if;
+    else
+      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+      values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
+        coalesce(s.max_attempts, 25), s.unique_key, coalesce(s.priority, 0),
+        :GWL_SCHEMA.unique_flags(s.flags, s.scope, v_until))
+      on conflict (key) do nothing
+      returning * into job;
+      if found then
+        outcome := 'added';
+        exit;
+      end if;
+      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.key = s.unique_key for update;
+      if not found then
+        continue; -- it completed, or its inserter rolled back: try again
+      end if;
+      if not :GWL_SCHEMA.unique_job_blocks(job) then
+        -- Out of its scope: it keeps running or retrying, without the key.
+        update :GRAPHILE_WORKER_SCHEMA._private_jobs j set key = null, updated_at = now() where j.id = job.id;
+        continue;
+      end if;
+    end if;
+
+    -- A duplicate.
+    outcome := 'duplicate';
+    if s.on_duplicate = 'replace' and job.id is not null then
+      v_replaced := :GWL_SCHEMA.replace_waiting_job(job.id, s.payload, s.run_at, s.priority);
+      if v_replaced.id is not null then
+        job := v_replaced;
+        outcome := 'replaced';
+      end if;
+    end if;
+    return;
+  end loop;
+
+  if p_notify then
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":1}');
+  end if;
+end;
+$$;
+
+create function :GWL_SCHEMA.add_unique_job(s :GWL_SCHEMA.unique_job_spec,
+  out outcome text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+language sql volatile as $$
+  select * from :GWL_SCHEMA.add_unique_job_one(s, true)
+$$;
+
+-- Bulk enqueue in one statement: fresh keys are inserted set-based; in-batch duplicates (the first of a key
+-- wins), keys that meet existing jobs, windows alone and bypassed items go through add_unique_job_one in
+-- input order. A duplicate whose on_duplicate is 'raise' aborts the whole batch with SQLSTATE GWLUQ
+-- (detail: the existing job's id, hint: the item's position), so nothing of the batch is written.
+create function :GWL_SCHEMA.add_unique_jobs(p_specs json)
+returns table (ord int, outcome text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+language plpgsql volatile as $$
+declare
+  v_ords int[];
+  v_ids bigint[];
+  v_spec record;
+  v_one record;
+  v_added int := 0;
+begin
+  insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier)
+    select distinct s.identifier from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) s
+    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_tasks t where t.identifier = s.identifier)
+    on conflict do nothing;
+  insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name)
+    select distinct s.queue_name from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) s
+    where s.queue_name is not null
+      and not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues q where q.queue_name = s.queue_name)
+    on conflict do nothing;
+
+  with input as (
+    select s.*, n.ord::int as ord
+    from json_array_elements(p_specs) with ordinality as n(spec, ord),
+      lateral json_populate_record(null:::GWL_SCHEMA.unique_job_spec, n.spec) as s
+  ), first_of_key as (
+    select distinct on (i.unique_key) i.*
+    from input i
+    where i.unique_key is not null and i.scope is not null
+    order by i.unique_key, i.ord
+  ), inserted as (
+    insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+      (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+    select q.id, t.id, coalesce(f.payload, '{}'::json), coalesce(f.run_at, now()), coalesce(f.max_attempts, 25),
+      f.unique_key, coalesce(f.priority, 0),
+      :GWL_SCHEMA.unique_flags(f.flags, f.scope,
+        case when f.window_seconds is null then null
+             else coalesce(f.run_at, now()) + f.window_seconds * interval '1 second' end)
+    from first_of_key f
+    join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.identifier = f.identifier
+    left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
+    order by f.ord
+    on conflict (key) do nothing
+    returning j.id, j.key
+  )
+  select array_agg(f.ord), array_agg(i.id) into v_ords, v_ids
+  from first_of_key f join inserted i on i.key = f.unique_key;
+
+  v_ords := coalesce(v_ords, '{}');
+  v_added := cardinality(v_ords);
+  return query
+    select u.o, 'added'::text, j
+    from unnest(v_ords, v_ids) as u(o, id)
+    join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = u.id;
+
+  for v_spec in
+    select s as spec, n.ord::int as ord
+    from json_array_elements(p_specs) with ordinality as n(spec, ord),
+      lateral json_populate_record(null:::GWL_SCHEMA.unique_job_spec, n.spec) as s
+    where n.ord::int not in (select unnest(v_ords))
+    order by n.ord
+  loop
+    select * into v_one from :GWL_SCHEMA.add_unique_job_one(v_spec.spec, false);
+    if v_one.outcome = 'duplicate' and (v_spec.spec).on_duplicate = 'raise' then
+      raise exception 'graphile-worker-locks: item % of the batch duplicates job %', v_spec.ord, (v_one.job).id
+        using errcode = 'GWLUQ', detail = coalesce((v_one.job).id::text, ''), hint = v_spec.ord::text;
+    end if;
+    if v_one.outcome = 'added' then
+      v_added := v_added + 1;
+    end if;
+    ord := v_spec.ord;
+    outcome := v_one.outcome;
+    job := v_one.job;
+    return next;
+  end loop;
+
+  if v_added > 0 then
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
+  end if;
+end;
+$$;
+
+-- Removes expired windows; returns how many.
+create function :GWL_SCHEMA.sweep_unique_windows() returns bigint
+language sql volatile as $$
+  with gone as (delete from :GWL_SCHEMA.unique_windows where expires_at <= now() returning 1)
+  select count(*) from gone
+$$;
