@@ -29,11 +29,14 @@ create type :GWL_SCHEMA.unique_job_spec as (
   run_at timestamptz,
   max_attempts int,
   priority int,
-  flags text[],
+  -- graphile-worker's flags object ({"flag": true}), with the gwl:unique:<scope> flag already added
+  flags jsonb,
   unique_key text,
   scope text,
   window_seconds float8,
-  on_duplicate text
+  on_duplicate text,
+  -- bulk only: whether this is the batch's first scoped item of its key (the caller knows; saves a sort)
+  first boolean
 );
 
 -- Whether an existing job still refuses a duplicate, by its own scope and window.
@@ -54,14 +57,12 @@ language sql stable as $$
     ), true)
 $$;
 
-create function :GWL_SCHEMA.unique_flags(p_flags text[], p_scope text, p_until timestamptz) returns jsonb
+-- The flags of a new unique job: the caller's (with its scope flag), plus the end of its window, if any.
+create function :GWL_SCHEMA.unique_flags(p_flags jsonb, p_scope text, p_until timestamptz) returns jsonb
 language sql immutable as $$
-  select nullif(
-    coalesce((select jsonb_object_agg(f, true) from unnest(p_flags) as f), '{}'::jsonb)
-    || case when p_scope is null then '{}'::jsonb else jsonb_build_object('gwl:unique:' || p_scope, true) end
-    || case when p_scope is null or p_until is null then '{}'::jsonb
-            else jsonb_build_object('gwl:unique-until:' || extract(epoch from p_until)::text, true) end,
-    '{}'::jsonb)
+  select case when p_scope is null or p_until is null then p_flags
+    else coalesce(p_flags, '{}'::jsonb)
+      || jsonb_build_object('gwl:unique-until:' || extract(epoch from p_until)::text, true) end
 $$;
 
 -- Ensures the task and queue exist (as graphile-worker's add_job does) and returns their ids.
@@ -131,7 +132,7 @@ begin
       insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
         (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
       values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
-        coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), :GWL_SCHEMA.unique_flags(s.flags, null, null))
+        coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), s.flags)
       returning * into job;
       outcome := 'added';
       exit;
@@ -148,7 +149,7 @@ begin
         insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
           (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
         values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
-          coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), :GWL_SCHEMA.unique_flags(s.flags, null, null))
+          coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), s.flags)
         returning * into job;
         update :GWL_SCHEMA.unique_windows set job_id = job.id where unique_key = s.unique_key;
         outcome := 'added';
@@ -212,14 +213,16 @@ $$;
 
 -- Bulk enqueue in one statement: fresh keys are inserted set-based; in-batch duplicates (the first of a key
 -- wins), keys that meet existing jobs, windows alone and bypassed items go through add_unique_job_one in
--- input order. A duplicate whose on_duplicate is 'raise' aborts the whole batch with SQLSTATE GWLUQ
--- (detail: the existing job's id, hint: the item's position), so nothing of the batch is written.
-create function :GWL_SCHEMA.add_unique_jobs(p_specs json)
+-- input order. Rows of the set-based part come back with a null ord (the caller maps them by job key to
+-- the first item of that key); the others with their 1-based position. A duplicate whose on_duplicate is
+-- 'raise' aborts the whole batch with SQLSTATE GWLUQ (detail: the existing job's id, hint: the item's
+-- position), so nothing of the batch is written.
+create function :GWL_SCHEMA.add_unique_jobs(p_specs json, p_count int, p_first int)
 returns table (ord int, outcome text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
-  v_ords int[];
-  v_ids bigint[];
+  v_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
+  v_keys text[];
   v_spec record;
   v_one record;
   v_added int := 0;
@@ -234,46 +237,48 @@ begin
       and not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues q where q.queue_name = s.queue_name)
     on conflict do nothing;
 
-  with input as (
-    select s.*, n.ord::int as ord
-    from json_array_elements(p_specs) with ordinality as n(spec, ord),
-      lateral json_populate_record(null:::GWL_SCHEMA.unique_job_spec, n.spec) as s
-  ), first_of_key as (
-    select distinct on (i.unique_key) i.*
-    from input i
-    where i.unique_key is not null and i.scope is not null
-    order by i.unique_key, i.ord
+  with first_of_key as (
+    select s.*
+    from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) with ordinality as s
+    where s.first
   ), inserted as (
     insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
       (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
     select q.id, t.id, coalesce(f.payload, '{}'::json), coalesce(f.run_at, now()), coalesce(f.max_attempts, 25),
       f.unique_key, coalesce(f.priority, 0),
-      :GWL_SCHEMA.unique_flags(f.flags, f.scope,
-        case when f.window_seconds is null then null
-             else coalesce(f.run_at, now()) + f.window_seconds * interval '1 second' end)
+      case when f.window_seconds is null then f.flags
+           else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
+             coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
     from first_of_key f
     join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.identifier = f.identifier
     left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
-    order by f.ord
+    order by f.ordinality
     on conflict (key) do nothing
-    returning j.id, j.key
+    returning j.*
   )
-  select array_agg(f.ord), array_agg(i.id) into v_ords, v_ids
-  from first_of_key f join inserted i on i.key = f.unique_key;
+  select coalesce(array_agg(i), '{}') into v_jobs from inserted i;
 
-  v_ords := coalesce(v_ords, '{}');
-  v_added := cardinality(v_ords);
-  return query
-    select u.o, 'added'::text, j
-    from unnest(v_ords, v_ids) as u(o, id)
-    join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = u.id;
+  v_added := cardinality(v_jobs);
+  return query select null::int, 'added'::text, u from unnest(v_jobs) as u;
+  if v_added = p_count then
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
+    return;
+  end if;
+  if v_added < p_first then
+    v_keys := array(select u.key from unnest(v_jobs) as u);
+  end if;
 
   for v_spec in
-    select s as spec, n.ord::int as ord
-    from json_array_elements(p_specs) with ordinality as n(spec, ord),
-      lateral json_populate_record(null:::GWL_SCHEMA.unique_job_spec, n.spec) as s
-    where n.ord::int not in (select unnest(v_ords))
-    order by n.ord
+    select x.spec, x.ord
+    from (
+      select row(s.identifier, s.payload, s.queue_name, s.run_at, s.max_attempts, s.priority, s.flags,
+          s.unique_key, s.scope, s.window_seconds, s.on_duplicate, s.first):::GWL_SCHEMA.unique_job_spec as spec,
+        s.ordinality::int as ord, s.unique_key, s.first
+      from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) with ordinality as s
+    ) x
+    -- every first-of-key item was inserted unless fewer rows came back than there are of them
+    where not (x.first and (v_keys is null or x.unique_key in (select unnest(v_keys))))
+    order by x.ord
   loop
     select * into v_one from :GWL_SCHEMA.add_unique_job_one(v_spec.spec, false);
     if v_one.outcome = 'duplicate' and (v_spec.spec).on_duplicate = 'raise' then

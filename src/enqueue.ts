@@ -50,6 +50,18 @@ export async function lockAvailable(db: Queryable, sql: Sql, keys: readonly bigi
 
 type JobRow = Job & { outcome?: string; ord?: number };
 
+/**
+ * graphile-worker's flags object for a unique job: the caller's flags plus the one that records the job's
+ * scope on its row (the window's end is added by the database, from its own clock).
+ */
+function uniqueFlags(flags: readonly string[] | undefined, unique: ResolvedUnique | null): Record<string, true> | null {
+  if (!unique?.scope && !flags?.length) return null;
+  const object: Record<string, true> = {};
+  for (const flag of flags ?? []) object[flag] = true;
+  if (unique?.scope) object[`gwl:unique:${unique.scope}`] = true;
+  return object;
+}
+
 function toJob(row: JobRow, taskIdentifier: string): Job | null {
   const { outcome: _outcome, ord: _ord, ...job } = row;
   if (job.id === null) return null;
@@ -82,7 +94,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
       v.runAt,
       v.maxAttempts,
       v.priority,
-      v.flags,
+      JSON.stringify(uniqueFlags(spec?.flags, unique)),
       unique.key,
       unique.scope,
       unique.windowSeconds,
@@ -117,6 +129,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
  * existing jobs. No preemptive check. Results in input order.
  */
 export async function addJobs(db: Queryable, sql: Sql, plans: readonly EnqueuePlan[]): Promise<AddJobResult[]> {
+  let firsts = 0;
   const specs = plans.map((plan, index) => {
     if (plan.spec?.jobKey !== undefined || plan.spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
@@ -131,18 +144,29 @@ export async function addJobs(db: Queryable, sql: Sql, plans: readonly EnqueuePl
       run_at: v.runAt,
       max_attempts: v.maxAttempts,
       priority: v.priority,
-      flags: v.flags,
+      flags: uniqueFlags(plan.spec?.flags, plan.unique),
       unique_key: plan.unique?.key ?? null,
       scope: plan.unique?.scope ?? null,
       window_seconds: plan.unique?.windowSeconds ?? null,
       on_duplicate: plan.unique?.onDuplicate ?? null,
+      first: false,
     };
   });
+  // The first scoped item of each key is tried set-based; the database answers the rest one by one.
+  const firstOfKey = new Map<string, number>();
+  specs.forEach((spec, index) => {
+    if (spec.unique_key !== null && spec.scope !== null && !firstOfKey.has(spec.unique_key)) {
+      firstOfKey.set(spec.unique_key, index);
+      spec.first = true;
+      firsts++;
+    }
+  });
   if (specs.length === 0) return [];
-  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [JSON.stringify(specs)]);
+  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [JSON.stringify(specs), specs.length, firsts]);
+  // Rows inserted set-based come back without a position: each is the first item of its key.
   const results: AddJobResult[] = new Array(plans.length);
   for (const row of rows) {
-    const index = row.ord! - 1;
+    const index = row.ord == null ? firstOfKey.get(row.key!)! : row.ord - 1;
     results[index] = {
       job: toJob(row, plans[index]!.taskIdentifier),
       outcome: row.outcome as AddJobResult["outcome"],

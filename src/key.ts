@@ -18,9 +18,13 @@ import { InvalidArgumentError } from "./errors.js";
 /** The derivation version; part of every key's material. */
 export const KEY_VERSION = "v1";
 
-function describePath(path: string, key: string | number): string {
-  if (typeof key === "number") return `${path}[${key}]`;
-  return /^[A-Za-z_$][\w$]*$/.test(key) ? `${path}.${key}` : `${path}[${JSON.stringify(key)}]`;
+function describePath(root: string, segments: ReadonlyArray<string | number>): string {
+  let path = root;
+  for (const key of segments) {
+    if (typeof key === "number") path += `[${key}]`;
+    else path += /^[A-Za-z_$][\w$]*$/.test(key) ? `.${key}` : `[${JSON.stringify(key)}]`;
+  }
+  return path;
 }
 
 /**
@@ -29,8 +33,13 @@ function describePath(path: string, key: string | number): string {
  * cycles. `undefined` object properties are allowed: JSON drops them, and so does the key.
  */
 export function assertJsonSafe(value: unknown, path = "payload"): void {
+  // Paths are only spelled out when something is wrong: this runs on every enqueue.
+  const segments: Array<string | number> = [];
   const ancestors: object[] = [];
-  const visit = (input: unknown, at: string, inObject: boolean): void => {
+  const fail = (what: string): never => {
+    throw new InvalidArgumentError(`${describePath(path, segments)} ${what}`);
+  };
+  const visit = (input: unknown, inObject: boolean): void => {
     let node = input;
     if (node !== null && typeof node === "object" && typeof (node as { toJSON?: unknown }).toJSON === "function") {
       node = (node as { toJSON: () => unknown }).toJSON();
@@ -40,30 +49,32 @@ export function assertJsonSafe(value: unknown, path = "payload"): void {
       case "boolean":
         return;
       case "number":
-        if (!Number.isFinite(node)) {
-          throw new InvalidArgumentError(`${at} is ${node}, which JSON cannot carry (it would become null)`);
-        }
+        if (!Number.isFinite(node)) fail(`is ${node}, which JSON cannot carry (it would become null)`);
         return;
       case "undefined":
-        if (inObject) return;
-        throw new InvalidArgumentError(`${at} is undefined, which JSON cannot carry (it would become null)`);
+        if (!inObject) fail("is undefined, which JSON cannot carry (it would become null)");
+        return;
       case "bigint":
-        throw new InvalidArgumentError(`${at} is a BigInt, which JSON cannot carry; convert it to a string`);
+        return fail("is a BigInt, which JSON cannot carry; convert it to a string");
       case "function":
-        throw new InvalidArgumentError(`${at} is a function, which JSON cannot carry`);
+        return fail("is a function, which JSON cannot carry");
       case "symbol":
-        throw new InvalidArgumentError(`${at} is a symbol, which JSON cannot carry`);
+        return fail("is a symbol, which JSON cannot carry");
       case "object": {
         if (node === null) return;
-        if (ancestors.includes(node)) {
-          throw new InvalidArgumentError(`${at} is a circular reference, which JSON cannot carry`);
-        }
+        if (ancestors.includes(node)) fail("is a circular reference, which JSON cannot carry");
         ancestors.push(node);
         if (Array.isArray(node)) {
-          node.forEach((item, index) => visit(item, describePath(at, index), false));
+          for (let i = 0; i < node.length; i++) {
+            segments.push(i);
+            visit(node[i], false);
+            segments.pop();
+          }
         } else {
           for (const key of Object.keys(node)) {
-            visit((node as Record<string, unknown>)[key], describePath(at, key), true);
+            segments.push(key);
+            visit((node as Record<string, unknown>)[key], true);
+            segments.pop();
           }
         }
         ancestors.pop();
@@ -71,7 +82,7 @@ export function assertJsonSafe(value: unknown, path = "payload"): void {
       }
     }
   };
-  visit(value, path, false);
+  visit(value, false);
 }
 
 /** Sorted-keys JSON of `value`, after {@link assertJsonSafe}. */

@@ -96,14 +96,14 @@ export function makeSql(schema: string, workerSchema: string) {
      * graphile-worker's table comes along without a change here.
      */
     addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::text[],
-        $8::text, $9::text, $10::float8, $11::text)::${s}.unique_job_spec) r
+      from ${s}.add_unique_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
+        $8::text, $9::text, $10::float8, $11::text, null)::${s}.unique_job_spec) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
-    /** A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec. */
+    /** A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec, $2 its length, $3 how many are `first`. */
     addUniqueJobs: `select r.ord, r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_jobs($1::json) r
+      from ${s}.add_unique_jobs($1::json, $2::int, $3::int) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
