@@ -46,7 +46,8 @@ export function makeExclusiveTask<TPayload>(
   const keysOf = (payload: TPayload) =>
     slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
 
-  const onConflict = async (job: Job, helpers: JobHelpers, lockKey: bigint, local: boolean) => {
+  const onConflict = async (job: Job, helpers: JobHelpers, slots: readonly bigint[], local: boolean) => {
+    const lockKey = slots[0]!;
     const strategy = options.onConflict;
     ctx.emit("lock:conflict", { taskIdentifier, lockKey, job, strategy, local });
     switch (strategy) {
@@ -62,10 +63,17 @@ export function makeExclusiveTask<TPayload>(
         const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
         const delayMs = Math.round(base * (1 - jitter * Math.random()));
         const runAt = new Date(Date.now() + delayMs);
-        const { rows } = await helpers.withPgClient((client) =>
-          client.query<{ id: string | null }>(ctx.sql.rescheduleJob, [job.id, runAt.toISOString()]),
-        );
-        const newJobId = rows[0]?.id;
+        const newJobId = await helpers.withPgClient(async (client) => {
+          const { rows } = await client.query<{ id: string | null }>(ctx.sql.parkJob, [
+            job.id,
+            runAt.toISOString(),
+            lockKey.toString(),
+          ]);
+          const id = rows[0]?.id;
+          // The holder may have released between our attempt and the park's commit: then wake it now.
+          if (id) await client.query(ctx.sql.wakeIfFree, [slots.map(String), lockKey.toString()]);
+          return id;
+        });
         if (!newJobId) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
         helpers.logger.debug(`Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`);
         ctx.emit("job:rescheduled", { taskIdentifier, lockKey, job, newJobId, runAt, delayMs });
@@ -77,8 +85,9 @@ export function makeExclusiveTask<TPayload>(
   const wrapped = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
     const slots = keysOf(payload as TPayload);
-    const result = await ctx.session.acquire(slots, { taskIdentifier, jobId: job.id });
-    if (!result.acquired) return onConflict(job, helpers, slots[0]!, result.local);
+    const wakeKey = options.onConflict === "reschedule" ? slots[0]! : null;
+    const result = await ctx.session.acquire(slots, { taskIdentifier, jobId: job.id, wakeKey });
+    if (!result.acquired) return onConflict(job, helpers, slots, result.local);
 
     const { hold } = result;
     if (options.onConflict === "reschedule") conflicts.clear(slots[0]!.toString());

@@ -11,8 +11,12 @@ export const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
 export type ConflictStrategy = (typeof CONFLICT_STRATEGIES)[number];
 
+/**
+ * The `reschedule` strategy parks a conflicting job until its key frees: the releasing worker wakes it at
+ * once. These delays are the safety net, when no release wakes it (its holder crashed, say).
+ */
 export interface RescheduleOptions {
-  /** Delay after the first conflict, in milliseconds. @defaultValue `250` */
+  /** Delay after the first conflict, in milliseconds. @defaultValue `1000` */
   minDelay?: number;
   /** The delay doubles with each consecutive conflict on the same key, up to this. @defaultValue `30000` */
   maxDelay?: number;
@@ -127,7 +131,7 @@ export function resolveExclusiveOptions<TPayload>(
     throw new InvalidArgumentError(`\`preemptive\` must be a boolean, got ${typeof preemptive}`);
   }
   const reschedule = {
-    minDelay: 250,
+    minDelay: 1000,
     maxDelay: 30_000,
     jitter: 0.5,
     ...defaults?.reschedule,

@@ -36,6 +36,8 @@ export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed"
 export interface HoldInfo {
   taskIdentifier: string;
   jobId: string | null;
+  /** The key whose waiters (parked rescheduled jobs) to wake on release, if any. */
+  wakeKey: bigint | null;
 }
 
 export interface ReleaseResult {
@@ -238,9 +240,16 @@ export class LockSession {
       client?.query(this.options.sql.heartbeat).catch((error: Error) => this.handleLost(client, error));
     }, this.options.heartbeatIntervalMs);
     const registry = setInterval(() => void this.writeRegistry(), this.options.registryIntervalMs);
-    heartbeat.unref();
-    registry.unref();
-    this.timers.push(heartbeat, registry);
+    // Waiters whose job ran on its safety-net delay instead of being woken.
+    const sweep = setInterval(() => {
+      if (this.state !== "ready" || !this.client) return;
+      this.statements++;
+      this.client.query(this.options.sql.sweepWaiters).catch((error: unknown) => {
+        this.options.onWarning("Could not sweep waiters", error);
+      });
+    }, 60_000);
+    for (const timer of [heartbeat, registry, sweep]) timer.unref();
+    this.timers.push(heartbeat, registry, sweep);
   }
 
   private async writeRegistry(): Promise<void> {
@@ -325,6 +334,7 @@ export class LockSession {
           unlocks.map((u) => u.hold.keyText),
           singles.map((r) => r.slots[0]),
           multis.map((r) => r.slots.join(",")),
+          unlocks.flatMap((u) => (u.hold.info.wakeKey === null ? [] : [u.hold.info.wakeKey.toString()])),
         ],
       })
       .then(
@@ -337,6 +347,7 @@ export class LockSession {
             return;
           }
           for (const row of rows) {
+            if (row.op === 3) continue; // waiters woken
             if (row.op === 0) this.settleUnlock(unlocks[row.i - 1]!, row.ok);
             else this.settleLock((row.op === 1 ? singles : multis)[row.i - 1]!, row.ok ? row.key : null, generation);
           }

@@ -41,10 +41,11 @@ export function makeSql(schema: string, workerSchema: string) {
     /**
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
-     * list of slot keys tried in order. Rows come back per part in input order.
+     * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), which runs
+     * last, after the unlocks. Rows come back per part in input order.
      */
     lockBatch: {
-      name: `gwl_lock_batch_v1`,
+      name: `gwl_lock_batch_v2`,
       text: `select 0 as op, t.i::int as i, t.k::text as key, pg_catalog.pg_advisory_unlock(t.k) as ok
         from unnest($1::bigint[]) with ordinality as t(k, i)
       union all
@@ -53,7 +54,9 @@ export function makeSql(schema: string, workerSchema: string) {
       union all
       select 2, r.i::int, r.got::text, r.got is not null
         from (select t.i, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[]) as got
-              from unnest($3::text[]) with ordinality as t(slots, i)) r`,
+              from unnest($3::text[]) with ordinality as t(slots, i)) r
+      union all
+      select 3, 0, null, ${s}.wake_waiters($4::bigint[]) > 0 where cardinality($4::bigint[]) > 0`,
     },
 
     /** Replaces this session's rows in the holder registry with the locks it holds now. */
@@ -111,8 +114,10 @@ export function makeSql(schema: string, workerSchema: string) {
     jobById: `select j.*, t.identifier as task_identifier from ${w}._private_jobs j
       join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,
 
-    /** The `reschedule` strategy; see sql/000001.sql. */
-    rescheduleJob: `select ${s}.reschedule_job($1::bigint, $2::timestamptz)::text as id`,
+    /** The `reschedule` strategy: park the job as a waiter of its key, then wake it if the key is already free. */
+    parkJob: `select ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint)::text as id`,
+    wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint) as woken`,
+    sweepWaiters: `select ${s}.sweep_waiters()::int as removed`,
 
     heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,
         application_name, since, session_started_at

@@ -407,3 +407,65 @@ describe("lock loss", () => {
     expect(locks.status().held).toEqual([]);
   });
 });
+
+describe("reschedule hand-off", () => {
+  it("a parked job is woken the moment its key is released, not after its safety-net delay", async () => {
+    const locks = newLocks();
+    const finishA = deferred();
+    const startedB = deferred<number>();
+    let releasedAt = 0;
+    const task = locks.exclusive(
+      "handoff",
+      async (p: { k: string; role: string }) => {
+        if (p.role === "A") {
+          await finishA.promise;
+          releasedAt = performance.now();
+        } else startedB.resolve(performance.now());
+      },
+      { key: (p) => p.k, onConflict: "reschedule", reschedule: { minDelay: 60_000, maxDelay: 60_000 } },
+    );
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { handoff: task } });
+    const acquiredA = nextEvent(locks, "lock:acquired");
+    await task.addJob({ k: "h", role: "A" });
+    await acquiredA;
+    const parked = nextEvent(locks, "job:rescheduled");
+    await task.addJob({ k: "h", role: "B" }, { preemptive: false });
+    const { runAt } = await parked;
+    expect(runAt.getTime()).toBeGreaterThan(Date.now() + 20_000);
+    finishA.resolve();
+    const startB = await startedB.promise;
+    const handoffMs = startB - releasedAt;
+    console.info(`hand-off ${handoffMs.toFixed(1)} ms`);
+    expect(handoffMs).toBeLessThan(20_000); // woken, not waiting out the 60 s net
+    const { rows } = await db.pool().query("select * from graphile_worker_locks.waiters");
+    expect(rows).toEqual([]);
+  });
+
+  it("the parker's own check wakes it when the key freed before its waiter was visible (no lost wake-up)", async () => {
+    const locks = newLocks();
+    await locks.migrate();
+    const key = lockKey("lw", { id: 1 });
+    const { job } = await locks.addJob("lw", { id: 1 });
+    await db.pool().query(
+      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+      [job!.id],
+    );
+    const external = await holdExternally(key);
+    const later = new Date(Date.now() + 3_600_000).toISOString();
+    const { rows } = await db.pool().query<{ id: string }>(
+      "select graphile_worker_locks.park_job($1, $2, $3)::text as id",
+      [job!.id, later, key.toString()],
+    );
+    const copy = rows[0]!.id;
+    const wake = () =>
+      db.pool().query<{ woken: number }>("select graphile_worker_locks.wake_if_free($1, $2) as woken", [[key.toString()], key.toString()]);
+    // Still held: the releaser will wake it.
+    expect((await wake()).rows[0]!.woken).toBe(0);
+    // Released by a holder that wakes no one (here: outside the library): the parker's check does.
+    await external.release();
+    expect((await wake()).rows[0]!.woken).toBe(1);
+    const { rows: after } = await db.pool().query<{ run_at: Date }>("select run_at from graphile_worker.jobs where id = $1", [copy]);
+    expect(after[0]!.run_at.getTime()).toBeLessThanOrEqual(Date.now() + 1000);
+    expect((await db.pool().query("select * from graphile_worker_locks.waiters")).rows).toEqual([]);
+  });
+});
