@@ -88,6 +88,11 @@ export interface Locks {
   readonly events: LocksEventEmitter;
   /** Installs or upgrades the library's schema (done automatically on first use). */
   migrate(): Promise<void>;
+  /**
+   * Opens the lock session now (it otherwise opens when the first exclusive job runs), so that the first
+   * job does not wait for it. Rejects if it cannot connect.
+   */
+  connect(): Promise<void>;
   /** The lock session's state and backend pid, and the keys this process holds. */
   status(): {
     state: string;
@@ -363,6 +368,10 @@ export function makeLocks(options: LocksOptions): Locks {
       }));
     },
     migrate: ensureMigrated,
+    async connect() {
+      assertOpen();
+      await session.warmUp();
+    },
     status() {
       return {
         state: session.currentState,

@@ -37,7 +37,10 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
   key?: (payload: TPayload) => unknown;
   /** How many jobs with the same key may run at once. @defaultValue `1` */
   limit?: number;
-  /** Whether `addJob` drops a job up front when its key is held. @defaultValue `true` */
+  /**
+   * Whether `addJob` drops a job up front when its key is held.
+   * @defaultValue `true` with `onConflict: "drop"`, `false` otherwise (jobs that must run later are never dropped)
+   */
   preemptive?: boolean;
   /** Backoff of the `reschedule` strategy. */
   reschedule?: RescheduleOptions;
@@ -126,7 +129,8 @@ export function resolveExclusiveOptions<TPayload>(
   if (merged.key !== undefined && typeof merged.key !== "function") {
     throw new InvalidArgumentError(`\`key\` must be a function of the payload, got ${typeof merged.key}`);
   }
-  const preemptive = merged.preemptive ?? true;
+  // Dropping at enqueue is only in keeping with a task that drops at run time too.
+  const preemptive = merged.preemptive ?? onConflict === "drop";
   if (typeof preemptive !== "boolean") {
     throw new InvalidArgumentError(`\`preemptive\` must be a boolean, got ${typeof preemptive}`);
   }

@@ -121,6 +121,8 @@ export class LockSession {
   private flushScheduled = false;
   private registryDirty = false;
   private readonly timers: NodeJS.Timeout[] = [];
+  /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
+  private readonly sideQueries = new Set<Promise<unknown>>();
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   statements = 0;
 
@@ -169,6 +171,12 @@ export class LockSession {
       this.unlockQueue.push({ hold, resolve });
       this.scheduleFlush();
     });
+  }
+
+  /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
+  async warmUp(): Promise<void> {
+    if (this.state === "idle") await this.connect();
+    if (this.state !== "ready") throw lockSessionUnavailable("could not connect");
   }
 
   private async ensureReady(): Promise<void> {
@@ -236,20 +244,28 @@ export class LockSession {
       // Only needed while something is held: that is when a silently dead connection matters.
       if (this.state !== "ready" || this.holds.size === 0 || this.inFlight) return;
       const client = this.client;
-      this.statements++;
-      client?.query(this.options.sql.heartbeat).catch((error: Error) => this.handleLost(client, error));
+      this.side(client?.query(this.options.sql.heartbeat).catch((error: Error) => this.handleLost(client, error)));
     }, this.options.heartbeatIntervalMs);
-    const registry = setInterval(() => void this.writeRegistry(), this.options.registryIntervalMs);
+    const registry = setInterval(() => this.side(this.writeRegistry()), this.options.registryIntervalMs);
     // Waiters whose job ran on its safety-net delay instead of being woken.
     const sweep = setInterval(() => {
       if (this.state !== "ready" || !this.client) return;
-      this.statements++;
-      this.client.query(this.options.sql.sweepWaiters).catch((error: unknown) => {
-        this.options.onWarning("Could not sweep waiters", error);
-      });
+      this.side(
+        this.client.query(this.options.sql.sweepWaiters).catch((error: unknown) => {
+          this.options.onWarning("Could not sweep waiters", error);
+        }),
+      );
     }, 60_000);
     for (const timer of [heartbeat, registry, sweep]) timer.unref();
     this.timers.push(heartbeat, registry, sweep);
+  }
+
+  /** Runs a statement beside the lock batches (heartbeat, registry, sweep), counted and awaited by close(). */
+  private side(promise: Promise<unknown> | undefined): void {
+    if (!promise) return;
+    this.statements++;
+    this.sideQueries.add(promise);
+    void promise.finally(() => this.sideQueries.delete(promise));
   }
 
   private async writeRegistry(): Promise<void> {
@@ -257,7 +273,6 @@ export class LockSession {
     this.registryDirty = false;
     const holds = [...this.holds.values()];
     try {
-      this.statements++;
       await this.client.query(this.options.sql.writeHolders, [
         holds.map((h) => h.keyText),
         holds.map((h) => h.info.taskIdentifier),
@@ -266,7 +281,7 @@ export class LockSession {
       ]);
     } catch (error) {
       this.registryDirty = true;
-      this.options.onWarning("Could not update the lock holder registry", error);
+      if (this.state === "ready") this.options.onWarning("Could not update the lock holder registry", error);
     }
   }
 
@@ -406,6 +421,7 @@ export class LockSession {
     if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
     await this.connecting?.catch(() => undefined);
     await this.inFlight?.catch(() => undefined);
+    await Promise.allSettled([...this.sideQueries]);
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);

@@ -184,7 +184,7 @@ describe("conflict strategies", () => {
     await external.release();
     await waitFor(async () => ran.length === 1, { message: "the rescheduled job to run" });
     expect(ran[0]!.attempts).toBe(2);
-    expect(await jobRows()).toEqual([]);
+    await waitFor(async () => (await jobRows()).length === 0, { message: "the job's completion" });
   });
 
   it("reschedule survives a crash between the copy and the completion: neither lost nor run twice", async () => {
@@ -290,6 +290,20 @@ describe("lockAvailable and the preemptive check", () => {
     expect(await task.lockAvailable({ user: 7 })).toBe(true);
     expect((await task.addJob({ user: 7 })).outcome).toBe("added");
     expect(await jobRows()).toHaveLength(3);
+  });
+
+  it("is off by default for strategies whose jobs must all run (reschedule, raise)", async () => {
+    const locks = newLocks();
+    const later = locks.exclusive("must_run", async () => undefined, { onConflict: "reschedule" });
+    const raising = locks.exclusive("must_run_too", async () => undefined, { onConflict: "raise" });
+    expect(later.options.preemptive).toBe(false);
+    const external = await holdExternally(later.lockKey({ id: 1 }));
+    const external2 = await holdExternally(raising.lockKey({ id: 1 }));
+    expect((await later.addJob({ id: 1 })).outcome).toBe("added");
+    expect((await raising.addJob({ id: 1 })).outcome).toBe("added");
+    expect((await later.addJob({ id: 1 }, { preemptive: true })).outcome).toBe("dropped");
+    await external.release();
+    await external2.release();
   });
 
   it("rejects bad input with a typed error before anything is written", async () => {
