@@ -5,6 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
+import type { Hold } from "./session.js";
 import { slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
@@ -34,6 +35,51 @@ class ConflictCounter {
   clear(key: string): void {
     if (this.counts.size > 0) this.counts.delete(key);
   }
+}
+
+/**
+ * The helpers the task sees: graphile-worker's, with an `abortSignal` (and `abortPromise`) that fires on
+ * graphile-worker's shutdown abort and when the lock is lost. Made only if the task reads them.
+ */
+function lockedHelpers(helpers: JobHelpers, hold: Hold): { helpers: JobHelpers; dispose(): void } {
+  const sources = [helpers.abortSignal, hold.signal].filter((s): s is AbortSignal => s !== undefined);
+  let controller: AbortController | undefined;
+  let promise: Promise<void> | undefined;
+  const onAbort = (event: Event) => controller!.abort((event.target as AbortSignal).reason);
+  const signal = (): AbortSignal => {
+    if (!controller) {
+      controller = new AbortController();
+      for (const source of sources) {
+        if (source.aborted) controller.abort(source.reason);
+        else source.addEventListener("abort", onAbort, { once: true });
+      }
+    }
+    return controller.signal;
+  };
+  const wrapped = { ...helpers };
+  Object.defineProperties(wrapped, {
+    abortSignal: { enumerable: true, get: signal },
+    abortPromise: {
+      enumerable: true,
+      get: () => {
+        if (!promise) {
+          const s = signal();
+          promise = new Promise<void>((_resolve, reject) => {
+            if (s.aborted) reject(s.reason);
+            else s.addEventListener("abort", () => reject(s.reason), { once: true });
+          });
+          promise.catch(() => undefined);
+        }
+        return promise;
+      },
+    },
+  });
+  return {
+    helpers: wrapped,
+    dispose: () => {
+      if (controller) for (const source of sources) source.removeEventListener("abort", onAbort);
+    },
+  };
 }
 
 export function makeExclusiveTask<TPayload>(
@@ -93,42 +139,22 @@ export function makeExclusiveTask<TPayload>(
     if (options.onConflict === "reschedule") conflicts.clear(slots[0]!.toString());
     ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job });
 
-    // The job's abort signal fires on graphile-worker's shutdown abort and when the lock is lost.
-    const controller = new AbortController();
-    const abort = (signal: AbortSignal) => controller.abort(signal.reason);
-    const outer = helpers.abortSignal;
-    const onOuterAbort = () => abort(outer!);
-    const onLockLost = () => abort(hold.signal);
-    if (outer?.aborted) abort(outer);
-    outer?.addEventListener("abort", onOuterAbort, { once: true });
-    hold.signal.addEventListener("abort", onLockLost, { once: true });
-    const abortPromise = new Promise<void>((_resolve, reject) => {
-      if (controller.signal.aborted) reject(controller.signal.reason);
-      controller.signal.addEventListener("abort", () => reject(controller.signal.reason), { once: true });
-    });
-    abortPromise.catch(() => undefined);
-
+    const locked = lockedHelpers(helpers, hold);
     const started = performance.now();
     try {
-      const value = await task(payload as TPayload, {
-        ...helpers,
-        abortSignal: controller.signal,
-        abortPromise,
-      });
+      const value = await task(payload as TPayload, locked.helpers);
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
       if (Array.isArray(value)) await Promise.allSettled(value);
       return value as ReturnType<Task>;
     } finally {
-      outer?.removeEventListener("abort", onOuterAbort);
-      hold.signal.removeEventListener("abort", onLockLost);
-      const { outcome } = await hold.release();
-      ctx.emit("lock:released", {
-        taskIdentifier,
-        lockKey: hold.key,
-        job,
-        outcome,
-        heldMs: performance.now() - started,
-      });
+      locked.dispose();
+      // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
+      // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
+      // can overlap; a late unlock of a lost session is a no-op.
+      const heldMs = performance.now() - started;
+      void hold.release().then(({ outcome }) =>
+        ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
+      );
     }
   };
 

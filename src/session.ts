@@ -153,9 +153,17 @@ export class LockSession {
    * when there is no session.
    */
   async acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
-    if (this.state !== "ready") await this.ensureReady();
-    const free = slots.map(String).filter((k) => !this.holds.has(k) && !this.pending.has(k));
-    if (free.length === 0) return { acquired: false, local: true };
+    const keys = slots.map(String);
+    let free: string[];
+    for (;;) {
+      if (this.state !== "ready") await this.ensureReady();
+      free = keys.filter((k) => !this.holds.has(k) && !this.pending.has(k));
+      if (free.length > 0) break;
+      // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
+      const releasing = keys.map((k) => this.holds.get(k)?.releasing).find((p) => p !== undefined);
+      if (!releasing) return { acquired: false, local: true };
+      await releasing;
+    }
     for (const k of free) this.pending.add(k);
     return new Promise<AcquireResult>((resolve, reject) => {
       this.lockQueue.push({ slots: free, info, resolve, reject });

@@ -418,7 +418,7 @@ describe("lock loss", () => {
     await task.addJob({});
     await acquired;
     await Promise.all([r.stop(), aborted.promise]);
-    expect(locks.status().held).toEqual([]);
+    await waitFor(async () => locks.status().held.length === 0, { message: "the release" });
   });
 });
 
