@@ -42,13 +42,14 @@ class ConflictCounter {
  * graphile-worker's shutdown abort and when the lock is lost. Made only if the task reads them.
  */
 function lockedHelpers(helpers: JobHelpers, hold: Hold): { helpers: JobHelpers; dispose(): void } {
-  const sources = [helpers.abortSignal, hold.signal].filter((s): s is AbortSignal => s !== undefined);
+  let sources: AbortSignal[] = [];
   let controller: AbortController | undefined;
   let promise: Promise<void> | undefined;
   const onAbort = (event: Event) => controller!.abort((event.target as AbortSignal).reason);
   const signal = (): AbortSignal => {
     if (!controller) {
       controller = new AbortController();
+      sources = [helpers.abortSignal, hold.signal].filter((s): s is AbortSignal => s !== undefined);
       for (const source of sources) {
         if (source.aborted) controller.abort(source.reason);
         else source.addEventListener("abort", onAbort, { once: true });
@@ -77,7 +78,7 @@ function lockedHelpers(helpers: JobHelpers, hold: Hold): { helpers: JobHelpers; 
   return {
     helpers: wrapped,
     dispose: () => {
-      if (controller) for (const source of sources) source.removeEventListener("abort", onAbort);
+      for (const source of sources) source.removeEventListener("abort", onAbort);
     },
   };
 }

@@ -74,7 +74,8 @@ export interface LockSessionOptions {
 }
 
 class HoldImpl implements Hold {
-  readonly controller = new AbortController();
+  private controller: AbortController | undefined;
+  private lostReason: Error | undefined;
   readonly since = new Date();
   lost = false;
   releasing: Promise<ReleaseResult> | undefined;
@@ -85,8 +86,18 @@ class HoldImpl implements Hold {
     readonly generation: number,
     readonly info: HoldInfo,
   ) {}
+  /** Made on first use: most jobs never look at it. */
   get signal(): AbortSignal {
+    if (!this.controller) {
+      this.controller = new AbortController();
+      if (this.lostReason) this.controller.abort(this.lostReason);
+    }
     return this.controller.signal;
+  }
+  markLost(reason: Error): void {
+    this.lost = true;
+    this.lostReason = reason;
+    this.controller?.abort(reason);
   }
   release(): Promise<ReleaseResult> {
     this.releasing ??= this.session.release(this);
@@ -320,10 +331,7 @@ export class LockSession {
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const request of this.unlockQueue.splice(0)) request.resolve({ released: false, outcome: "lost" });
     const reason = lockLost(error);
-    for (const hold of lost) {
-      hold.lost = true;
-      hold.controller.abort(reason);
-    }
+    for (const hold of lost) hold.markLost(reason);
     this.options.onLost(lost, error);
     this.scheduleReconnect();
   }
@@ -350,7 +358,7 @@ export class LockSession {
 
     this.statements++;
     this.inFlight = client
-      .query<{ op: number; i: number; key: string | null; ok: boolean }>({
+      .query<{ op: number; i: number; key: string | null }>({
         name: this.options.sql.lockBatch.name,
         text: this.options.sql.lockBatch.text,
         values: [
@@ -369,11 +377,18 @@ export class LockSession {
             for (const u of unlocks) u.resolve({ released: false, outcome: "lost" });
             return;
           }
+          // Rows name the failed unlocks and single locks, and every semaphore request's slot.
+          const failedUnlocks = new Set<number>();
+          const failedSingles = new Set<number>();
           for (const row of rows) {
-            if (row.op === 3) continue; // waiters woken
-            if (row.op === 0) this.settleUnlock(unlocks[row.i - 1]!, row.ok);
-            else this.settleLock((row.op === 1 ? singles : multis)[row.i - 1]!, row.ok ? row.key : null, generation);
+            if (row.op === 0) failedUnlocks.add(row.i);
+            else if (row.op === 1) failedSingles.add(row.i);
+            else if (row.op === 2) this.settleLock(multis[row.i - 1]!, row.key, generation);
           }
+          unlocks.forEach((u, index) => this.settleUnlock(u, !failedUnlocks.has(index + 1)));
+          singles.forEach((r, index) =>
+            this.settleLock(r, failedSingles.has(index + 1) ? null : r.slots[0]!, generation),
+          );
         },
         (error: Error) => {
           const unavailable = lockSessionUnavailable("a lock statement failed", error);
@@ -437,10 +452,7 @@ export class LockSession {
     const open = [...this.holds.values()];
     this.holds.clear();
     this.pending.clear();
-    for (const hold of open) {
-      hold.lost = true;
-      hold.controller.abort(lockLost(new Error("The Locks instance was released")));
-    }
+    for (const hold of open) hold.markLost(lockLost(new Error("The Locks instance was released")));
     const client = this.client;
     this.client = null;
     if (client) {

@@ -42,21 +42,24 @@ export function makeSql(schema: string, workerSchema: string) {
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
      * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), which runs
-     * last, after the unlocks. Rows come back per part in input order.
+     * last, after the unlocks.
      */
     lockBatch: {
-      name: `gwl_lock_batch_v2`,
-      text: `select 0 as op, t.i::int as i, t.k::text as key, pg_catalog.pg_advisory_unlock(t.k) as ok
+      name: `gwl_lock_batch_v3`,
+      // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
+      // every request without a row succeeded. Semaphore requests answer with the slot they took.
+      text: `select 0 as op, t.i::int as i, null::text as key
         from unnest($1::bigint[]) with ordinality as t(k, i)
+        where not pg_catalog.pg_advisory_unlock(t.k)
       union all
-      select 1, t.i::int, t.k::text, pg_catalog.pg_try_advisory_lock(t.k)
+      select 1, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
+        where not pg_catalog.pg_try_advisory_lock(t.k)
       union all
-      select 2, r.i::int, r.got::text, r.got is not null
-        from (select t.i, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[]) as got
-              from unnest($3::text[]) with ordinality as t(slots, i)) r
+      select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
+        from unnest($3::text[]) with ordinality as t(slots, i)
       union all
-      select 3, 0, null, ${s}.wake_waiters($4::bigint[]) > 0 where cardinality($4::bigint[]) > 0`,
+      select 3, ${s}.wake_waiters($4::bigint[]), null where cardinality($4::bigint[]) > 0`,
     },
 
     /** Replaces this session's rows in the holder registry with the locks it holds now. */
