@@ -11,5 +11,9 @@ export interface LocksContext {
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
-  addJob(taskIdentifier: string, payload: unknown, spec: AddJobSpec | undefined): Promise<AddJobResult>;
+  addJob(
+    taskIdentifier: string,
+    payload: unknown,
+    spec: AddJobSpec | undefined,
+  ): Promise<AddJobResult>;
 }

@@ -43,7 +43,11 @@ export function lockCoordinates(keys: readonly bigint[]): [number[], number[], n
   return [parts.map((p) => p.classid), parts.map((p) => p.objid), keys.length];
 }
 
-export async function lockAvailable(db: Queryable, sql: Sql, keys: readonly bigint[]): Promise<boolean> {
+export async function lockAvailable(
+  db: Queryable,
+  sql: Sql,
+  keys: readonly bigint[],
+): Promise<boolean> {
   const { rows } = await db.query<{ available: boolean }>(sql.lockAvailable, lockCoordinates(keys));
   return rows[0]!.available;
 }
@@ -54,7 +58,10 @@ type JobRow = Job & { outcome?: string; ord?: number };
  * graphile-worker's flags object for a unique job: the caller's flags plus the one that records the job's
  * scope on its row (the window's end is added by the database, from its own clock).
  */
-function uniqueFlags(flags: readonly string[] | undefined, unique: ResolvedUnique | null): Record<string, true> | null {
+function uniqueFlags(
+  flags: readonly string[] | undefined,
+  unique: ResolvedUnique | null,
+): Record<string, true> | null {
   if (!unique?.scope && !flags?.length) return null;
   const object: Record<string, true> = {};
   for (const flag of flags ?? []) object[flag] = true;
@@ -128,7 +135,11 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
  * Many enqueues in one statement, deduplicated within the batch (the first of a key wins) and against
  * existing jobs. No preemptive check. Results in input order.
  */
-export async function addJobs(db: Queryable, sql: Sql, plans: readonly EnqueuePlan[]): Promise<AddJobResult[]> {
+export async function addJobs(
+  db: Queryable,
+  sql: Sql,
+  plans: readonly EnqueuePlan[],
+): Promise<AddJobResult[]> {
   let firsts = 0;
   const specs = plans.map((plan, index) => {
     if (plan.spec?.jobKey !== undefined || plan.spec?.jobKeyMode !== undefined) {
@@ -162,7 +173,11 @@ export async function addJobs(db: Queryable, sql: Sql, plans: readonly EnqueuePl
     }
   });
   if (specs.length === 0) return [];
-  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [JSON.stringify(specs), specs.length, firsts]);
+  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [
+    JSON.stringify(specs),
+    specs.length,
+    firsts,
+  ]);
   // Rows inserted set-based come back without a position: each is the first item of its key.
   const results: AddJobResult[] = new Array(plans.length);
   for (const row of rows) {

@@ -93,7 +93,12 @@ export function makeExclusiveTask<TPayload>(
   const keysOf = (payload: TPayload) =>
     slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
 
-  const onConflict = async (job: Job, helpers: JobHelpers, slots: readonly bigint[], local: boolean) => {
+  const onConflict = async (
+    job: Job,
+    helpers: JobHelpers,
+    slots: readonly bigint[],
+    local: boolean,
+  ) => {
     const lockKey = slots[0]!;
     const strategy = options.onConflict;
     ctx.emit("lock:conflict", { taskIdentifier, lockKey, job, strategy, local });
@@ -122,7 +127,9 @@ export function makeExclusiveTask<TPayload>(
           return id;
         });
         if (!newJobId) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
-        helpers.logger.debug(`Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`);
+        helpers.logger.debug(
+          `Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`,
+        );
         ctx.emit("job:rescheduled", { taskIdentifier, lockKey, job, newJobId, runAt, delayMs });
         return;
       }
@@ -153,9 +160,11 @@ export function makeExclusiveTask<TPayload>(
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
       const heldMs = performance.now() - started;
-      void hold.release().then(({ outcome }) =>
-        ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
-      );
+      void hold
+        .release()
+        .then(({ outcome }) =>
+          ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
+        );
     }
   };
 
@@ -167,4 +176,3 @@ export function makeExclusiveTask<TPayload>(
     addJob: (payload: TPayload, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
   }) as ExclusiveTask<TPayload>;
 }
-

@@ -13,10 +13,24 @@ export type {
   ResolvedExclusiveOptions,
 } from "./options.js";
 export { CONFLICT_STRATEGIES } from "./options.js";
-export { lockKey, lockKeyMaterial, slotKeys, canonicalJson, assertJsonSafe, advisoryParts, KEY_VERSION } from "./key.js";
+export {
+  lockKey,
+  lockKeyMaterial,
+  slotKeys,
+  canonicalJson,
+  assertJsonSafe,
+  advisoryParts,
+  KEY_VERSION,
+} from "./key.js";
 export { migrate } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
-export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError, UniqueConflictError } from "./errors.js";
+export {
+  ErrorCodes,
+  LocksError,
+  LockConflictError,
+  InvalidArgumentError,
+  UniqueConflictError,
+} from "./errors.js";
 export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
 export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";
 export type { ErrorCode } from "./errors.js";

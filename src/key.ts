@@ -41,7 +41,11 @@ export function assertJsonSafe(value: unknown, path = "payload"): void {
   };
   const visit = (input: unknown, inObject: boolean): void => {
     let node = input;
-    if (node !== null && typeof node === "object" && typeof (node as { toJSON?: unknown }).toJSON === "function") {
+    if (
+      node !== null &&
+      typeof node === "object" &&
+      typeof (node as { toJSON?: unknown }).toJSON === "function"
+    ) {
       node = (node as { toJSON: () => unknown }).toJSON();
     }
     switch (typeof node) {
@@ -49,7 +53,8 @@ export function assertJsonSafe(value: unknown, path = "payload"): void {
       case "boolean":
         return;
       case "number":
-        if (!Number.isFinite(node)) fail(`is ${node}, which JSON cannot carry (it would become null)`);
+        if (!Number.isFinite(node))
+          fail(`is ${node}, which JSON cannot carry (it would become null)`);
         return;
       case "undefined":
         if (!inObject) fail("is undefined, which JSON cannot carry (it would become null)");
@@ -123,7 +128,12 @@ export function lockKey(taskIdentifier: string, value: unknown): bigint {
  * The advisory keys of a semaphore of `limit` slots. Slot 0 is {@link lockKey} itself, so raising a limit
  * from 1 keeps the key of the first slot.
  */
-export function slotKeys(taskIdentifier: string, value: unknown, limit: number, path = "payload"): bigint[] {
+export function slotKeys(
+  taskIdentifier: string,
+  value: unknown,
+  limit: number,
+  path = "payload",
+): bigint[] {
   const material = lockKeyMaterial(taskIdentifier, value, path);
   const keys = [hashKey(material)];
   for (let slot = 1; slot < limit; slot++) keys.push(hashKey(`${material}#slot:${slot}`));

@@ -8,7 +8,14 @@ import type { Client, ClientConfig, Pool, PoolClient } from "pg";
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
-import { addJob, addJobs, lockAvailable, type AddJobResult, type EnqueuePlan, type Queryable } from "./enqueue.js";
+import {
+  addJob,
+  addJobs,
+  lockAvailable,
+  type AddJobResult,
+  type EnqueuePlan,
+  type Queryable,
+} from "./enqueue.js";
 import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
@@ -79,7 +86,10 @@ export interface Locks {
    * outcome per item in input order. No preemptive check. With `onDuplicate: "raise"` on any item, a
    * duplicate aborts the whole batch.
    */
-  addJobs(items: readonly AddJobsItem[], options?: { pgClient?: PoolClient | Client }): Promise<AddJobResult[]>;
+  addJobs(
+    items: readonly AddJobsItem[],
+    options?: { pgClient?: PoolClient | Client },
+  ): Promise<AddJobResult[]>;
   /** Removes expired `uniqueFor` windows now (it also happens on its own); resolves how many. */
   sweep(): Promise<number>;
   /** Every advisory lock held in the database, with its holder. */
@@ -124,8 +134,10 @@ export function makeLocks(options: LocksOptions): Locks {
   const workerSchema = options.workerSchema ?? "graphile_worker";
   const logger = options.logger ?? new Logger(consoleLogFactory);
   const ownPool = !options.pgPool;
-  const pool: Pool = options.pgPool ?? new pg.Pool({ connectionString: options.connectionString, max: 10 });
-  if (ownPool) pool.on("error", (error) => logger.warn(`graphile-worker-locks pool error: ${error.message}`));
+  const pool: Pool =
+    options.pgPool ?? new pg.Pool({ connectionString: options.connectionString, max: 10 });
+  if (ownPool)
+    pool.on("error", (error) => logger.warn(`graphile-worker-locks pool error: ${error.message}`));
   const sql = makeSql(schema, workerSchema);
   const events = makeEmitter();
   let released = false;
@@ -156,7 +168,9 @@ export function makeLocks(options: LocksOptions): Locks {
         : { ...(pool as unknown as { options: ClientConfig }).options };
     return {
       ...base,
-      application_name: options.applicationName ?? `graphile-worker-locks/${hostname()}/${process.pid}`.slice(0, 63),
+      application_name:
+        options.applicationName ??
+        `graphile-worker-locks/${hostname()}/${process.pid}`.slice(0, 63),
     };
   };
 
@@ -166,14 +180,21 @@ export function makeLocks(options: LocksOptions): Locks {
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
     registryIntervalMs: 500,
-    reconnectDelayMs: { min: options.reconnectDelay?.min ?? 100, max: options.reconnectDelay?.max ?? 5000 },
+    reconnectDelayMs: {
+      min: options.reconnectDelay?.min ?? 100,
+      max: options.reconnectDelay?.max ?? 5000,
+    },
     onLost(holds, error) {
       logger.error(
         `graphile-worker-locks: the lock session was lost (${error.message}); ${holds.length} running job(s) lost their lock and were signalled to abort`,
         { error },
       );
       emit("lock:lost", {
-        holds: holds.map((h) => ({ taskIdentifier: h.info.taskIdentifier, lockKey: h.key, jobId: h.info.jobId })),
+        holds: holds.map((h) => ({
+          taskIdentifier: h.info.taskIdentifier,
+          lockKey: h.key,
+          jobId: h.info.jobId,
+        })),
         error,
       });
     },
@@ -181,7 +202,9 @@ export function makeLocks(options: LocksOptions): Locks {
       emit("session:connected", { pid: session.pid });
     },
     onWarning(message, error) {
-      logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, { error });
+      logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, {
+        error,
+      });
     },
   });
 
@@ -201,21 +224,31 @@ export function makeLocks(options: LocksOptions): Locks {
     if (Date.now() - lastSweep < SWEEP_INTERVAL_MS) return;
     lastSweep = Date.now();
     db.query(sql.sweepUniqueWindows).catch((error: unknown) =>
-      logger.warn(`graphile-worker-locks: sweeping unique windows failed: ${String(error)}`, { error }),
+      logger.warn(`graphile-worker-locks: sweeping unique windows failed: ${String(error)}`, {
+        error,
+      }),
     );
   };
 
   /** Resolves an enqueue, validating everything before anything is written. */
-  const plan = (taskIdentifier: string, payload: unknown, spec: AddJobSpec | undefined): EnqueuePlan => {
+  const plan = (
+    taskIdentifier: string,
+    payload: unknown,
+    spec: AddJobSpec | undefined,
+  ): EnqueuePlan => {
     if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
-      throw new InvalidArgumentError(`\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`);
+      throw new InvalidArgumentError(
+        `\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`,
+      );
     }
     assertJsonSafe(payload);
     const definition = definitions.get(taskIdentifier);
     const exclusive = definition?.exclusive ?? null;
     const preemptive = spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
     const rules = exclusive ?? defaultExclusive;
-    const lockKeys = preemptive ? slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath) : null;
+    const lockKeys = preemptive
+      ? slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath)
+      : null;
     const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
     return { taskIdentifier, payload, spec, lockKeys, unique };
   };
@@ -225,14 +258,29 @@ export function makeLocks(options: LocksOptions): Locks {
     switch (result.outcome) {
       case "dropped": {
         const { pgClient: _client, ...rest } = spec ?? {};
-        emit("enqueue:dropped", { taskIdentifier, lockKey: p.lockKeys![0]!, payload, spec: spec ? rest : undefined });
+        emit("enqueue:dropped", {
+          taskIdentifier,
+          lockKey: p.lockKeys![0]!,
+          payload,
+          spec: spec ? rest : undefined,
+        });
         break;
       }
       case "duplicate":
-        emit("enqueue:duplicate", { taskIdentifier, uniqueKey: p.unique!.key, payload, job: result.job });
+        emit("enqueue:duplicate", {
+          taskIdentifier,
+          uniqueKey: p.unique!.key,
+          payload,
+          job: result.job,
+        });
         break;
       case "replaced":
-        emit("enqueue:replaced", { taskIdentifier, uniqueKey: p.unique!.key, payload, job: result.job! });
+        emit("enqueue:replaced", {
+          taskIdentifier,
+          uniqueKey: p.unique!.key,
+          payload,
+          job: result.job!,
+        });
         break;
       case "added":
         break;
@@ -257,23 +305,36 @@ export function makeLocks(options: LocksOptions): Locks {
       report(result, p);
       if (p.unique?.windowSeconds) maybeSweep(pool);
       if (result.outcome === "duplicate" && p.unique?.onDuplicate === "raise") {
-        throw new UniqueConflictError(taskIdentifier, p.unique.key, result.job?.id ?? null, result.job);
+        throw new UniqueConflictError(
+          taskIdentifier,
+          p.unique.key,
+          result.job?.id ?? null,
+          result.job,
+        );
       }
       return result;
     },
   };
 
-  const define = (taskIdentifier: string, exclusive: ResolvedExclusiveOptions<never> | null, unique: UniqueOptions<never>) => {
+  const define = (
+    taskIdentifier: string,
+    exclusive: ResolvedExclusiveOptions<never> | null,
+    unique: UniqueOptions<never>,
+  ) => {
     validateUniqueOptions(unique, `'${taskIdentifier}'`);
     definitions.set(taskIdentifier, { exclusive, unique });
   };
   const assertTask = (taskIdentifier: string, task: unknown) => {
     assertOpen();
     if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
-      throw new InvalidArgumentError(`\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`);
+      throw new InvalidArgumentError(
+        `\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`,
+      );
     }
     if (typeof task !== "function") {
-      throw new InvalidArgumentError(`\`task\` for '${taskIdentifier}' must be a function, got ${typeof task}`);
+      throw new InvalidArgumentError(
+        `\`task\` for '${taskIdentifier}' must be a function, got ${typeof task}`,
+      );
     }
   };
 
@@ -282,13 +343,18 @@ export function makeLocks(options: LocksOptions): Locks {
     exclusive(taskIdentifier, task, taskOptions) {
       assertTask(taskIdentifier, task);
       const resolved = resolveExclusiveOptions(taskOptions, options.defaults);
-      define(taskIdentifier, resolved as ResolvedExclusiveOptions<never>, { ...options.defaults, ...taskOptions } as UniqueOptions<never>);
+      define(
+        taskIdentifier,
+        resolved as ResolvedExclusiveOptions<never>,
+        { ...options.defaults, ...taskOptions } as UniqueOptions<never>,
+      );
       return makeExclusiveTask(ctx, taskIdentifier, task, resolved);
     },
     unique(taskIdentifier, task, uniqueOptions) {
       assertTask(taskIdentifier, task);
       define(taskIdentifier, null, uniqueOptions as UniqueOptions<never>);
-      const wrapped: Task = (payload, helpers) => task(payload as never, helpers) as ReturnType<Task>;
+      const wrapped: Task = (payload, helpers) =>
+        task(payload as never, helpers) as ReturnType<Task>;
       return Object.assign(wrapped, {
         taskIdentifier,
         addJob: (payload: unknown, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
@@ -299,7 +365,9 @@ export function makeLocks(options: LocksOptions): Locks {
       const { exclusive, ...rest } = defineOptions;
       define(
         taskIdentifier,
-        exclusive ? (resolveExclusiveOptions(rest, options.defaults) as ResolvedExclusiveOptions<never>) : null,
+        exclusive
+          ? (resolveExclusiveOptions(rest, options.defaults) as ResolvedExclusiveOptions<never>)
+          : null,
         { ...options.defaults, ...rest } as UniqueOptions<never>,
       );
     },
@@ -311,10 +379,13 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     async addJobs(items, addOptions) {
       assertOpen();
-      if (!Array.isArray(items)) throw new InvalidArgumentError(`\`addJobs\` takes an array, got ${typeof items}`);
+      if (!Array.isArray(items))
+        throw new InvalidArgumentError(`\`addJobs\` takes an array, got ${typeof items}`);
       const plans = items.map((item, index) => {
         if (!item || typeof item !== "object") {
-          throw new InvalidArgumentError(`addJobs: item ${index} must be an object, got ${String(item)}`);
+          throw new InvalidArgumentError(
+            `addJobs: item ${index} must be an object, got ${String(item)}`,
+          );
         }
         const { identifier, payload, ...spec } = item;
         return { ...plan(identifier, payload, { ...spec, preemptive: false }), lockKeys: null };
@@ -329,10 +400,13 @@ export function makeLocks(options: LocksOptions): Locks {
         if (e.code !== "GWLUQ") throw error;
         const p = plans[Number(e.hint) - 1]!;
         const existingJobId = e.detail || null;
-        const existing = existingJobId && !addOptions?.pgClient
-          ? ((await pool.query<Job>(sql.jobById, [existingJobId])).rows[0] ?? null)
-          : null;
-        throw new UniqueConflictError(p.taskIdentifier, p.unique!.key, existingJobId, existing, { cause: error });
+        const existing =
+          existingJobId && !addOptions?.pgClient
+            ? ((await pool.query<Job>(sql.jobById, [existingJobId])).rows[0] ?? null)
+            : null;
+        throw new UniqueConflictError(p.taskIdentifier, p.unique!.key, existingJobId, existing, {
+          cause: error,
+        });
       }
       results.forEach((result, index) => report(result, plans[index]!));
       if (plans.some((p) => p.unique?.windowSeconds)) maybeSweep(pool);

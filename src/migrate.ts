@@ -74,7 +74,9 @@ async function runMigrations(
 
   await client.query("begin");
   try {
-    await client.query("select pg_advisory_xact_lock($1)", [hashKey(`gwl:migrate:${schema}`).toString()]);
+    await client.query("select pg_advisory_xact_lock($1)", [
+      hashKey(`gwl:migrate:${schema}`).toString(),
+    ]);
     await client.query(`create schema if not exists ${s}`);
     await client.query(
       `create table if not exists ${s}.migrations (

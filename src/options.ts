@@ -108,7 +108,9 @@ function assertPositiveInteger(name: string, value: unknown): asserts value is n
 
 function assertNonNegative(name: string, value: unknown): asserts value is number {
   if (typeof value !== "number" || !Number.isFinite(value) || value < 0) {
-    throw new InvalidArgumentError(`\`${name}\` must be a non-negative number, got ${String(value)}`);
+    throw new InvalidArgumentError(
+      `\`${name}\` must be a non-negative number, got ${String(value)}`,
+    );
   }
 }
 
@@ -127,7 +129,9 @@ export function resolveExclusiveOptions<TPayload>(
   const limit = merged.limit ?? 1;
   assertPositiveInteger("limit", limit);
   if (merged.key !== undefined && typeof merged.key !== "function") {
-    throw new InvalidArgumentError(`\`key\` must be a function of the payload, got ${typeof merged.key}`);
+    throw new InvalidArgumentError(
+      `\`key\` must be a function of the payload, got ${typeof merged.key}`,
+    );
   }
   // Dropping at enqueue is only in keeping with a task that drops at run time too.
   const preemptive = merged.preemptive ?? onConflict === "drop";
@@ -145,7 +149,9 @@ export function resolveExclusiveOptions<TPayload>(
   assertNonNegative("reschedule.maxDelay", reschedule.maxDelay);
   assertNonNegative("reschedule.jitter", reschedule.jitter);
   if (reschedule.jitter > 1) {
-    throw new InvalidArgumentError(`\`reschedule.jitter\` must be between 0 and 1, got ${reschedule.jitter}`);
+    throw new InvalidArgumentError(
+      `\`reschedule.jitter\` must be between 0 and 1, got ${reschedule.jitter}`,
+    );
   }
   if (reschedule.maxDelay < reschedule.minDelay) {
     throw new InvalidArgumentError(

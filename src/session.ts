@@ -209,7 +209,8 @@ export class LockSession {
       case "idle":
       case "connecting":
         await this.connect();
-        if ((this.state as SessionState) !== "ready") throw lockSessionUnavailable("could not connect");
+        if ((this.state as SessionState) !== "ready")
+          throw lockSessionUnavailable("could not connect");
     }
   }
 
@@ -263,9 +264,16 @@ export class LockSession {
       // Only needed while something is held: that is when a silently dead connection matters.
       if (this.state !== "ready" || this.holds.size === 0 || this.inFlight) return;
       const client = this.client;
-      this.side(client?.query(this.options.sql.heartbeat).catch((error: Error) => this.handleLost(client, error)));
+      this.side(
+        client
+          ?.query(this.options.sql.heartbeat)
+          .catch((error: Error) => this.handleLost(client, error)),
+      );
     }, this.options.heartbeatIntervalMs);
-    const registry = setInterval(() => this.side(this.writeRegistry()), this.options.registryIntervalMs);
+    const registry = setInterval(
+      () => this.side(this.writeRegistry()),
+      this.options.registryIntervalMs,
+    );
     // Waiters whose job ran on its safety-net delay instead of being woken.
     const sweep = setInterval(() => {
       if (this.state !== "ready" || !this.client) return;
@@ -300,7 +308,8 @@ export class LockSession {
       ]);
     } catch (error) {
       this.registryDirty = true;
-      if (this.state === "ready") this.options.onWarning("Could not update the lock holder registry", error);
+      if (this.state === "ready")
+        this.options.onWarning("Could not update the lock holder registry", error);
     }
   }
 
@@ -329,7 +338,8 @@ export class LockSession {
     this.pending.clear();
     const unavailable = lockSessionUnavailable("the connection was lost", error);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
-    for (const request of this.unlockQueue.splice(0)) request.resolve({ released: false, outcome: "lost" });
+    for (const request of this.unlockQueue.splice(0))
+      request.resolve({ released: false, outcome: "lost" });
     const reason = lockLost(error);
     for (const hold of lost) hold.markLost(reason);
     this.options.onLost(lost, error);
@@ -365,7 +375,9 @@ export class LockSession {
           unlocks.map((u) => u.hold.keyText),
           singles.map((r) => r.slots[0]),
           multis.map((r) => r.slots.join(",")),
-          unlocks.flatMap((u) => (u.hold.info.wakeKey === null ? [] : [u.hold.info.wakeKey.toString()])),
+          unlocks.flatMap((u) =>
+            u.hold.info.wakeKey === null ? [] : [u.hold.info.wakeKey.toString()],
+          ),
         ],
       })
       .then(
@@ -448,7 +460,8 @@ export class LockSession {
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
-    for (const request of this.unlockQueue.splice(0)) request.resolve({ released: false, outcome: "lost" });
+    for (const request of this.unlockQueue.splice(0))
+      request.resolve({ released: false, outcome: "lost" });
     const open = [...this.holds.values()];
     this.holds.clear();
     this.pending.clear();

@@ -58,7 +58,10 @@ export interface ResolvedUnique {
   onDuplicate: DuplicateStrategy;
 }
 
-export function validateUniqueOptions(options: UniqueOptions<never> | undefined, where: string): void {
+export function validateUniqueOptions(
+  options: UniqueOptions<never> | undefined,
+  where: string,
+): void {
   if (!options) return;
   const { unique, uniqueFor, uniqueKey, uniqueGroup, uniqueByQueue, onDuplicate } = options;
   if (unique !== undefined && unique !== false && !UNIQUE_SCOPES.includes(unique)) {
@@ -68,17 +71,25 @@ export function validateUniqueOptions(options: UniqueOptions<never> | undefined,
   }
   if (uniqueFor !== undefined && uniqueFor !== null) {
     if (typeof uniqueFor !== "number" || !Number.isFinite(uniqueFor) || uniqueFor <= 0) {
-      throw new InvalidArgumentError(`${where}: \`uniqueFor\` must be a positive number of seconds, got ${String(uniqueFor)}`);
+      throw new InvalidArgumentError(
+        `${where}: \`uniqueFor\` must be a positive number of seconds, got ${String(uniqueFor)}`,
+      );
     }
   }
   if (uniqueKey !== undefined && typeof uniqueKey !== "function") {
-    throw new InvalidArgumentError(`${where}: \`uniqueKey\` must be a function of the payload, got ${typeof uniqueKey}`);
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueKey\` must be a function of the payload, got ${typeof uniqueKey}`,
+    );
   }
   if (uniqueGroup !== undefined && (typeof uniqueGroup !== "string" || uniqueGroup.length === 0)) {
-    throw new InvalidArgumentError(`${where}: \`uniqueGroup\` must be a non-empty string, got ${String(uniqueGroup)}`);
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueGroup\` must be a non-empty string, got ${String(uniqueGroup)}`,
+    );
   }
   if (uniqueByQueue !== undefined && typeof uniqueByQueue !== "boolean") {
-    throw new InvalidArgumentError(`${where}: \`uniqueByQueue\` must be a boolean, got ${typeof uniqueByQueue}`);
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueByQueue\` must be a boolean, got ${typeof uniqueByQueue}`,
+    );
   }
   if (onDuplicate !== undefined && !DUPLICATE_STRATEGIES.includes(onDuplicate)) {
     throw new InvalidArgumentError(
@@ -88,11 +99,23 @@ export function validateUniqueOptions(options: UniqueOptions<never> | undefined,
 }
 
 /** The job key of a unique job. */
-export function uniqueJobKey(group: string, value: unknown, queueName: string | null, path = "payload"): string {
-  return `gwl:u:${createHash("sha256").update(uniqueKeyMaterial(group, value, queueName, path), "utf8").digest("hex")}`;
+export function uniqueJobKey(
+  group: string,
+  value: unknown,
+  queueName: string | null,
+  path = "payload",
+): string {
+  return `gwl:u:${createHash("sha256")
+    .update(uniqueKeyMaterial(group, value, queueName, path), "utf8")
+    .digest("hex")}`;
 }
 
-export function uniqueKeyMaterial(group: string, value: unknown, queueName: string | null, path = "payload"): string {
+export function uniqueKeyMaterial(
+  group: string,
+  value: unknown,
+  queueName: string | null,
+  path = "payload",
+): string {
   const queue = queueName === null ? "*" : JSON.stringify(queueName);
   return `gwl:${KEY_VERSION}:unique:${JSON.stringify(group)}:${queue}:${canonicalJson(value, path)}`;
 }
@@ -105,13 +128,16 @@ export function resolveUnique(
   taskIdentifier: string,
   payload: unknown,
   definition: UniqueOptions<never> | undefined,
-  spec: (UniqueOptions<never> & { queueName?: string; jobKey?: string; jobKeyMode?: string }) | undefined,
+  spec:
+    | (UniqueOptions<never> & { queueName?: string; jobKey?: string; jobKeyMode?: string })
+    | undefined,
   fallbackKey: ((payload: never) => unknown) | undefined,
 ): ResolvedUnique | null {
   validateUniqueOptions(spec, "addJob");
   if (spec?.unique === false) return null;
   const scope = spec?.unique ?? definition?.unique ?? null;
-  const windowSeconds = spec?.uniqueFor === undefined ? (definition?.uniqueFor ?? null) : spec.uniqueFor;
+  const windowSeconds =
+    spec?.uniqueFor === undefined ? (definition?.uniqueFor ?? null) : spec.uniqueFor;
   if (!scope && windowSeconds === null) return null;
   if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
     throw new InvalidArgumentError(
@@ -123,7 +149,12 @@ export function resolveUnique(
   const group = spec?.uniqueGroup ?? definition?.uniqueGroup ?? taskIdentifier;
   const byQueue = spec?.uniqueByQueue ?? definition?.uniqueByQueue ?? false;
   return {
-    key: uniqueJobKey(group, value, byQueue ? (spec?.queueName ?? null) : null, keyFn ? "uniqueKey(payload)" : "payload"),
+    key: uniqueJobKey(
+      group,
+      value,
+      byQueue ? (spec?.queueName ?? null) : null,
+      keyFn ? "uniqueKey(payload)" : "payload",
+    ),
     scope: scope || null,
     windowSeconds,
     onDuplicate: spec?.onDuplicate ?? definition?.onDuplicate ?? "reject",

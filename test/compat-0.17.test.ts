@@ -29,7 +29,10 @@ async function admin<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
 beforeAll(async () => {
   await admin((c) => c.query(`create database ${name} template template0`));
   url = databaseUrl(inject("baseUrl"), name);
-  await gw17.runMigrations({ connectionString: url, logger: new gw17.Logger(() => () => undefined) });
+  await gw17.runMigrations({
+    connectionString: url,
+    logger: new gw17.Logger(() => () => undefined),
+  });
   pool = new pg.Pool({ connectionString: url });
   locks = makeLocks({ pgPool: pool, logger: new gw17.Logger(() => () => undefined) as never });
   await locks.migrate();
@@ -48,38 +51,65 @@ afterAll(async () => {
 
 describe("graphile-worker 0.17.3", () => {
   it("the version under test really is 0.17", async () => {
-    const { rows } = await pool.query<{ id: number }>("select max(id) as id from graphile_worker.migrations");
+    const { rows } = await pool.query<{ id: number }>(
+      "select max(id) as id from graphile_worker.migrations",
+    );
     expect(rows[0]!.id).toBe(19); // 0.18.0 adds migration 20
   });
 
   it("reschedule replaces a conflicting job by a copy that keeps attempts, job key and options, and runs it later", async () => {
     const ran: number[] = [];
-    const task = locks.exclusive("later", async (_p: { id: number }, helpers) => void ran.push(helpers.job.attempts), {
-      onConflict: "reschedule",
-      reschedule: { minDelay: 50, maxDelay: 100 },
-    });
+    const task = locks.exclusive(
+      "later",
+      async (_p: { id: number }, helpers) => void ran.push(helpers.job.attempts),
+      {
+        onConflict: "reschedule",
+        reschedule: { minDelay: 50, maxDelay: 100 },
+      },
+    );
     const holder = new pg.Client({ connectionString: url });
     await holder.connect();
     await holder.query("select pg_advisory_lock($1)", [task.lockKey({ id: 1 }).toString()]);
-    const { job } = await task.addJob({ id: 1 }, { jobKey: "k1", queueName: "q", priority: 2, maxAttempts: 5, preemptive: false });
-    const rescheduled = new Promise<string>((resolve) => locks.events.once("job:rescheduled", (e) => resolve(e.newJobId)));
+    const { job } = await task.addJob(
+      { id: 1 },
+      { jobKey: "k1", queueName: "q", priority: 2, maxAttempts: 5, preemptive: false },
+    );
+    const rescheduled = new Promise<string>((resolve) =>
+      locks.events.once("job:rescheduled", (e) => resolve(e.newJobId)),
+    );
     runner = await gw17.run({
       connectionString: url,
       concurrency: 2,
-      taskList: { later: task as gw17.Task },
+      taskList: { later: task as unknown as gw17.Task },
       noHandleSignals: true,
       pollInterval: 50,
       logger: new gw17.Logger(() => () => undefined),
     });
     const newId = await rescheduled;
-    const rows = await waitFor(async () => {
-      const r = await pool.query<{ id: string; attempts: number; key: string | null; max_attempts: number; priority: number; queue_name: string | null }>(
-        "select id::text, attempts, key, max_attempts, priority, queue_name from graphile_worker.jobs",
-      );
-      return r.rows.length === 1 && r.rows[0]!.id !== job!.id ? r.rows : null;
-    }, { message: "the copy alone to remain" });
+    const rows = await waitFor(
+      async () => {
+        const r = await pool.query<{
+          id: string;
+          attempts: number;
+          key: string | null;
+          max_attempts: number;
+          priority: number;
+          queue_name: string | null;
+        }>(
+          "select id::text, attempts, key, max_attempts, priority, queue_name from graphile_worker.jobs",
+        );
+        return r.rows.length === 1 && r.rows[0]!.id !== job!.id ? r.rows : null;
+      },
+      { message: "the copy alone to remain" },
+    );
     expect(rows[0]!.id).not.toBe(job!.id);
-    expect([rows[0]!.attempts, rows[0]!.key, rows[0]!.max_attempts, rows[0]!.priority, rows[0]!.queue_name]).toEqual([0, "k1", 5, 2, "q"]);
+    expect([
+      rows[0]!.attempts,
+      rows[0]!.key,
+      rows[0]!.max_attempts,
+      rows[0]!.priority,
+      rows[0]!.queue_name,
+    ]).toEqual([0, "k1", 5, 2, "q"]);
     expect(Number(newId)).toBeGreaterThan(Number(job!.id));
     await holder.end();
     await waitFor(async () => ran.length === 1, { message: "the job to run once the key is free" });
@@ -94,8 +124,14 @@ describe("graphile-worker 0.17.3", () => {
       "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'dead', attempts = attempts + 1 where id = $1",
       [job!.id],
     );
-    const { rows } = await pool.query<{ id: string }>("select graphile_worker_locks.reschedule_job($1, now())::text as id", [job!.id]);
-    const utils = await gw17.makeWorkerUtils({ connectionString: url, logger: new gw17.Logger(() => () => undefined) });
+    const { rows } = await pool.query<{ id: string }>(
+      "select graphile_worker_locks.reschedule_job($1, now())::text as id",
+      [job!.id],
+    );
+    const utils = await gw17.makeWorkerUtils({
+      connectionString: url,
+      logger: new gw17.Logger(() => () => undefined),
+    });
     await utils.forceUnlockWorkers(["dead"]);
     await utils.release();
     const ran: string[] = [];
@@ -103,7 +139,7 @@ describe("graphile-worker 0.17.3", () => {
     runner = await gw17.run({
       connectionString: url,
       concurrency: 2,
-      taskList: { crashy: task as gw17.Task },
+      taskList: { crashy: task as unknown as gw17.Task },
       noHandleSignals: true,
       pollInterval: 50,
       logger: new gw17.Logger(() => () => undefined),

@@ -5,7 +5,13 @@
 import { makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
-import { InvalidArgumentError, LockConflictError, lockKey, makeLocks, type Locks } from "../src/index.js";
+import {
+  InvalidArgumentError,
+  LockConflictError,
+  lockKey,
+  makeLocks,
+  type Locks,
+} from "../src/index.js";
 import { deferred, useTestDatabase, waitFor } from "./support/db.js";
 import { countEvents, nextEvent, quietLogger, startRunner, Timeline } from "./support/runner.js";
 
@@ -84,7 +90,9 @@ describe("one process, one pool", () => {
     const counts = countEvents(locks, ["job:dropped", "lock:conflict"]);
     const local = { n: 0 };
     locks.events.on("lock:conflict", (e) => void (e.local && local.n++));
-    await utils.addJobs(Array.from({ length: 300 }, (_, n) => ({ identifier: "same", payload: { n: 0 } })));
+    await utils.addJobs(
+      Array.from({ length: 300 }, () => ({ identifier: "same", payload: { n: 0 } })),
+    );
     await runner({ pgPool: pool, concurrency: 16, taskList: { same: task } });
     await waitFor(async () => (await jobRows()).length === 0, { message: "jobs to drain" });
 
@@ -108,7 +116,9 @@ describe("conflict strategies", () => {
     const event = await dropped;
     expect(event.job.id).toBe(job!.id);
     expect(event.lockKey).toBe(lockKey("drop_me", { id: 1 }));
-    await waitFor(async () => (await jobRows()).length === 0, { message: "the dropped job to complete" });
+    await waitFor(async () => (await jobRows()).length === 0, {
+      message: "the dropped job to complete",
+    });
     expect(ran).toBe(0);
     await external.release();
   });
@@ -116,18 +126,31 @@ describe("conflict strategies", () => {
   it("raise: throws LockConflictError, graphile-worker retries with its backoff and the attempt counts", async () => {
     const locks = newLocks();
     const ran: number[] = [];
-    const task = locks.exclusive("raise_me", async (_p, helpers) => void ran.push(helpers.job.attempts), {
-      onConflict: "raise",
-    });
+    const task = locks.exclusive(
+      "raise_me",
+      async (_p, helpers) => void ran.push(helpers.job.attempts),
+      {
+        onConflict: "raise",
+      },
+    );
     const external = await holdExternally(task.lockKey({ id: 1 }));
     const { job } = await task.addJob({ id: 1 }, { preemptive: false });
-    const r = await runner({ connectionString: db.url, concurrency: 1, taskList: { raise_me: task } });
-    const failure = new Promise<unknown>((resolve) => r.events.on("job:error", ({ error }) => resolve(error)));
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { raise_me: task },
+    });
+    const failure = new Promise<unknown>((resolve) =>
+      r.events.on("job:error", ({ error }) => resolve(error)),
+    );
     expect(await failure).toBeInstanceOf(LockConflictError);
-    const [row] = await waitFor(async () => {
-      const rows = await jobRows();
-      return rows[0]?.locked_by === null && rows[0].last_error ? rows : null;
-    }, { message: "the failure to be recorded" });
+    const [row] = await waitFor(
+      async () => {
+        const rows = await jobRows();
+        return rows[0]?.locked_by === null && rows[0].last_error ? rows : null;
+      },
+      { message: "the failure to be recorded" },
+    );
     expect(row!.id).toBe(job!.id);
     expect(row!.attempts).toBe(1);
     expect(row!.last_error).toMatch(/held by another job/);
@@ -166,10 +189,13 @@ describe("conflict strategies", () => {
     const rescheduled = await nextEvent(locks, "job:rescheduled");
     expect(rescheduled.job.id).toBe(job!.id);
     expect(rescheduled.delayMs).toBeLessThanOrEqual(50);
-    const rows = await waitFor(async () => {
-      const all = await jobRows();
-      return all.length === 1 && all[0]!.id !== job!.id ? all : null;
-    }, { message: "the original to complete and its copy to remain" });
+    const rows = await waitFor(
+      async () => {
+        const all = await jobRows();
+        return all.length === 1 && all[0]!.id !== job!.id ? all : null;
+      },
+      { message: "the original to complete and its copy to remain" },
+    );
     const copy = rows[0]!;
     expect(copy.id).toBe(rescheduled.newJobId);
     expect(copy.attempts).toBe(1); // the failure counts, the conflict does not
@@ -192,14 +218,17 @@ describe("conflict strategies", () => {
     await locks.migrate();
     const { job } = await locks.addJob("crashy", { id: 1 }, { preemptive: false });
     // What a worker that fetched the job and then died looks like.
-    await db.pool().query(
-      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'dead-worker', attempts = attempts + 1 where id = $1",
-      [job!.id],
-    );
-    const { rows } = await db.pool().query<{ id: string }>(
-      "select graphile_worker_locks.reschedule_job($1, now())::text as id",
-      [job!.id],
-    );
+    await db
+      .pool()
+      .query(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'dead-worker', attempts = attempts + 1 where id = $1",
+        [job!.id],
+      );
+    const { rows } = await db
+      .pool()
+      .query<{ id: string }>("select graphile_worker_locks.reschedule_job($1, now())::text as id", [
+        job!.id,
+      ]);
     const copyId = rows[0]!.id;
     // ... and graphile-worker unlocks the dead worker's jobs eventually (4 hours later).
     await utils.forceUnlockWorkers(["dead-worker"]);
@@ -229,8 +258,11 @@ describe("limit", () => {
         { limit: 3, onConflict: "reschedule", reschedule: { minDelay: 5, maxDelay: 40 } },
       ),
     );
-    await utils.addJobs(Array.from({ length: 60 }, () => ({ identifier: "sem", payload: { k: "x" } })));
-    for (const task of tasks) await runner({ connectionString: db.url, concurrency: 5, taskList: { sem: task } });
+    await utils.addJobs(
+      Array.from({ length: 60 }, () => ({ identifier: "sem", payload: { k: "x" } })),
+    );
+    for (const task of tasks)
+      await runner({ connectionString: db.url, concurrency: 5, taskList: { sem: task } });
     await waitFor(async () => timeline.executions.filter((e) => e.end !== null).length === 60, {
       timeoutMs: 40_000,
       message: "all 60 jobs to run",
@@ -270,7 +302,9 @@ describe("lockAvailable and the preemptive check", () => {
 
   it("addJob drops up front while the key is held, and adds again once it is free", async () => {
     const locks = newLocks();
-    const task = locks.exclusive("pre", async () => undefined, { key: (p: { user: number; at?: string }) => p.user });
+    const task = locks.exclusive("pre", async () => undefined, {
+      key: (p: { user: number; at?: string }) => p.user,
+    });
     const dropped = countEvents(locks, ["enqueue:dropped"]);
     const external = await holdExternally(task.lockKey({ user: 7 }));
     expect(await task.lockAvailable({ user: 7, at: "x" })).toBe(false);
@@ -316,16 +350,22 @@ describe("lockAvailable and the preemptive check", () => {
     });
     await expect(task.addJob({ id: 10n })).rejects.toThrow(InvalidArgumentError);
     await expect(task.addJob({ id: 10n })).rejects.toThrow(/payload\.id is a BigInt/);
-    await expect(task.lockAvailable({ id: Symbol("s") })).rejects.toThrow(/key\(payload\) is a symbol/);
-    await expect(locks.addJob("other", { when: Number.NaN })).rejects.toThrow(/payload\.when is NaN/);
+    await expect(task.lockAvailable({ id: Symbol("s") })).rejects.toThrow(
+      /key\(payload\) is a symbol/,
+    );
+    await expect(locks.addJob("other", { when: Number.NaN })).rejects.toThrow(
+      /payload\.when is NaN/,
+    );
     await expect(task.addJob({ id: "boom" })).rejects.toThrow(/key function failed/);
-    expect(() => locks.exclusive("x", async () => undefined, { onConflict: "skip" as never })).toThrow(
-      /`onConflict` must be one of "drop", "reschedule", "raise", got "skip"/,
+    expect(() =>
+      locks.exclusive("x", async () => undefined, { onConflict: "skip" as never }),
+    ).toThrow(/`onConflict` must be one of "drop", "reschedule", "raise", got "skip"/);
+    expect(() => locks.exclusive("x", async () => undefined, { limit: 0 })).toThrow(
+      /`limit` must be a positive integer/,
     );
-    expect(() => locks.exclusive("x", async () => undefined, { limit: 0 })).toThrow(/`limit` must be a positive integer/);
-    expect(() => locks.exclusive("x", async () => undefined, { reschedule: { jitter: 2 } })).toThrow(
-      /`reschedule.jitter` must be between 0 and 1/,
-    );
+    expect(() =>
+      locks.exclusive("x", async () => undefined, { reschedule: { jitter: 2 } }),
+    ).toThrow(/`reschedule.jitter` must be between 0 and 1/);
     expect(() => makeLocks({} as never)).toThrow(/needs `connectionString` or `pgPool`/);
     expect(await jobRows()).toEqual([]);
   });
@@ -338,15 +378,21 @@ describe("lock loss", () => {
     const finishA = deferred();
     const finishB = deferred();
     const startedB = deferred();
-    const task = locks.exclusive("victim", async (p: { k: string; role: string }, helpers) => {
-      if (p.role === "A") {
-        helpers.abortSignal!.addEventListener("abort", () => aborted.resolve(helpers.abortSignal!.reason));
-        await finishA.promise; // ignores the abort for a while: its release comes late
-      } else {
-        startedB.resolve();
-        await finishB.promise;
-      }
-    }, { key: (p) => p.k });
+    const task = locks.exclusive(
+      "victim",
+      async (p: { k: string; role: string }, helpers) => {
+        if (p.role === "A") {
+          helpers.abortSignal!.addEventListener("abort", () =>
+            aborted.resolve(helpers.abortSignal!.reason),
+          );
+          await finishA.promise; // ignores the abort for a while: its release comes late
+        } else {
+          startedB.resolve();
+          await finishB.promise;
+        }
+      },
+      { key: (p) => p.k },
+    );
     await runner({ connectionString: db.url, concurrency: 3, taskList: { victim: task } });
     const lost = nextEvent(locks, "lock:lost");
     const acquiredA = nextEvent(locks, "lock:acquired");
@@ -371,7 +417,9 @@ describe("lock loss", () => {
     finishA.resolve();
     await releasedA;
     const held = await locks.heldLocks();
-    expect(held.filter((h) => h.lockKey === lockKey("victim", "k")).map((h) => h.pid)).toEqual([newPid]);
+    expect(held.filter((h) => h.lockKey === lockKey("victim", "k")).map((h) => h.pid)).toEqual([
+      newPid,
+    ]);
     expect(await task.lockAvailable({ k: "k", role: "" })).toBe(false);
     finishB.resolve();
     await waitFor(() => task.lockAvailable({ k: "k", role: "" }), { message: "B to release" });
@@ -380,7 +428,10 @@ describe("lock loss", () => {
   it("while the session is down no job runs unlocked: it fails with GWL_LOCK_SESSION_UNAVAILABLE and is retried", async () => {
     const locks = newLocks({ reconnectDelay: { min: 3000, max: 3000 } });
     const ran: number[] = [];
-    const task = locks.exclusive("down", async (_p, helpers) => void ran.push(helpers.job.attempts));
+    const task = locks.exclusive(
+      "down",
+      async (_p, helpers) => void ran.push(helpers.job.attempts),
+    );
     const r = await runner({ connectionString: db.url, concurrency: 1, taskList: { down: task } });
     await task.addJob({ warm: 1 });
     await waitFor(async () => ran.length === 1, { message: "the session to connect" });
@@ -391,7 +442,9 @@ describe("lock loss", () => {
     await acquired;
     await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
     await lost;
-    const failed = new Promise<{ code?: string }>((resolve) => r.events.once("job:error", ({ error }) => resolve(error as never)));
+    const failed = new Promise<{ code?: string }>((resolve) =>
+      r.events.once("job:error", ({ error }) => resolve(error as never)),
+    );
     const { job } = await task.addJob({ id: 2 });
     expect((await failed).code).toBe("GWL_LOCK_SESSION_UNAVAILABLE");
     expect(ran).toHaveLength(2);
@@ -405,7 +458,9 @@ describe("lock loss", () => {
     const locks = newLocks();
     const aborted = deferred<void>();
     const task = locks.exclusive("shutdown", async (_p, helpers) => {
-      await new Promise<void>((resolve) => helpers.abortSignal!.addEventListener("abort", () => resolve()));
+      await new Promise<void>((resolve) =>
+        helpers.abortSignal!.addEventListener("abort", () => resolve()),
+      );
       aborted.resolve();
     });
     const r = await startRunner({
@@ -436,7 +491,11 @@ describe("reschedule hand-off", () => {
           releasedAt = performance.now();
         } else startedB.resolve(performance.now());
       },
-      { key: (p) => p.k, onConflict: "reschedule", reschedule: { minDelay: 60_000, maxDelay: 60_000 } },
+      {
+        key: (p) => p.k,
+        onConflict: "reschedule",
+        reschedule: { minDelay: 60_000, maxDelay: 60_000 },
+      },
     );
     await runner({ connectionString: db.url, concurrency: 2, taskList: { handoff: task } });
     const acquiredA = nextEvent(locks, "lock:acquired");
@@ -460,25 +519,37 @@ describe("reschedule hand-off", () => {
     await locks.migrate();
     const key = lockKey("lw", { id: 1 });
     const { job } = await locks.addJob("lw", { id: 1 });
-    await db.pool().query(
-      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
-      [job!.id],
-    );
+    await db
+      .pool()
+      .query(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+        [job!.id],
+      );
     const external = await holdExternally(key);
     const later = new Date(Date.now() + 3_600_000).toISOString();
-    const { rows } = await db.pool().query<{ id: string }>(
-      "select graphile_worker_locks.park_job($1, $2, $3)::text as id",
-      [job!.id, later, key.toString()],
-    );
+    const { rows } = await db
+      .pool()
+      .query<{ id: string }>("select graphile_worker_locks.park_job($1, $2, $3)::text as id", [
+        job!.id,
+        later,
+        key.toString(),
+      ]);
     const copy = rows[0]!.id;
     const wake = () =>
-      db.pool().query<{ woken: number }>("select graphile_worker_locks.wake_if_free($1, $2) as woken", [[key.toString()], key.toString()]);
+      db
+        .pool()
+        .query<{ woken: number }>("select graphile_worker_locks.wake_if_free($1, $2) as woken", [
+          [key.toString()],
+          key.toString(),
+        ]);
     // Still held: the releaser will wake it.
     expect((await wake()).rows[0]!.woken).toBe(0);
     // Released by a holder that wakes no one (here: outside the library): the parker's check does.
     await external.release();
     expect((await wake()).rows[0]!.woken).toBe(1);
-    const { rows: after } = await db.pool().query<{ run_at: Date }>("select run_at from graphile_worker.jobs where id = $1", [copy]);
+    const { rows: after } = await db
+      .pool()
+      .query<{ run_at: Date }>("select run_at from graphile_worker.jobs where id = $1", [copy]);
     expect(after[0]!.run_at.getTime()).toBeLessThanOrEqual(Date.now() + 1000);
     expect((await db.pool().query("select * from graphile_worker_locks.waiters")).rows).toEqual([]);
   });

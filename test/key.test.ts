@@ -1,13 +1,23 @@
 import { createHash } from "node:crypto";
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import { InvalidArgumentError, advisoryParts, lockKey, lockKeyMaterial, slotKeys } from "../src/index.js";
+import {
+  InvalidArgumentError,
+  advisoryParts,
+  lockKey,
+  lockKeyMaterial,
+  slotKeys,
+} from "../src/index.js";
 
 describe("lockKey", () => {
   it("is pinned: a change of derivation must be deliberate (and bump KEY_VERSION)", () => {
-    expect(lockKeyMaterial("charge_card", { userId: 1 })).toBe('gwl:v1:lock:charge_card:{"userId":1}');
+    expect(lockKeyMaterial("charge_card", { userId: 1 })).toBe(
+      'gwl:v1:lock:charge_card:{"userId":1}',
+    );
     expect(lockKey("charge_card", { userId: 1 })).toBe(-2845878471433284211n);
-    expect(lockKey("charge_card", { b: [1, "x", null], a: { z: true, y: 1.5 } })).toBe(5326669206727628750n);
+    expect(lockKey("charge_card", { b: [1, "x", null], a: { z: true, y: 1.5 } })).toBe(
+      5326669206727628750n,
+    );
     expect(lockKey("t", {})).toBe(-6689673674604766519n);
     expect(lockKey("t", null)).toBe(-8116930185374386854n);
     expect(slotKeys("t", { a: 1 }, 3)).toEqual([
@@ -24,7 +34,9 @@ describe("lockKey", () => {
   });
 
   it("ignores key order, distinguishes tasks and values", () => {
-    expect(lockKey("t", { a: 1, b: { c: 2, d: 3 } })).toBe(lockKey("t", { b: { d: 3, c: 2 }, a: 1 }));
+    expect(lockKey("t", { a: 1, b: { c: 2, d: 3 } })).toBe(
+      lockKey("t", { b: { d: 3, c: 2 }, a: 1 }),
+    );
     expect(lockKey("t", { a: 1 })).not.toBe(lockKey("u", { a: 1 }));
     expect(lockKey("t", { a: 1 })).not.toBe(lockKey("t", { a: "1" }));
     expect(lockKey("t", [1, 2])).not.toBe(lockKey("t", [2, 1]));
@@ -98,7 +110,11 @@ describe("lockKey properties", () => {
       if (Array.isArray(value)) return value.map((v, i) => shuffle(v, seed + i));
       if (value && typeof value === "object") {
         const entries = Object.entries(value);
-        entries.sort((a, b) => ((a[0].length * 31 + seed) % 7) - ((b[0].length * 31 + seed) % 7) || (seed % 2 ? 1 : -1));
+        entries.sort(
+          (a, b) =>
+            ((a[0].length * 31 + seed) % 7) - ((b[0].length * 31 + seed) % 7) ||
+            (seed % 2 ? 1 : -1),
+        );
         return Object.fromEntries(entries.reverse().map(([k, v]) => [k, shuffle(v, seed + 1)]));
       }
       return value;
@@ -113,10 +129,17 @@ describe("lockKey properties", () => {
 
   it("differs for different canonical values (no collision in a sample)", () => {
     fc.assert(
-      fc.property(fc.uniqueArray(fc.jsonValue(), { minLength: 2, maxLength: 50, selector: (v) => lockKeyMaterial("t", v) }), (values) => {
-        const keys = new Set(values.map((v) => lockKey("t", v)));
-        expect(keys.size).toBe(values.length);
-      }),
+      fc.property(
+        fc.uniqueArray(fc.jsonValue(), {
+          minLength: 2,
+          maxLength: 50,
+          selector: (v) => lockKeyMaterial("t", v),
+        }),
+        (values) => {
+          const keys = new Set(values.map((v) => lockKey("t", v)));
+          expect(keys.size).toBe(values.length);
+        },
+      ),
       { numRuns: 100 },
     );
   });

@@ -22,13 +22,17 @@ afterAll(async () => {
 });
 
 async function reset() {
-  await db.pool().query("truncate test_executions, test_events; delete from graphile_worker._private_jobs");
+  await db
+    .pool()
+    .query("truncate test_executions, test_events; delete from graphile_worker._private_jobs");
 }
 
 async function drained(): Promise<void> {
   await waitFor(
     async () => {
-      const { rows } = await db.pool().query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
+      const { rows } = await db
+        .pool()
+        .query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
       return rows[0]!.n === 0;
     },
     { timeoutMs: 60_000, message: "all jobs to finish" },
@@ -83,22 +87,31 @@ describe("exclusive execution across processes", () => {
     try {
       // The job holds its key until aborted, which never comes: the process is killed.
       await utils.addJob("exec", { k: "crash", hold: true });
-      await waitFor(async () => (await readExecutions(db.pool())).length === 1, { message: "the victim to start" });
+      await waitFor(async () => (await readExecutions(db.pool())).length === 1, {
+        message: "the victim to start",
+      });
       expect(await locks.lockAvailable("exec", { k: "crash" })).toBe(false);
 
       const killedAt = Date.now();
       victim.child.kill("SIGKILL");
       await victim.exited;
       // The lock dies with the connection: no TTL to wait out.
-      await waitFor(() => locks.lockAvailable("exec", { k: "crash" }), { timeoutMs: 10_000, message: "the lock to be freed" });
+      await waitFor(() => locks.lockAvailable("exec", { k: "crash" }), {
+        timeoutMs: 10_000,
+        message: "the lock to be freed",
+      });
       const freedMs = Date.now() - killedAt;
 
       const next = await startWorkerProcess(db.url, { name: "next", concurrency: 2 });
       try {
         await utils.addJob("exec", { k: "crash", ms: 5 });
-        await waitFor(async () => (await readExecutions(db.pool())).some((e) => e.worker === "next" && e.end !== null), {
-          message: "the other process to run the key",
-        });
+        await waitFor(
+          async () =>
+            (await readExecutions(db.pool())).some((e) => e.worker === "next" && e.end !== null),
+          {
+            message: "the other process to run the key",
+          },
+        );
       } finally {
         await next.stop();
       }
@@ -107,7 +120,9 @@ describe("exclusive execution across processes", () => {
       expect(freedMs).toBeLessThan(10_000);
       console.info(`lock freed ${freedMs} ms after SIGKILL`);
       // The crashed job itself stays locked by graphile-worker (its 4-hour rule), not by us.
-      const { rows } = await db.pool().query("select id from graphile_worker.jobs where locked_by is not null");
+      const { rows } = await db
+        .pool()
+        .query("select id from graphile_worker.jobs where locked_by is not null");
       expect(rows).toHaveLength(1);
     } finally {
       victim.child.kill("SIGKILL");
@@ -121,15 +136,22 @@ describe("exclusive execution across processes", () => {
       const key = lockKey("exec", { k: "probe" });
       expect(await locks.lockAvailable("exec", { k: "probe" })).toBe(true);
       await utils.addJob("exec", { k: "probe", ms: 1500 });
-      await waitFor(async () => (await readExecutions(db.pool())).length === 1, { message: "the job to start" });
+      await waitFor(async () => (await readExecutions(db.pool())).length === 1, {
+        message: "the job to start",
+      });
       expect(await locks.lockAvailable("exec", { k: "probe" })).toBe(false);
       expect(await locks.lockAvailable("exec", { k: "other" })).toBe(true);
-      const held = await waitFor(async () => (await locks.heldLocks()).find((h) => h.lockKey === key && h.since), {
-        message: "the holder registry to show the lock",
-      });
+      const held = await waitFor(
+        async () => (await locks.heldLocks()).find((h) => h.lockKey === key && h.since),
+        {
+          message: "the holder registry to show the lock",
+        },
+      );
       expect(held.taskIdentifier).toBe("exec");
       expect(held.applicationName).toBe("graphile-worker-locks/holder");
-      await waitFor(() => locks.lockAvailable("exec", { k: "probe" }), { message: "the lock to be released" });
+      await waitFor(() => locks.lockAvailable("exec", { k: "probe" }), {
+        message: "the lock to be released",
+      });
     } finally {
       await worker.stop();
     }

@@ -29,11 +29,17 @@ describe("README snippets", () => {
       const file = new URL(`snippet-${index + 1}.ts`, dir);
       const source = snippet.replaceAll('"graphile-worker-locks"', '"../../src/index.js"');
       await writeFile(file, `const connectionString = process.env.DATABASE_URL!;\n${source}`);
-      const { stdout } = await promisify(execFile)(process.execPath, ["--import", "tsx", file.pathname], {
-        env: { ...process.env, DATABASE_URL: db.url },
-        timeout: 30_000,
-      });
-      const expected = [...snippet.matchAll(/console\.log\(.*\); \/\/ (.*)$/gm)].map((m) => m[1]!.trim());
+      const { stdout } = await promisify(execFile)(
+        process.execPath,
+        ["--import", "tsx", file.pathname],
+        {
+          env: { ...process.env, DATABASE_URL: db.url },
+          timeout: 30_000,
+        },
+      );
+      const expected = [...snippet.matchAll(/console\.log\(.*\); \/\/ (.*)$/gm)].map((m) =>
+        m[1]!.trim(),
+      );
       const printed = stdout
         .split("\n")
         .map((line) => line.trim())

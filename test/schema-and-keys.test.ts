@@ -18,11 +18,18 @@ afterAll(async () => {
 
 describe("migrations", () => {
   it("apply once and safely when many processes start at the same time", async () => {
-    const pools = Array.from({ length: 8 }, () => new pg.Pool({ connectionString: db.url, max: 1 }));
+    const pools = Array.from(
+      { length: 8 },
+      () => new pg.Pool({ connectionString: db.url, max: 1 }),
+    );
     closers.push(() => Promise.all(pools.map((p) => p.end())));
     await Promise.all(pools.map((pgPool) => migrate({ pgPool, schema: "gwl_concurrent" })));
-    const { rows } = await db.pool().query<{ id: number }>("select id from gwl_concurrent.migrations order by id");
-    const files = (await readdir(new URL("../sql/", import.meta.url))).filter((f) => /^\d{6}\.sql$/.test(f));
+    const { rows } = await db
+      .pool()
+      .query<{ id: number }>("select id from gwl_concurrent.migrations order by id");
+    const files = (await readdir(new URL("../sql/", import.meta.url))).filter((f) =>
+      /^\d{6}\.sql$/.test(f),
+    );
     expect(files.length).toBeGreaterThanOrEqual(2);
     expect(rows.map((r) => r.id)).toEqual(files.map((_, i) => i + 1));
     const view = await db.pool().query("select * from gwl_concurrent.held_locks");
@@ -39,7 +46,9 @@ describe("keys through PostgreSQL", () => {
     closers.push(() => client.end());
     await fc.assert(
       fc.asyncProperty(fc.jsonValue(), async (value) => {
-        const { rows } = await client.query<{ v: unknown }>("select $1::json as v", [JSON.stringify(value)]);
+        const { rows } = await client.query<{ v: unknown }>("select $1::json as v", [
+          JSON.stringify(value),
+        ]);
         expect(lockKey("t", rows[0]!.v)).toBe(lockKey("t", value));
       }),
       { numRuns: 200 },
@@ -69,7 +78,11 @@ describe("keys through PostgreSQL", () => {
       const { job } = await task.addJob(payload, { preemptive: false });
       expected.set(job!.id, task.lockKey(payload));
     }
-    const runner = await startRunner({ connectionString: db.url, concurrency: 4, taskList: { roundtrip: task } });
+    const runner = await startRunner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { roundtrip: task },
+    });
     closers.push(() => runner.stop());
     await waitFor(async () => seen.size === samples.length, { message: "every job to run" });
     expect(seen).toEqual(expected);

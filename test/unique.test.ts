@@ -28,7 +28,11 @@ beforeAll(async () => {
 });
 afterEach(async () => {
   for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
-  await db.pool().query("delete from graphile_worker._private_jobs; delete from graphile_worker_locks.unique_windows");
+  await db
+    .pool()
+    .query(
+      "delete from graphile_worker._private_jobs; delete from graphile_worker_locks.unique_windows",
+    );
 });
 afterAll(async () => {
   await locks?.release();
@@ -42,15 +46,22 @@ async function client(): Promise<pg.Client> {
   return c;
 }
 async function jobCount(where = "true"): Promise<number> {
-  const { rows } = await db.pool().query<{ n: number }>(`select count(*)::int as n from graphile_worker.jobs where ${where}`);
+  const { rows } = await db
+    .pool()
+    .query<{ n: number }>(`select count(*)::int as n from graphile_worker.jobs where ${where}`);
   return rows[0]!.n;
 }
 /** Waits until `pid` is blocked on a lock (so a race is really happening, not just sequential calls). */
 async function blocked(pid: number): Promise<void> {
-  await waitFor(async () => {
-    const { rows } = await db.pool().query("select 1 from pg_locks where pid = $1 and not granted", [pid]);
-    return rows.length > 0;
-  }, { message: `backend ${pid} to wait on a lock` });
+  await waitFor(
+    async () => {
+      const { rows } = await db
+        .pool()
+        .query("select 1 from pg_locks where pid = $1 and not granted", [pid]);
+      return rows.length > 0;
+    },
+    { message: `backend ${pid} to wait on a lock` },
+  );
 }
 const pidOf = (c: pg.Client) => (c as unknown as { processID: number }).processID;
 
@@ -77,14 +88,26 @@ describe("keys", () => {
 
     // Zizq's hourly bucket: the key includes the hour of enqueue.
     const hourly = (hour: number) =>
-      locks.addJob("digest", { list: 9 }, { unique: "queued", uniqueKey: (p: { list: number }) => ({ ...p, hour }) });
+      locks.addJob(
+        "digest",
+        { list: 9 },
+        { unique: "queued", uniqueKey: (p: { list: number }) => ({ ...p, hour }) },
+      );
     expect((await hourly(13)).outcome).toBe("added");
     expect((await hourly(13)).outcome).toBe("duplicate");
     expect((await hourly(14)).outcome).toBe("added");
 
     // One key across two tasks.
-    locks.define("push", { unique: "active", uniqueGroup: "notify", uniqueKey: (p: { user: number }) => p.user });
-    locks.define("sms", { unique: "active", uniqueGroup: "notify", uniqueKey: (p: { user: number }) => p.user });
+    locks.define("push", {
+      unique: "active",
+      uniqueGroup: "notify",
+      uniqueKey: (p: { user: number }) => p.user,
+    });
+    locks.define("sms", {
+      unique: "active",
+      uniqueGroup: "notify",
+      uniqueKey: (p: { user: number }) => p.user,
+    });
     const first = await locks.addJob("push", { user: 5 });
     const second = await locks.addJob("sms", { user: 5, text: "hi" });
     expect(second.outcome).toBe("duplicate");
@@ -92,11 +115,19 @@ describe("keys", () => {
     expect(second.job!.task_identifier).toBe("push");
 
     // Faktory: the queue is part of the key only when asked.
-    expect((await locks.addJob("q", { a: 1 }, { unique: "queued", queueName: "one" })).outcome).toBe("added");
-    expect((await locks.addJob("q", { a: 1 }, { unique: "queued", queueName: "two" })).outcome).toBe("duplicate");
+    expect(
+      (await locks.addJob("q", { a: 1 }, { unique: "queued", queueName: "one" })).outcome,
+    ).toBe("added");
+    expect(
+      (await locks.addJob("q", { a: 1 }, { unique: "queued", queueName: "two" })).outcome,
+    ).toBe("duplicate");
     const byQueue = { unique: "queued", uniqueByQueue: true } as const;
-    expect((await locks.addJob("qq", { a: 1 }, { ...byQueue, queueName: "one" })).outcome).toBe("added");
-    expect((await locks.addJob("qq", { a: 1 }, { ...byQueue, queueName: "two" })).outcome).toBe("added");
+    expect((await locks.addJob("qq", { a: 1 }, { ...byQueue, queueName: "one" })).outcome).toBe(
+      "added",
+    );
+    expect((await locks.addJob("qq", { a: 1 }, { ...byQueue, queueName: "two" })).outcome).toBe(
+      "added",
+    );
 
     // Bypass for one enqueue.
     expect((await email.addJob({ user: 1 }, { unique: false })).outcome).toBe("added");
@@ -107,9 +138,17 @@ describe("keys", () => {
 describe("duplicates", () => {
   it("reject (default) returns the existing job untouched, with an event, and writes nothing", async () => {
     const events = countEvents(locks, ["enqueue:duplicate"]);
-    const first = await locks.addJob("r", { n: 1, v: "first" }, { unique: "active", uniqueKey: (p: { n: number }) => p.n });
+    const first = await locks.addJob(
+      "r",
+      { n: 1, v: "first" },
+      { unique: "active", uniqueKey: (p: { n: number }) => p.n },
+    );
     const before = await db.pool().query("select revision, updated_at from graphile_worker.jobs");
-    const dup = await locks.addJob("r", { n: 1, v: "second" }, { unique: "active", uniqueKey: (p: { n: number }) => p.n });
+    const dup = await locks.addJob(
+      "r",
+      { n: 1, v: "second" },
+      { unique: "active", uniqueKey: (p: { n: number }) => p.n },
+    );
     expect(dup.outcome).toBe("duplicate");
     expect(dup.job!.id).toBe(first.job!.id);
     // The existing job's own data, not the caller's (BullMQ's misleading return).
@@ -121,7 +160,9 @@ describe("duplicates", () => {
 
   it("raise throws UniqueConflictError carrying the existing job", async () => {
     const first = await locks.addJob("x", { n: 1 }, { unique: "queued" });
-    const error = await locks.addJob("x", { n: 1 }, { unique: "queued", onDuplicate: "raise" }).catch((e: unknown) => e);
+    const error = await locks
+      .addJob("x", { n: 1 }, { unique: "queued", onDuplicate: "raise" })
+      .catch((e: unknown) => e);
     expect(error).toBeInstanceOf(UniqueConflictError);
     expect((error as UniqueConflictError).code).toBe("GWL_UNIQUE_CONFLICT");
     expect((error as UniqueConflictError).existingJob!.id).toBe(first.job!.id);
@@ -130,7 +171,11 @@ describe("duplicates", () => {
 
   it("replace updates payload, runAt and priority while the job waits, and never a started job", async () => {
     const replaced = countEvents(locks, ["enqueue:replaced"]);
-    const opts = { unique: "active", onDuplicate: "replace", uniqueKey: (p: { n: number }) => p.n } as const;
+    const opts = {
+      unique: "active",
+      onDuplicate: "replace",
+      uniqueKey: (p: { n: number }) => p.n,
+    } as const;
     const first = await locks.addJob("rp", { n: 1, v: 1 }, opts);
     const runAt = new Date(Date.now() + 3_600_000);
     const second = await locks.addJob("rp", { n: 1, v: 2 }, { ...opts, runAt, priority: 5 });
@@ -141,7 +186,11 @@ describe("duplicates", () => {
     expect(second.job!.run_at.getTime()).toBe(runAt.getTime());
     expect(replaced["enqueue:replaced"]).toBe(1);
     // As a worker does when it takes the job:
-    await db.pool().query("update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1");
+    await db
+      .pool()
+      .query(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1",
+      );
     const third = await locks.addJob("rp", { n: 1, v: 3 }, opts);
     expect(third.outcome).toBe("duplicate");
     expect(third.job!.payload).toEqual({ n: 1, v: 2 });
@@ -156,7 +205,11 @@ describe("race-free", () => {
       const results = Promise.all(
         clients.map(async (c, i) => {
           await start.promise;
-          return locks.addJob("race", { k: scope, from: i }, { unique: scope, pgClient: c, uniqueKey: (p: { k: string }) => p.k });
+          return locks.addJob(
+            "race",
+            { k: scope, from: i },
+            { unique: scope, pgClient: c, uniqueKey: (p: { k: string }) => p.k },
+          );
         }),
       );
       start.resolve();
@@ -181,14 +234,18 @@ describe("race-free", () => {
     const a = await client();
     const b = await client();
     await a.query("begin");
-    expect((await locks.addJob("rb", { k: 1 }, { unique: "active", pgClient: a })).outcome).toBe("added");
+    expect((await locks.addJob("rb", { k: 1 }, { unique: "active", pgClient: a })).outcome).toBe(
+      "added",
+    );
     const pendingB = locks.addJob("rb", { k: 1 }, { unique: "active", pgClient: b });
     await blocked(pidOf(b));
     await a.query("rollback");
     const resultB = await pendingB;
     expect(resultB.outcome).toBe("added");
     expect(await jobCount()).toBe(1);
-    const { rows } = await db.pool().query<{ id: string }>("select id::text from graphile_worker.jobs");
+    const { rows } = await db
+      .pool()
+      .query<{ id: string }>("select id::text from graphile_worker.jobs");
     expect(rows[0]!.id).toBe(resultB.job!.id);
   });
 
@@ -215,7 +272,9 @@ describe("race-free", () => {
     await b.query("select 1"); // b's snapshot is taken now, before a's job exists
     await a.query("begin");
     await locks.addJob("rr", { k: 1 }, { unique: "active", pgClient: a });
-    const pendingB = locks.addJob("rr", { k: 1 }, { unique: "active", pgClient: b }).catch((e: unknown) => e);
+    const pendingB = locks
+      .addJob("rr", { k: 1 }, { unique: "active", pgClient: b })
+      .catch((e: unknown) => e);
     await blocked(pidOf(b));
     await a.query("commit");
     const outcome = (await pendingB) as { code?: string };
@@ -251,7 +310,9 @@ describe("windows (uniqueFor)", () => {
     const dup = await locks.addJob("w", { k: 1 }, { uniqueFor: 600 });
     expect(dup).toEqual({ job: null, outcome: "duplicate" });
     // Counted from runAt: a window that started 20 s ago and lasts 10 s is over.
-    expect((await locks.addJob("w", { k: 2 }, { uniqueFor: 10, runAt: ago(20) })).outcome).toBe("added");
+    expect((await locks.addJob("w", { k: 2 }, { uniqueFor: 10, runAt: ago(20) })).outcome).toBe(
+      "added",
+    );
     expect((await locks.addJob("w", { k: 2 }, { uniqueFor: 10 })).outcome).toBe("added");
     expect((await locks.addJob("w", { k: 2 }, { uniqueFor: 10 })).outcome).toBe("duplicate");
   });
@@ -294,7 +355,15 @@ describe("bulk", () => {
       { pgClient: counted },
     );
     expect(statements).toBe(1);
-    expect(results.map((r) => r.outcome)).toEqual(["added", "duplicate", "duplicate", "added", "added", "added", "duplicate"]);
+    expect(results.map((r) => r.outcome)).toEqual([
+      "added",
+      "duplicate",
+      "duplicate",
+      "added",
+      "added",
+      "added",
+      "duplicate",
+    ]);
     expect(results[1]!.job!.id).toBe(existing.job!.id);
     expect(results[2]!.job!.id).toBe(results[0]!.job!.id);
     expect(results[6]!.job!.id).toBe(results[5]!.job!.id);
@@ -318,7 +387,11 @@ describe("bulk", () => {
 describe("bounded state", () => {
   it("100,000 distinct keys churned through leave nothing behind", async () => {
     const batch = (from: number, extra: object) =>
-      Array.from({ length: 10_000 }, (_, i) => ({ identifier: "churn", payload: { i: from + i }, ...extra }));
+      Array.from({ length: 10_000 }, (_, i) => ({
+        identifier: "churn",
+        payload: { i: from + i },
+        ...extra,
+      }));
     const past = new Date(Date.now() - 60_000);
     for (let from = 0; from < 100_000; from += 20_000) {
       // Half scoped (state lives on the job row), half windows alone (a row each until it expires).
@@ -330,7 +403,9 @@ describe("bounded state", () => {
     }
     expect(await jobCount()).toBe(0);
     expect(await locks.sweep()).toBe(50_000);
-    const { rows } = await db.pool().query<{ n: number }>("select count(*)::int as n from graphile_worker_locks.unique_windows");
+    const { rows } = await db
+      .pool()
+      .query<{ n: number }>("select count(*)::int as n from graphile_worker_locks.unique_windows");
     expect(rows[0]!.n).toBe(0);
   });
 });
@@ -338,20 +413,55 @@ describe("bounded state", () => {
 describe("bad input is refused before anything is written", () => {
   it("names what was wrong", async () => {
     const cases: Array<[Promise<unknown>, RegExp]> = [
-      [locks.addJob("bad", {}, { unique: "forever" as UniqueScope }), /`unique` must be one of "queued", "active", "exists" or false, got "forever"/],
-      [locks.addJob("bad", {}, { uniqueFor: -5 }), /`uniqueFor` must be a positive number of seconds, got -5/],
-      [locks.addJob("bad", {}, { unique: "queued", onDuplicate: "merge" as never }), /`onDuplicate` must be one of/],
-      [locks.addJob("bad", {}, { unique: "queued", uniqueKey: () => { throw new Error("key failed"); } }), /key failed/],
-      [locks.addJob("bad", {}, { unique: "queued", uniqueKey: () => ({ id: 1n }) }), /uniqueKey\(payload\)\.id is a BigInt/],
-      [locks.addJob("bad", {}, { unique: "queued", jobKey: "mine" }), /cannot be combined with a unique job/],
-      [locks.addJobs([{ identifier: "bad", payload: { a: 1 } }, { identifier: "bad", payload: { f: () => 1 } }]), /payload\.f is a function/],
+      [
+        locks.addJob("bad", {}, { unique: "forever" as UniqueScope }),
+        /`unique` must be one of "queued", "active", "exists" or false, got "forever"/,
+      ],
+      [
+        locks.addJob("bad", {}, { uniqueFor: -5 }),
+        /`uniqueFor` must be a positive number of seconds, got -5/,
+      ],
+      [
+        locks.addJob("bad", {}, { unique: "queued", onDuplicate: "merge" as never }),
+        /`onDuplicate` must be one of/,
+      ],
+      [
+        locks.addJob(
+          "bad",
+          {},
+          {
+            unique: "queued",
+            uniqueKey: () => {
+              throw new Error("key failed");
+            },
+          },
+        ),
+        /key failed/,
+      ],
+      [
+        locks.addJob("bad", {}, { unique: "queued", uniqueKey: () => ({ id: 1n }) }),
+        /uniqueKey\(payload\)\.id is a BigInt/,
+      ],
+      [
+        locks.addJob("bad", {}, { unique: "queued", jobKey: "mine" }),
+        /cannot be combined with a unique job/,
+      ],
+      [
+        locks.addJobs([
+          { identifier: "bad", payload: { a: 1 } },
+          { identifier: "bad", payload: { f: () => 1 } },
+        ]),
+        /payload\.f is a function/,
+      ],
     ];
     for (const [attempt, message] of cases) {
       const error = await attempt.catch((e: unknown) => e);
       expect(error).toBeInstanceOf(Error);
       expect(String((error as Error).message)).toMatch(message);
     }
-    expect(() => locks.unique("bad", async () => undefined, { unique: "sometimes" as UniqueScope })).toThrow(InvalidArgumentError);
+    expect(() =>
+      locks.unique("bad", async () => undefined, { unique: "sometimes" as UniqueScope }),
+    ).toThrow(InvalidArgumentError);
     expect(await jobCount()).toBe(0);
     // Your own job key without uniqueness keeps graphile-worker's meaning.
     const own = await locks.addJob("bad", { a: 1 }, { jobKey: "mine" });
@@ -362,11 +472,33 @@ describe("bad input is refused before anything is written", () => {
 });
 
 describe("when a duplicate is accepted again: scope x outcome, with a real runner", () => {
-  type State = "queued" | "running" | "retrying" | "failed for good" | "succeeded" | "killed mid-job";
+  type State =
+    "queued" | "running" | "retrying" | "failed for good" | "succeeded" | "killed mid-job";
   const expected: Record<UniqueScope, Record<State, "duplicate" | "added">> = {
-    queued: { queued: "duplicate", running: "added", retrying: "added", "failed for good": "added", succeeded: "added", "killed mid-job": "added" },
-    active: { queued: "duplicate", running: "duplicate", retrying: "duplicate", "failed for good": "added", succeeded: "added", "killed mid-job": "duplicate" },
-    exists: { queued: "duplicate", running: "duplicate", retrying: "duplicate", "failed for good": "duplicate", succeeded: "added", "killed mid-job": "duplicate" },
+    queued: {
+      queued: "duplicate",
+      running: "added",
+      retrying: "added",
+      "failed for good": "added",
+      succeeded: "added",
+      "killed mid-job": "added",
+    },
+    active: {
+      queued: "duplicate",
+      running: "duplicate",
+      retrying: "duplicate",
+      "failed for good": "added",
+      succeeded: "added",
+      "killed mid-job": "duplicate",
+    },
+    exists: {
+      queued: "duplicate",
+      running: "duplicate",
+      retrying: "duplicate",
+      "failed for good": "duplicate",
+      succeeded: "added",
+      "killed mid-job": "duplicate",
+    },
   };
   const holds = new Map<string, Deferred<void>>();
   let runner: Runner;
@@ -382,7 +514,11 @@ describe("when a duplicate is accepted again: scope x outcome, with a real runne
       },
       { unique: "queued", uniqueKey: (p: { id: string }) => p.id },
     );
-    runner = await startRunner({ connectionString: db.url, concurrency: 20, taskList: { m: task } });
+    runner = await startRunner({
+      connectionString: db.url,
+      concurrency: 20,
+      taskList: { m: task },
+    });
   });
   afterAll(async () => {
     for (const d of holds.values()) d.resolve();
@@ -404,23 +540,31 @@ describe("when a duplicate is accepted again: scope x outcome, with a real runne
       case "running": {
         holds.set(id, deferred());
         const { job } = await add("hold");
-        await waitFor(async () => (await jobState(job!.id))?.locked_at, { message: `${id} to start` });
+        await waitFor(async () => (await jobState(job!.id))?.locked_at, {
+          message: `${id} to start`,
+        });
         break;
       }
       case "retrying": {
         const { job } = await add("fail");
-        await waitFor(async () => {
-          const j = await jobState(job!.id);
-          return j && j.attempts === 1 && j.locked_at === null && j.last_error;
-        }, { message: `${id} to fail once` });
+        await waitFor(
+          async () => {
+            const j = await jobState(job!.id);
+            return j && j.attempts === 1 && j.locked_at === null && j.last_error;
+          },
+          { message: `${id} to fail once` },
+        );
         break;
       }
       case "failed for good": {
         const { job } = await add("fail", { maxAttempts: 1 });
-        await waitFor(async () => {
-          const j = await jobState(job!.id);
-          return j && j.attempts === 1 && j.locked_at === null;
-        }, { message: `${id} to fail for good` });
+        await waitFor(
+          async () => {
+            const j = await jobState(job!.id);
+            return j && j.attempts === 1 && j.locked_at === null;
+          },
+          { message: `${id} to fail for good` },
+        );
         break;
       }
       case "succeeded": {
@@ -431,10 +575,12 @@ describe("when a duplicate is accepted again: scope x outcome, with a real runne
       case "killed mid-job": {
         // What a worker killed mid-job leaves: the row locked by a worker that no longer exists.
         const { job } = await add("ok", { runAt: new Date(Date.now() + 3_600_000) });
-        await db.pool().query(
-          "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'killed', attempts = attempts + 1 where id = $1",
-          [job!.id],
-        );
+        await db
+          .pool()
+          .query(
+            "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'killed', attempts = attempts + 1 where id = $1",
+            [job!.id],
+          );
         break;
       }
     }
@@ -446,7 +592,11 @@ describe("when a duplicate is accepted again: scope x outcome, with a real runne
       const seen: Record<string, string> = {};
       for (const state of Object.keys(expected[scope]) as State[]) {
         const id = await drive(scope, state);
-        const result = await matrixLocks.addJob("m", { mode: "ok", id, dup: true }, { unique: scope, runAt: new Date(Date.now() + 3_600_000) });
+        const result = await matrixLocks.addJob(
+          "m",
+          { mode: "ok", id, dup: true },
+          { unique: scope, runAt: new Date(Date.now() + 3_600_000) },
+        );
         seen[state] = result.outcome;
         holds.get(id)?.resolve();
       }

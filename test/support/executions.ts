@@ -61,7 +61,10 @@ export function maxConcurrencyPerKey(executions: readonly Execution[]): Map<stri
   return result;
 }
 
-export async function readEvents(pool: pg.Pool, kind: string): Promise<Array<{ jobId: string; worker: string; detail: unknown }>> {
+export async function readEvents(
+  pool: pg.Pool,
+  kind: string,
+): Promise<Array<{ jobId: string; worker: string; detail: unknown }>> {
   const { rows } = await pool.query<{ job_id: string; worker: string; detail: unknown }>(
     "select job_id::text, worker, detail from test_events where kind = $1 order by id",
     [kind],

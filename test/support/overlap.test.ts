@@ -12,7 +12,12 @@ const ex = (lockKey: string, start: number, end: number): Execution => ({
 
 describe("maxConcurrencyPerKey (the overlap checker itself)", () => {
   it("detects an overlap, and only per key", () => {
-    const result = maxConcurrencyPerKey([ex("a", 0, 10), ex("a", 5, 15), ex("b", 0, 100), ex("a", 20, 30)]);
+    const result = maxConcurrencyPerKey([
+      ex("a", 0, 10),
+      ex("a", 5, 15),
+      ex("b", 0, 100),
+      ex("a", 20, 30),
+    ]);
     expect(result.get("a")).toBe(2);
     expect(result.get("b")).toBe(1);
   });

@@ -22,7 +22,10 @@ export interface WorkerProcess {
 }
 
 /** Starts test/fixtures/worker.ts in a separate Node process and waits until its runner is started. */
-export async function startWorkerProcess(url: string, options: WorkerProcessOptions): Promise<WorkerProcess> {
+export async function startWorkerProcess(
+  url: string,
+  options: WorkerProcessOptions,
+): Promise<WorkerProcess> {
   const child = fork(WORKER, [], {
     execArgv: ["--import", "tsx"],
     env: {
@@ -36,10 +39,14 @@ export async function startWorkerProcess(url: string, options: WorkerProcessOpti
     },
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });
-  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)));
+  const exited = new Promise<number | null>((resolve) =>
+    child.once("exit", (code) => resolve(code)),
+  );
   await new Promise<void>((resolve, reject) => {
     child.once("message", () => resolve());
-    child.once("exit", (code) => reject(new Error(`worker ${options.name} exited early with ${code}`)));
+    child.once("exit", (code) =>
+      reject(new Error(`worker ${options.name} exited early with ${code}`)),
+    );
   });
   return {
     name: options.name,

@@ -32,7 +32,10 @@ export function nextEvent<K extends keyof LocksEvents>(
 }
 
 /** Counts events by name. */
-export function countEvents(locks: Locks, names: ReadonlyArray<keyof LocksEvents>): Record<string, number> {
+export function countEvents(
+  locks: Locks,
+  names: ReadonlyArray<keyof LocksEvents>,
+): Record<string, number> {
   const counts: Record<string, number> = {};
   for (const name of names) {
     counts[name] = 0;
@@ -45,9 +48,21 @@ export function countEvents(locks: Locks, names: ReadonlyArray<keyof LocksEvents
 
 /** Records [start, end] of executions per key, with one process's monotonic clock. */
 export class Timeline {
-  readonly executions: Array<{ key: string; start: bigint; end: bigint | null; jobId: string; attempts: number }> = [];
+  readonly executions: Array<{
+    key: string;
+    start: bigint;
+    end: bigint | null;
+    jobId: string;
+    attempts: number;
+  }> = [];
   begin(key: string, jobId: string, attempts: number): () => void {
-    const entry = { key, start: process.hrtime.bigint(), end: null as bigint | null, jobId, attempts };
+    const entry = {
+      key,
+      start: process.hrtime.bigint(),
+      end: null as bigint | null,
+      jobId,
+      attempts,
+    };
     this.executions.push(entry);
     return () => {
       entry.end = process.hrtime.bigint();
@@ -56,7 +71,13 @@ export class Timeline {
   /** Highest number of executions of one key (of any key, when omitted) running at the same instant. */
   maxConcurrency(key?: string): number {
     const perKey = maxConcurrencyPerKey(
-      this.executions.map((e) => ({ ...e, lockKey: e.key, worker: "", start: e.start, end: e.end })),
+      this.executions.map((e) => ({
+        ...e,
+        lockKey: e.key,
+        worker: "",
+        start: e.start,
+        end: e.end,
+      })),
     );
     return key === undefined ? Math.max(0, ...perKey.values()) : (perKey.get(key) ?? 0);
   }
