@@ -24,7 +24,11 @@ export interface AddJobResult {
 }
 
 export interface Queryable {
-  query<R extends object>(text: string, values?: unknown[]): Promise<{ rows: R[] }>;
+  query<R extends object>(config: {
+    text: string;
+    values?: unknown[];
+    name?: string;
+  }): Promise<{ rows: R[] }>;
 }
 
 /** One enqueue, resolved: what to add, which lock to check first, and its uniqueness. */
@@ -48,7 +52,9 @@ export async function lockAvailable(
   sql: Sql,
   keys: readonly bigint[],
 ): Promise<boolean> {
-  const { rows } = await db.query<{ available: boolean }>(sql.lockAvailable, lockCoordinates(keys));
+  const { rows } = await db.query<{ available: boolean }>(
+    sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
+  );
   return rows[0]!.available;
 }
 
@@ -90,9 +96,11 @@ function commonValues(plan: EnqueuePlan) {
 export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promise<AddJobResult> {
   const v = commonValues(plan);
   const { unique, lockKeys, spec } = plan;
+  let name: string;
   let text: string;
   let values: unknown[];
   if (unique) {
+    name = lockKeys ? "add_unique_checked" : "add_unique";
     text = sql.addUniqueJob(lockKeys !== null);
     values = [
       plan.taskIdentifier,
@@ -108,6 +116,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
       unique.onDuplicate,
     ];
   } else {
+    name = lockKeys ? "add_job_checked" : "add_job";
     text = lockKeys ? sql.addJobIfAvailable : sql.addJob;
     values = [
       plan.taskIdentifier,
@@ -122,7 +131,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     ];
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
-  const { rows } = await db.query<JobRow>(text, values);
+  const { rows } = await db.query<JobRow>(sql.statement(name, text, values));
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
   return {
@@ -173,11 +182,13 @@ export async function addJobs(
     }
   });
   if (specs.length === 0) return [];
-  const { rows } = await db.query<JobRow>(sql.addUniqueJobs, [
-    JSON.stringify(specs),
-    specs.length,
-    firsts,
-  ]);
+  const { rows } = await db.query<JobRow>(
+    sql.statement("add_unique_bulk", sql.addUniqueJobs, [
+      JSON.stringify(specs),
+      specs.length,
+      firsts,
+    ]),
+  );
   // Rows inserted set-based come back without a position: each is the first item of its key.
   const results: AddJobResult[] = new Array(plans.length);
   for (const row of rows) {

@@ -138,7 +138,7 @@ export function makeLocks(options: LocksOptions): Locks {
     options.pgPool ?? new pg.Pool({ connectionString: options.connectionString, max: 10 });
   if (ownPool)
     pool.on("error", (error) => logger.warn(`graphile-worker-locks pool error: ${error.message}`));
-  const sql = makeSql(schema, workerSchema);
+  const sql = makeSql(schema, workerSchema, options.preparedStatements ?? true);
   const events = makeEmitter();
   let released = false;
 
@@ -223,7 +223,7 @@ export function makeLocks(options: LocksOptions): Locks {
   const maybeSweep = (db: Queryable) => {
     if (Date.now() - lastSweep < SWEEP_INTERVAL_MS) return;
     lastSweep = Date.now();
-    db.query(sql.sweepUniqueWindows).catch((error: unknown) =>
+    db.query({ text: sql.sweepUniqueWindows }).catch((error: unknown) =>
       logger.warn(`graphile-worker-locks: sweeping unique windows failed: ${String(error)}`, {
         error,
       }),

@@ -87,6 +87,12 @@ export interface LocksOptions {
   reconnectDelay?: { min?: number; max?: number };
   /** Defaults for every exclusive task of this instance. */
   defaults?: ExclusiveOptions;
+  /**
+   * Whether enqueue and introspection statements are prepared (named). Turn off behind a connection pooler
+   * that cannot carry prepared statements (PgBouncer in transaction mode before 1.21). The lock session
+   * always prepares its statement (it is a direct connection). @defaultValue `true`
+   */
+  preparedStatements?: boolean;
 }
 
 /** A graphile-worker `TaskSpec` plus what this library adds to an enqueue. */

@@ -31,12 +31,26 @@ const ADD_JOB_ARGS = `identifier => $1::text,
     flags => $8::text[],
     job_key_mode => $9::text`;
 
-export function makeSql(schema: string, workerSchema: string) {
+export function makeSql(schema: string, workerSchema: string, preparedStatements = true) {
   const s = escapeIdentifier(schema);
   const w = escapeIdentifier(workerSchema);
   return {
     escapedSchema: s,
     escapedWorkerSchema: w,
+
+    /**
+     * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
+     * statements are off. Names include both schemas: one pool may serve several `Locks` instances.
+     */
+    statement(
+      name: string,
+      text: string,
+      values: unknown[],
+    ): { name?: string; text: string; values: unknown[] } {
+      return preparedStatements
+        ? { name: `gwl_${name}/${schema}/${workerSchema}`, text, values }
+        : { text, values };
+    },
 
     /**
      * One round trip for every lock and unlock request that queued up while the previous one was in
