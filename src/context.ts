@@ -2,7 +2,7 @@
 import type { LocksEvents } from "./events.js";
 import type { AddJobResult } from "./enqueue.js";
 import type { AddJobSpec } from "./options.js";
-import type { LockSession } from "./session.js";
+import type { AcquireResult, LockSession } from "./session.js";
 import type { Sql } from "./sql.js";
 
 export interface LocksContext {
@@ -10,6 +10,8 @@ export interface LocksContext {
   readonly sql: Sql;
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
+  /** The lock-ahead acquisition of a starting job, if its batch was prefetched (see prefetch.ts). */
+  prefetched(jobId: string): Promise<AcquireResult | null> | undefined;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

@@ -5,7 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
-import type { Hold } from "./session.js";
+import type { Hold, HoldInfo } from "./session.js";
 import { slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
@@ -20,6 +20,8 @@ export interface ExclusiveTask<TPayload = unknown> extends Task {
   lockAvailable(payload: TPayload): Promise<boolean>;
   /** Adds a job of this task, dropped up front if its key is held (unless `preemptive: false`). */
   addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;
+  /** @internal How lock-ahead locks a fetched job of this task. */
+  readonly lockPlan: (job: Job) => { slots: bigint[]; info: HoldInfo };
 }
 
 /** Remembers consecutive conflicts per key for the reschedule backoff; bounded in size. */
@@ -92,6 +94,11 @@ export function makeExclusiveTask<TPayload>(
   const conflicts = new ConflictCounter();
   const keysOf = (payload: TPayload) =>
     slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
+  const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo => ({
+    taskIdentifier,
+    jobId: job.id,
+    wakeKey: options.onConflict === "reschedule" ? slots[0]! : null,
+  });
 
   const onConflict = async (
     job: Job,
@@ -139,8 +146,8 @@ export function makeExclusiveTask<TPayload>(
   const wrapped = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
     const slots = keysOf(payload as TPayload);
-    const wakeKey = options.onConflict === "reschedule" ? slots[0]! : null;
-    const result = await ctx.session.acquire(slots, { taskIdentifier, jobId: job.id, wakeKey });
+    let result = await ctx.prefetched(job.id);
+    if (!result?.acquired) result = await ctx.session.acquire(slots, holdInfo(job, slots));
     if (!result.acquired) return onConflict(job, helpers, slots, result.local);
 
     const { hold } = result;
@@ -172,6 +179,10 @@ export function makeExclusiveTask<TPayload>(
     taskIdentifier,
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
+    lockPlan: (job: Job) => {
+      const slots = keysOf(job.payload as TPayload);
+      return { slots, info: holdInfo(job, slots) };
+    },
     lockAvailable: async (payload: TPayload) => ctx.lockAvailable(keysOf(payload)),
     addJob: (payload: TPayload, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
   }) as ExclusiveTask<TPayload>;

@@ -5,7 +5,7 @@
 import { hostname } from "node:os";
 import pg from "pg";
 import type { Client, ClientConfig, Pool, PoolClient } from "pg";
-import type { Job, JobHelpers, Task } from "graphile-worker";
+import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
 import {
@@ -29,6 +29,7 @@ import {
   type LocksOptions,
   type ResolvedExclusiveOptions,
 } from "./options.js";
+import { Prefetcher } from "./prefetch.js";
 import { LockSession } from "./session.js";
 import { makeSql } from "./sql.js";
 import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
@@ -110,6 +111,12 @@ export interface Locks {
     held: Array<{ lockKey: bigint; taskIdentifier: string; jobId: string | null; since: Date }>;
     statements: number;
   };
+  /**
+   * Lock-ahead for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
+   * fetched batch are taken in one statement as the batch arrives, so jobs start without waiting for
+   * theirs. Returns a function that detaches (also done when the runner stops).
+   */
+  attach(runner: { events: WorkerEvents }): () => void;
   /** Closes the lock session (releasing every lock it holds) and the pool it created. */
   release(): Promise<void>;
 }
@@ -287,10 +294,17 @@ export function makeLocks(options: LocksOptions): Locks {
     }
   };
 
+  const exclusiveTasks = new Map<string, ExclusiveTask<never>>();
+  const prefetcher = new Prefetcher(
+    session,
+    (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
+  );
+
   const ctx: LocksContext = {
     session,
     sql,
     emit,
+    prefetched: (jobId) => prefetcher.take(jobId),
     async lockAvailable(keys) {
       assertOpen();
       await ensureMigrated();
@@ -348,10 +362,13 @@ export function makeLocks(options: LocksOptions): Locks {
         resolved as ResolvedExclusiveOptions<never>,
         { ...options.defaults, ...taskOptions } as UniqueOptions<never>,
       );
-      return makeExclusiveTask(ctx, taskIdentifier, task, resolved);
+      const exclusive = makeExclusiveTask(ctx, taskIdentifier, task, resolved);
+      exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTask<never>);
+      return exclusive;
     },
     unique(taskIdentifier, task, uniqueOptions) {
       assertTask(taskIdentifier, task);
+      exclusiveTasks.delete(taskIdentifier);
       define(taskIdentifier, null, uniqueOptions as UniqueOptions<never>);
       const wrapped: Task = (payload, helpers) =>
         task(payload as never, helpers) as ReturnType<Task>;
@@ -361,6 +378,7 @@ export function makeLocks(options: LocksOptions): Locks {
       }) as UniqueTask<never>;
     },
     define(taskIdentifier, defineOptions) {
+      exclusiveTasks.delete(taskIdentifier);
       assertTask(taskIdentifier, () => undefined);
       const { exclusive, ...rest } = defineOptions;
       define(
@@ -445,6 +463,10 @@ export function makeLocks(options: LocksOptions): Locks {
     async connect() {
       assertOpen();
       await session.warmUp();
+    },
+    attach(runner) {
+      assertOpen();
+      return prefetcher.attach(runner.events);
     },
     status() {
       return {

@@ -554,3 +554,76 @@ describe("reschedule hand-off", () => {
     expect((await db.pool().query("select * from graphile_worker_locks.waiters")).rows).toEqual([]);
   });
 });
+
+describe("lock-ahead with graphile-worker's local queue", () => {
+  const localQueue = { worker: { localQueue: { size: 20 }, completeJobBatchDelay: 0 } };
+
+  it("takes the locks of a fetched batch before its jobs start, and gives back those of returned jobs", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    const started: string[] = [];
+    const task = locks.exclusive("ahead", async (p: { k: number }) => {
+      started.push(String(p.k));
+      await gate.promise;
+    });
+    const r = await startRunner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { ahead: task },
+      preset: localQueue,
+    });
+    const detach = locks.attach(r);
+    // One batch: the runner fetches all ten into its local queue and starts one.
+    await utils.addJobs(
+      Array.from({ length: 10 }, (_, k) => ({ identifier: "ahead", payload: { k } })),
+    );
+    await waitFor(async () => started.length === 1, { message: "a job to start" });
+    // The other nine wait in the local queue behind the running one, with their locks already taken.
+    const waiting = Array.from({ length: 10 }, (_, k) => k).filter((k) => String(k) !== started[0]);
+    await waitFor(
+      async () => {
+        const free = await Promise.all(waiting.map((k) => task.lockAvailable({ k })));
+        return free.every((f) => !f);
+      },
+      { message: "lock-ahead of the queued jobs" },
+    );
+    expect(started).toHaveLength(1);
+    gate.resolve();
+    await waitFor(async () => started.length === 10, { message: "every job to run" });
+    await r.stop();
+    detach();
+    await waitFor(async () => locks.status().held.length === 0, {
+      message: "every lock to be released",
+    });
+  });
+
+  it("two runners with lock-ahead, 300 jobs over 5 keys: no overlap, every job runs", async () => {
+    const timeline = new Timeline();
+    for (const locks of [newLocks(), newLocks()]) {
+      const task = locks.exclusive(
+        "ahead2",
+        async (p: { k: number }, helpers) => {
+          const end = timeline.begin(String(p.k), helpers.job.id, helpers.job.attempts);
+          await new Promise((resolve) => setTimeout(resolve, 2));
+          end();
+        },
+        { onConflict: "reschedule", reschedule: { minDelay: 50, maxDelay: 200 } },
+      );
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 6,
+        taskList: { ahead2: task },
+        preset: localQueue,
+      });
+      locks.attach(r);
+    }
+    await utils.addJobs(
+      Array.from({ length: 300 }, (_, i) => ({ identifier: "ahead2", payload: { k: i % 5 } })),
+    );
+    await waitFor(async () => timeline.executions.filter((e) => e.end !== null).length === 300, {
+      timeoutMs: 50_000,
+      message: "all 300 jobs to run",
+    });
+    expect(timeline.maxConcurrency()).toBe(1);
+  });
+});

@@ -1,0 +1,80 @@
+/**
+ * Lock-ahead for graphile-worker's local queue. When a runner fetches a batch of jobs into its local queue
+ * (`localQueue.size`), the locks of the batch's exclusive jobs are requested at once, in the lock session's
+ * next statement, so that each job finds its lock already taken when it starts instead of waiting a round
+ * trip. A job keeps a prefetched lock until it runs and finishes; a job handed back by the local queue
+ * (shutdown, ttl) gives it back. A prefetch that met a held key is not final: the job tries again when it
+ * starts, so lock-ahead never turns a key that frees in time into a conflict.
+ *
+ * Holding the lock from fetch to start is stricter, never looser: the job is claimed by this worker from
+ * the moment it is fetched.
+ */
+import type { Job, WorkerEvents } from "graphile-worker";
+import type { AcquireResult, HoldInfo, LockSession } from "./session.js";
+
+/** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
+export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;
+
+export class Prefetcher {
+  private readonly pending = new Map<string, Promise<AcquireResult | null>>();
+
+  constructor(
+    private readonly session: LockSession,
+    private readonly plan: LockPlan,
+  ) {}
+
+  fetched(jobs: readonly Job[]): void {
+    for (const job of jobs) {
+      if (this.pending.has(job.id)) continue;
+      let plan: ReturnType<LockPlan>;
+      try {
+        plan = this.plan(job);
+      } catch {
+        continue; // the job itself will report the bad key when it runs
+      }
+      if (!plan) continue;
+      this.pending.set(
+        job.id,
+        this.session.acquire(plan.slots, plan.info).catch(() => null),
+      );
+    }
+  }
+
+  /** The prefetched acquisition of a job that is starting, if any (and forgets it). */
+  take(jobId: string): Promise<AcquireResult | null> | undefined {
+    const pending = this.pending.get(jobId);
+    if (pending) this.pending.delete(jobId);
+    return pending;
+  }
+
+  /** Jobs handed back by the local queue: their prefetched locks are released. */
+  returned(jobs: readonly Job[]): void {
+    for (const job of jobs) this.giveBack(job.id);
+  }
+
+  releaseAll(): void {
+    for (const id of [...this.pending.keys()]) this.giveBack(id);
+  }
+
+  private giveBack(jobId: string): void {
+    void this.take(jobId)?.then((result) => {
+      if (result?.acquired) void result.hold.release();
+    });
+  }
+
+  /** Listens to a runner's events; returns a function that stops listening and releases what is left. */
+  attach(events: WorkerEvents): () => void {
+    const onFetched = ({ jobs }: { jobs: Job[] }) => this.fetched(jobs);
+    const onReturned = ({ jobs }: { jobs: Job[] }) => this.returned(jobs);
+    const onStop = () => this.releaseAll();
+    events.on("localQueue:getJobs:complete", onFetched);
+    events.on("localQueue:returnJobs", onReturned);
+    events.on("stop", onStop);
+    return () => {
+      events.off("localQueue:getJobs:complete", onFetched);
+      events.off("localQueue:returnJobs", onReturned);
+      events.off("stop", onStop);
+      this.releaseAll();
+    };
+  }
+}
