@@ -99,7 +99,9 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   let name: string;
   let text: string;
   let values: unknown[];
-  if (unique) {
+  // Without a job key of the caller's, the library's own direct insert (add_unique_job, which bypasses
+  // uniqueness for a null key) is about twice as fast as graphile-worker's general add_job path.
+  if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
     name = lockKeys ? "add_unique_checked" : "add_unique";
     text = sql.addUniqueJob(lockKeys !== null);
     values = [
@@ -110,10 +112,10 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
       v.maxAttempts,
       v.priority,
       JSON.stringify(uniqueFlags(spec?.flags, unique)),
-      unique.key,
-      unique.scope,
-      unique.windowSeconds,
-      unique.onDuplicate,
+      unique?.key ?? null,
+      unique?.scope ?? null,
+      unique?.windowSeconds ?? null,
+      unique?.onDuplicate ?? null,
     ];
   } else {
     name = lockKeys ? "add_job_checked" : "add_job";
