@@ -24,7 +24,7 @@ beforeAll(async () => {
 });
 afterEach(async () => {
   for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
-  await db.pool().query("delete from graphile_worker._private_jobs");
+  await db.pool().query("delete from graphile_worker._private_jobs; delete from graphile_worker_locks.waiters");
 });
 afterAll(async () => {
   await utils?.release();
@@ -186,6 +186,9 @@ describe("conflict strategies", () => {
     await new Promise((resolve) => r.events.once("job:error", resolve));
     const external = await holdExternally(task.lockKey({ id: 1 }));
     await utils.rescheduleJobs([job!.id], { runAt: new Date() });
+    // Every conflict parks a new copy (the copy runs after minDelay, meets the held key again, ...).
+    const copies: string[] = [];
+    locks.events.on("job:rescheduled", (e) => void copies.push(e.newJobId));
     const rescheduled = await nextEvent(locks, "job:rescheduled");
     expect(rescheduled.job.id).toBe(job!.id);
     expect(rescheduled.delayMs).toBeLessThanOrEqual(50);
@@ -197,7 +200,7 @@ describe("conflict strategies", () => {
       { message: "the original to complete and its copy to remain" },
     );
     const copy = rows[0]!;
-    expect(copy.id).toBe(rescheduled.newJobId);
+    expect(copies).toContain(copy.id);
     expect(copy.attempts).toBe(1); // the failure counts, the conflict does not
     expect(copy.max_attempts).toBe(7);
     expect(copy.key).toBe("later-1");
