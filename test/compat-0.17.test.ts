@@ -150,4 +150,67 @@ describe("graphile-worker 0.17.3", () => {
     await runner.stop();
     runner = undefined;
   });
+
+  it("unique jobs: scopes, windows, replace and bulk write graphile-worker 0.17's tables correctly", async () => {
+    await pool.query("delete from graphile_worker._private_jobs");
+    const first = await locks.addJob(
+      "u17",
+      { k: 1 },
+      { unique: "queued", queueName: "q17", flags: ["f"] },
+    );
+    const dup = await locks.addJob("u17", { k: 1 }, { unique: "queued" });
+    expect([first.outcome, dup.outcome]).toEqual(["added", "duplicate"]);
+    expect(dup.job!.id).toBe(first.job!.id);
+    const replaced = await locks.addJob(
+      "u17",
+      { k: 1 },
+      { unique: "queued", onDuplicate: "replace", priority: 4 },
+    );
+    expect(replaced.outcome).toBe("replaced");
+    const row = (
+      await pool.query<{
+        queue_name: string;
+        flags: Record<string, true>;
+        priority: number;
+        key: string;
+      }>("select queue_name, flags, priority, key from graphile_worker.jobs where id = $1", [
+        first.job!.id,
+      ])
+    ).rows[0]!;
+    expect(row).toMatchObject({
+      queue_name: "q17",
+      flags: { f: true, "gwl:unique:queued": true },
+      priority: 4,
+    });
+    expect(row.key).toMatch(/^gwl:u:[0-9a-f]{64}$/);
+    // Once it starts (as a 0.17 worker marks it), a duplicate is accepted and the running job keeps running.
+    await pool.query(
+      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+      [first.job!.id],
+    );
+    expect((await locks.addJob("u17", { k: 1 }, { unique: "queued" })).outcome).toBe("added");
+    expect((await locks.addJob("w17", { k: 1 }, { uniqueFor: 60 })).outcome).toBe("added");
+    expect((await locks.addJob("w17", { k: 1 }, { uniqueFor: 60 })).outcome).toBe("duplicate");
+    const bulk = await locks.addJobs([
+      { identifier: "b17", payload: { k: 1 }, unique: "active" },
+      { identifier: "b17", payload: { k: 1 }, unique: "active" },
+      { identifier: "b17", payload: { k: 2 } },
+    ]);
+    expect(bulk.map((r) => r.outcome)).toEqual(["added", "duplicate", "added"]);
+    // And a 0.17 runner runs them.
+    const ran: string[] = [];
+    const quiet = new gw17.Logger(() => () => undefined);
+    runner = await gw17.run({
+      connectionString: url,
+      concurrency: 2,
+      taskList: { b17: async (p: unknown) => void ran.push(JSON.stringify(p)) },
+      noHandleSignals: true,
+      pollInterval: 50,
+      logger: quiet,
+    });
+    await waitFor(async () => ran.length === 2, { message: "the bulk jobs to run" });
+    await runner.stop();
+    runner = undefined;
+    await pool.query("delete from graphile_worker._private_jobs");
+  });
 });
