@@ -76,7 +76,7 @@ export interface LockSessionOptions {
 class HoldImpl implements Hold {
   private controller: AbortController | undefined;
   private lostReason: Error | undefined;
-  readonly since = new Date();
+  private readonly sinceMs = Date.now();
   lost = false;
   releasing: Promise<ReleaseResult> | undefined;
   constructor(
@@ -86,6 +86,9 @@ class HoldImpl implements Hold {
     readonly generation: number,
     readonly info: HoldInfo,
   ) {}
+  get since(): Date {
+    return new Date(this.sinceMs);
+  }
   /** Made on first use: most jobs never look at it. */
   get signal(): AbortSignal {
     if (!this.controller) {
@@ -107,6 +110,8 @@ class HoldImpl implements Hold {
 
 interface LockRequest {
   slots: string[];
+  /** The same keys as bigints, kept to avoid parsing them back. */
+  keys: bigint[];
   info: HoldInfo;
   resolve(result: AcquireResult): void;
   reject(error: Error): void;
@@ -177,7 +182,9 @@ export class LockSession {
     }
     for (const k of free) this.pending.add(k);
     return new Promise<AcquireResult>((resolve, reject) => {
-      this.lockQueue.push({ slots: free, info, resolve, reject });
+      const freeKeys =
+        free.length === slots.length ? (slots as bigint[]) : free.map((k) => BigInt(k));
+      this.lockQueue.push({ slots: free, keys: freeKeys, info, resolve, reject });
       this.scheduleFlush();
     });
   }
@@ -427,7 +434,14 @@ export class LockSession {
       request.resolve({ acquired: false, local: false });
       return;
     }
-    const hold = new HoldImpl(this, BigInt(key), key, generation, request.info);
+    const index = request.slots.length === 1 ? 0 : request.slots.indexOf(key);
+    const hold = new HoldImpl(
+      this,
+      request.keys[index] ?? BigInt(key),
+      key,
+      generation,
+      request.info,
+    );
     this.holds.set(key, hold);
     this.registryDirty = true;
     request.resolve({ acquired: true, hold });
