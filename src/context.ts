@@ -9,6 +9,8 @@ export interface LocksContext {
   readonly session: LockSession;
   readonly sql: Sql;
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
+  /** Whether anyone listens to `event` (to skip building its payload). */
+  listening(event: keyof LocksEvents): boolean;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
   /** The lock-ahead acquisition of a starting job, if its batch was prefetched (see prefetch.ts). */
   prefetched(jobId: string): Promise<AcquireResult | null> | undefined;

@@ -145,13 +145,17 @@ export function makeExclusiveTask<TPayload>(
 
   const wrapped = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
-    const slots = keysOf(payload as TPayload);
-    let result = await ctx.prefetched(job.id);
-    if (!result?.acquired) result = await ctx.session.acquire(slots, holdInfo(job, slots));
-    if (!result.acquired) return onConflict(job, helpers, slots, result.local);
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
+    const prefetched = ctx.prefetched(job.id);
+    let result = prefetched ? await prefetched : null;
+    if (!result?.acquired) {
+      const slots = keysOf(payload as TPayload);
+      result = await ctx.session.acquire(slots, holdInfo(job, slots));
+      if (!result.acquired) return onConflict(job, helpers, slots, result.local);
+    }
 
     const { hold } = result;
-    if (options.onConflict === "reschedule") conflicts.clear(slots[0]!.toString());
+    if (hold.info.wakeKey !== null) conflicts.clear(hold.info.wakeKey.toString());
     ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job });
 
     const locked = lockedHelpers(helpers, hold);
@@ -166,12 +170,13 @@ export function makeExclusiveTask<TPayload>(
       // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
-      const heldMs = performance.now() - started;
-      void hold
-        .release()
-        .then(({ outcome }) =>
+      const released = hold.release();
+      if (ctx.listening("lock:released")) {
+        const heldMs = performance.now() - started;
+        void released.then(({ outcome }) =>
           ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
         );
+      }
     }
   };
 

@@ -305,6 +305,7 @@ export function makeLocks(options: LocksOptions): Locks {
     sql,
     emit,
     prefetched: (jobId) => prefetcher.take(jobId),
+    listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();
       await ensureMigrated();
