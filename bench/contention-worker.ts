@@ -1,0 +1,270 @@
+/**
+ * A worker process of the contention section (bench/contention.ts), forked three times as
+ * `node --import tsx bench/contention-worker.ts`.
+ *
+ * It runs one graphile-worker runner (concurrency CONCURRENCY, poll interval POLL_INTERVAL) whose task list
+ * holds the four tasks of the section, so that the same processes serve every run:
+ * - `cx_drop`, `cx_reschedule`, `cx_raise`: the 20 ms task wrapped by `locks.exclusive()` with that conflict
+ *   strategy (key: `payload.k`; the library's default reschedule backoff, unless BENCH_RESCHEDULE gives one
+ *   as JSON, for experiments);
+ * - `cx_queue`: the same task without the library, for the anchor run whose jobs are serialised by
+ *   graphile-worker's own named queues (one `queueName` per key).
+ *
+ * Everything is recorded in memory, with the clock `performance.timeOrigin + performance.now()` (ms since
+ * the epoch, sub-millisecond; every process is on the same machine, and the parent checks the offsets):
+ * each execution's start and end (taken inside the task, i.e. while the job holds its lock or its queue),
+ * each fetch (graphile-worker's `job:start`, emitted when a worker has locked a job row), each release
+ * (`lock:released`, once PostgreSQL answered the unlock statement, which also woke the key's next waiter),
+ * each park (`job:rescheduled`), and counters of conflicts, drops, failures and empty fetches.
+ *
+ * Controlled over IPC by request/answer messages carrying an `id`: `clock` (answers this process's clock),
+ * `reset` (forgets what was recorded), `collect` (answers the records), `stop` (stops the runner, releases
+ * the lock session, answers and exits), `poll` (restarts the runner with another poll interval). Sends
+ * `ready` once its runner runs and its lock session is open.
+ */
+import { EventEmitter } from "node:events";
+import { performance } from "node:perf_hooks";
+import { pathToFileURL } from "node:url";
+import { Logger, run, type Job, type JobHelpers, type WorkerEvents } from "graphile-worker";
+import type { RescheduleOptions } from "../src/index.js";
+import { library } from "./library.js";
+
+export const TASK_MS = 20;
+export const STRATEGY_TASKS = {
+  drop: "cx_drop",
+  reschedule: "cx_reschedule",
+  raise: "cx_raise",
+} as const;
+export const QUEUE_TASK = "cx_queue";
+export const ALL_TASKS = [...Object.values(STRATEGY_TASKS), QUEUE_TASK];
+
+/** Every job's payload: its key, and its position in the enqueue order (1-based, = job id order). */
+export interface ContentionPayload {
+  k: string;
+  seq: number;
+}
+
+/** The common clock: milliseconds since the epoch, with sub-millisecond resolution. */
+export const clock = (): number => performance.timeOrigin + performance.now();
+
+export interface ExecutionRecord {
+  jobId: string;
+  task: string;
+  k: string;
+  seq: number;
+  attempts: number;
+  start: number;
+  end: number;
+}
+
+export interface FetchRecord {
+  jobId: string;
+  task: string;
+  k: string;
+  seq: number;
+  attempts: number;
+  /** When graphile-worker's worker had the job (its row locked). */
+  at: number;
+  /** The job's run_at as fetched (ms since the epoch): for a woken waiter, the time it was woken. */
+  runAt: number;
+}
+
+export interface WorkerRecords {
+  name: string;
+  executions: ExecutionRecord[];
+  fetches: FetchRecord[];
+  /** Job id → when its unlock statement was answered. */
+  releases: Array<[string, number]>;
+  /** New job id of each parked copy → its safety-net run_at (ms since the epoch). */
+  parked: Array<[string, number]>;
+  counters: Record<string, Record<string, number>>;
+  /** CPU time of this process (user + system) since the last `reset`, in ms. */
+  cpuMs: number;
+}
+
+export type ParentMessage =
+  | { type: "clock"; id: number }
+  | { type: "reset"; id: number }
+  | { type: "collect"; id: number }
+  | { type: "poll"; id: number; pollInterval: number }
+  | { type: "stop"; id: number };
+
+export type ChildMessage =
+  { type: "ready" } | { type: "answer"; id: number; clock?: number; records?: WorkerRecords };
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
+async function main(): Promise<void> {
+  const url = process.env.DATABASE_URL;
+  if (!url) throw new Error("contention-worker: DATABASE_URL is not set");
+  const name = process.env.WORKER_NAME ?? String(process.pid);
+  const concurrency = Number(process.env.CONCURRENCY ?? 8);
+  let pollInterval = Number(process.env.POLL_INTERVAL ?? 2000);
+  const quiet = new Logger(() => () => undefined);
+  // For experiments only: BENCH_RESCHEDULE='{"minDelay":10000}' overrides the library's default backoff.
+  const rescheduleOptions = process.env.BENCH_RESCHEDULE
+    ? (JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions)
+    : undefined;
+
+  let executions: ExecutionRecord[] = [];
+  let fetches: FetchRecord[] = [];
+  let releases = new Map<string, number>();
+  let parked = new Map<string, number>();
+  let counters: Record<string, Record<string, number>> = {};
+  let cpuAtReset = process.cpuUsage();
+  const count = (task: string, what: string) => {
+    const c = (counters[task] ??= {});
+    c[what] = (c[what] ?? 0) + 1;
+  };
+
+  const body =
+    (task: string) =>
+    async (payload: ContentionPayload, helpers: JobHelpers): Promise<void> => {
+      const start = clock();
+      await sleep(TASK_MS);
+      executions.push({
+        jobId: helpers.job.id,
+        task,
+        k: payload.k,
+        seq: payload.seq,
+        attempts: helpers.job.attempts,
+        start,
+        end: clock(),
+      });
+    };
+
+  const locks = library.makeLocks({
+    connectionString: url,
+    logger: quiet,
+    applicationName: `gwl-bench-contention/${name}`,
+  });
+  locks.events.on("lock:released", ({ job }) => {
+    releases.set(job.id, clock());
+  });
+  locks.events.on("lock:conflict", ({ taskIdentifier, local }) => {
+    count(taskIdentifier, "conflicts");
+    if (local) count(taskIdentifier, "localConflicts");
+  });
+  locks.events.on("job:dropped", ({ taskIdentifier }) => count(taskIdentifier, "dropped"));
+  locks.events.on("job:rescheduled", ({ taskIdentifier, newJobId, runAt }) => {
+    count(taskIdentifier, "rescheduled");
+    parked.set(newJobId, runAt.getTime());
+  });
+
+  const taskList = {
+    ...Object.fromEntries(
+      (Object.keys(STRATEGY_TASKS) as Array<keyof typeof STRATEGY_TASKS>).map((strategy) => {
+        const task = STRATEGY_TASKS[strategy];
+        return [
+          task,
+          locks.exclusive<ContentionPayload>(task, body(task), {
+            onConflict: strategy,
+            key: (p) => p.k,
+            ...(strategy === "reschedule" && rescheduleOptions
+              ? { reschedule: rescheduleOptions }
+              : {}),
+          }),
+        ];
+      }),
+    ),
+    [QUEUE_TASK]: body(QUEUE_TASK),
+  };
+
+  const events = new EventEmitter() as WorkerEvents;
+  events.on("job:start", ({ job }: { job: Job }) => {
+    const payload = job.payload as ContentionPayload;
+    count(job.task_identifier, "starts");
+    fetches.push({
+      jobId: job.id,
+      task: job.task_identifier,
+      k: payload.k,
+      seq: payload.seq,
+      attempts: job.attempts,
+      at: clock(),
+      runAt: new Date(job.run_at).getTime(),
+    });
+  });
+  events.on("job:error", ({ job }: { job: Job }) => count(job.task_identifier, "errors"));
+  events.on("worker:getJob:empty", () => count("*", "emptyFetches"));
+
+  await locks.connect();
+  const start = () =>
+    run({
+      connectionString: url,
+      concurrency,
+      taskList: taskList as never,
+      noHandleSignals: true,
+      pollInterval,
+      logger: quiet,
+      events,
+    });
+  let runner = await start();
+
+  const send = (message: ChildMessage, then?: () => void) =>
+    process.send!(message, undefined, {}, () => then?.());
+
+  process.on("message", (message: ParentMessage) => {
+    switch (message.type) {
+      case "clock":
+        send({ type: "answer", id: message.id, clock: clock() });
+        break;
+      case "reset":
+        executions = [];
+        fetches = [];
+        releases = new Map();
+        parked = new Map();
+        counters = {};
+        cpuAtReset = process.cpuUsage();
+        send({ type: "answer", id: message.id });
+        break;
+      case "collect":
+        send({
+          type: "answer",
+          id: message.id,
+          records: {
+            name,
+            executions,
+            fetches,
+            releases: [...releases],
+            parked: [...parked],
+            counters,
+            cpuMs: (() => {
+              const cpu = process.cpuUsage(cpuAtReset);
+              return (cpu.user + cpu.system) / 1000;
+            })(),
+          },
+        });
+        break;
+      case "poll":
+        void (async () => {
+          await runner.stop();
+          pollInterval = message.pollInterval;
+          runner = await start();
+          send({ type: "answer", id: message.id });
+        })();
+        break;
+      case "stop":
+        void (async () => {
+          await runner.stop();
+          await locks.release();
+          send({ type: "answer", id: message.id }, () => process.exit(0));
+        })();
+        break;
+    }
+  });
+  // The bench went away: nothing to report to, just stop.
+  process.on("disconnect", () => {
+    void runner
+      .stop()
+      .then(() => locks.release())
+      .finally(() => process.exit(0));
+  });
+  send({ type: "ready" });
+}
+
+if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href) {
+  main().catch((error: unknown) => {
+    console.error(`[contention-worker ${process.env.WORKER_NAME ?? process.pid}] failed:`, error);
+    process.exit(1);
+  });
+}

@@ -1,0 +1,1069 @@
+/**
+ * Section "contention": many jobs over few keys, across processes. 2,000 jobs over 10 keys (200 per key,
+ * enqueued round-robin), 20 ms tasks, 3 worker processes × concurrency 8 (bench/contention-worker.ts), so
+ * 24 workers compete for 10 keys and most fetches meet a held key.
+ *
+ * Variants, all in the same run against the same database and the same three processes:
+ * - `drop`, `reschedule`, `raise`: `locks.exclusive()` with that conflict strategy (key: the payload's `k`;
+ *   reschedule with the library's default backoff, 1 s to 30 s, as the safety net behind the wake-up).
+ * - `queueName`: the anchor, graphile-worker alone with one named queue per key (no library), which
+ *   serialises each key's jobs in order; at graphile-worker's default poll interval (2 s, as every other
+ *   variant) and at 100 ms (`queueName100`: its hand-off can wait for a poll, see FAST_POLL_INTERVAL_MS).
+ *
+ * Method, per run: the job table is emptied, the processes forget their records, then the 2,000 jobs are
+ * inserted in one statement (graphile-worker's `add_jobs`, whose NOTIFY wakes every idle worker), so that
+ * they all compete from the start. The clock runs from just before that statement until the last execution
+ * ended (makespan); the run ends when the job table is empty, or for `raise` at a time limit (its retries
+ * follow graphile-worker's backoff, e^attempts seconds), when the jobs left are deleted.
+ *
+ * Every process records, with the common clock `performance.timeOrigin + performance.now()` (same
+ * machine; the offsets between processes are measured over IPC and reported), each execution's start and
+ * end (inside the task, so while the job holds its key), each fetch (`job:start`: a worker locked a job row,
+ * whatever comes of it: execution, drop, park or failure), each unlock (`lock:released`), each park. From
+ * these, per run:
+ * - makespan against the ideal: the busiest key's executions × 20 ms (for reschedule and the anchor every
+ *   job executes, so 200 × 20 ms = 4 s; for drop, most jobs are dropped and the "ideal" is only the busiest
+ *   key's executed work; for raise, what ran within the time limit);
+ * - fetches per executed job (hot-loop check) and reschedules per executed job;
+ * - hand-off: for consecutive executions of a key, (start of n+1) − (end of n), with its breakdown (end →
+ *   unlock answered, end → next job fetched, fetch → start) and what brought the next job (a wake-up, the
+ *   safety-net delay, or its first fetch);
+ * - overlap: the highest number of executions of one key at the same instant (a sweep over starts and
+ *   ends), which must be 1 in every run;
+ * - FIFO, per key: how many executions ran out of enqueue order (job id order at the insert; a parked copy is
+ *   traced back to its original by the payload's `seq`), as the fewest that would have to move (executions −
+ *   the longest sequence in id order), and as those overtaken by a later-enqueued job.
+ *
+ * One warm-up run of drop, reschedule and the anchors (not counted), then BENCH_ROUNDS (default 3) rounds
+ * alternating them, medians reported; then one raise run (stopped at 45 s: graphile-worker's next retry
+ * wave after the one at ~30 s would come at ~85 s). BENCH_QUICK: 200 jobs, 1 round, raise stopped at 6 s.
+ */
+import { fork, type ChildProcess } from "node:child_process";
+import { fileURLToPath } from "node:url";
+import {
+  countJobs,
+  fmtFixed,
+  fmtInt,
+  fmtPercent,
+  median,
+  resetJobs,
+  round,
+  sleep,
+  spread,
+  type BenchContext,
+  type Goal,
+  type Section,
+  type SectionResult,
+  type Table,
+} from "./lib.js";
+import {
+  QUEUE_TASK,
+  STRATEGY_TASKS,
+  TASK_MS,
+  clock,
+  type ChildMessage,
+  type ExecutionRecord,
+  type FetchRecord,
+  type ParentMessage,
+  type WorkerRecords,
+} from "./contention-worker.js";
+
+const WORKER_SCRIPT = fileURLToPath(new URL("./contention-worker.ts", import.meta.url));
+const PROCESSES = 3;
+const CONCURRENCY = 8;
+const KEYS = 10;
+/** graphile-worker's default: jobs due in the future (safety nets, retries) are found by polling. */
+const POLL_INTERVAL_MS = 2000;
+/**
+ * The second anchor's: graphile-worker does not NOTIFY when a named queue frees, and a worker fetches its
+ * next job before its completion (which unlocks the queue) has committed, so a queue can sit until a poll.
+ */
+const FAST_POLL_INTERVAL_MS = 100;
+const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+
+const SIZES = {
+  full: { jobs: 2000, warmJobs: 200, raiseLimitMs: 45_000 },
+  quick: { jobs: 200, warmJobs: 50, raiseLimitMs: 6_000 },
+};
+
+type VariantId = "drop" | "reschedule" | "raise" | "queueName" | "queueName100";
+const VARIANT_IDS: VariantId[] = ["drop", "reschedule", "raise", "queueName", "queueName100"];
+
+interface Variant {
+  id: VariantId;
+  label: string;
+  task: string;
+  /** One named queue per key (the anchor). */
+  queues: boolean;
+  /** graphile-worker's poll interval for this run (the runners are restarted when it changes). */
+  pollInterval: number;
+}
+
+const VARIANTS: Record<VariantId, Variant> = {
+  drop: {
+    id: "drop",
+    label: "drop",
+    task: STRATEGY_TASKS.drop,
+    queues: false,
+    pollInterval: POLL_INTERVAL_MS,
+  },
+  reschedule: {
+    id: "reschedule",
+    label: "reschedule",
+    task: STRATEGY_TASKS.reschedule,
+    queues: false,
+    pollInterval: POLL_INTERVAL_MS,
+  },
+  raise: {
+    id: "raise",
+    label: "raise",
+    task: STRATEGY_TASKS.raise,
+    queues: false,
+    pollInterval: POLL_INTERVAL_MS,
+  },
+  queueName: {
+    id: "queueName",
+    label: "graphile-worker queueName (anchor)",
+    task: QUEUE_TASK,
+    queues: true,
+    pollInterval: POLL_INTERVAL_MS,
+  },
+  queueName100: {
+    id: "queueName100",
+    label: `graphile-worker queueName, poll ${FAST_POLL_INTERVAL_MS} ms (anchor)`,
+    task: QUEUE_TASK,
+    queues: true,
+    pollInterval: FAST_POLL_INTERVAL_MS,
+  },
+};
+
+const GOALS = { fetchesPerExecuted: 2, makespanOverIdeal: 1.1, handoffP50Ms: 5, handoffP99Ms: 50 };
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker processes
+
+/** A message to a worker without its id (Omit over each member of the union). */
+type ParentRequest = ParentMessage extends infer M
+  ? M extends ParentMessage
+    ? Omit<M, "id">
+    : never
+  : never;
+
+interface WorkerProcess {
+  name: string;
+  pollInterval: number;
+  child: ChildProcess;
+  request(message: ParentRequest, timeoutMs?: number): Promise<ChildMessage>;
+  stop(): Promise<void>;
+}
+
+async function startWorker(ctx: BenchContext, name: string): Promise<WorkerProcess> {
+  const child = fork(WORKER_SCRIPT, [], {
+    execArgv: ["--import", "tsx"],
+    env: {
+      ...process.env,
+      DATABASE_URL: ctx.url,
+      WORKER_NAME: name,
+      CONCURRENCY: String(CONCURRENCY),
+      POLL_INTERVAL: String(POLL_INTERVAL_MS),
+    },
+    // The child's stdout goes to our stderr: our stdout carries only the results.
+    stdio: ["ignore", 2, 2, "ipc"],
+  });
+  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
+  let nextId = 1;
+  const waiting = new Map<number, (message: ChildMessage) => void>();
+  child.on("message", (message: ChildMessage) => {
+    if (message.type === "answer") {
+      waiting.get(message.id)?.(message);
+      waiting.delete(message.id);
+    }
+  });
+  await new Promise<void>((resolve, reject) => {
+    const onExit = (code: number | null) =>
+      reject(new Error(`contention worker ${name} exited early (${code})`));
+    child.once("exit", onExit);
+    child.once("message", () => {
+      child.off("exit", onExit);
+      resolve();
+    });
+  });
+  const request = (message: ParentRequest, timeoutMs = 60_000) =>
+    new Promise<ChildMessage>((resolve, reject) => {
+      const id = nextId++;
+      const timer = setTimeout(() => {
+        waiting.delete(id);
+        reject(new Error(`contention worker ${name}: no answer to '${message.type}'`));
+      }, timeoutMs);
+      waiting.set(id, (answer) => {
+        clearTimeout(timer);
+        resolve(answer);
+      });
+      child.send({ ...message, id } as ParentMessage);
+    });
+  return {
+    name,
+    pollInterval: POLL_INTERVAL_MS,
+    child,
+    request,
+    async stop() {
+      if (child.exitCode !== null || child.signalCode !== null) return;
+      try {
+        await request({ type: "stop" }, 15_000);
+      } catch {
+        child.kill("SIGKILL");
+      }
+      await exited;
+    },
+  };
+}
+
+/**
+ * Offset of each process's clock from ours: over IPC, the sample with the shortest round trip, offset =
+ * theirs − midpoint of ours; its uncertainty is half that round trip.
+ */
+async function clockOffsets(
+  workers: WorkerProcess[],
+): Promise<Array<{ name: string; offsetMs: number; uncertaintyMs: number }>> {
+  const result = [];
+  for (const w of workers) {
+    let best = { offsetMs: Number.NaN, uncertaintyMs: Number.POSITIVE_INFINITY };
+    for (let i = 0; i < 10; i++) {
+      const sent = clock();
+      const answer = await w.request({ type: "clock" });
+      const received = clock();
+      if ((received - sent) / 2 < best.uncertaintyMs && answer.type === "answer") {
+        best = {
+          offsetMs: answer.clock! - (sent + received) / 2,
+          uncertaintyMs: (received - sent) / 2,
+        };
+      }
+    }
+    result.push({
+      name: w.name,
+      offsetMs: round(best.offsetMs, 3),
+      uncertaintyMs: round(best.uncertaintyMs, 3),
+    });
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// One run
+
+interface Quantiles {
+  n: number;
+  p50: number;
+  p90: number;
+  p99: number;
+  max: number;
+  mean: number;
+}
+
+export interface RunFigures {
+  variant: VariantId;
+  /** 0 for the warm-up. */
+  round: number;
+  jobs: number;
+  /** Time limit of the run (raise), null when it ran until the table was empty. */
+  limitMs: number | null;
+  /** Jobs deleted at the time limit, not executed. */
+  left: number;
+  executed: number;
+  /** Executions of the busiest key. */
+  busiestKey: number;
+  /** The busiest key's executions × the nominal task time. */
+  idealMs: number;
+  /** The busiest key's executions' measured durations, summed (timer overshoot included). */
+  busiestKeyWorkMs: number;
+  /** Mean measured duration of an execution (nominal 20 ms). */
+  meanExecutionMs: number;
+  /** From just before the insert to the end of the last execution. */
+  makespanMs: number;
+  makespanOverIdeal: number;
+  /** From just before the insert to the first execution's start. */
+  firstStartMs: number;
+  /** From just before the insert until the job table was seen empty (or the jobs left were deleted). */
+  drainedMs: number;
+  fetches: number;
+  fetchesPerExecuted: number;
+  fetchesPerJob: number;
+  /** Fetches of any worker that found no job (graphile-worker's `worker:getJob:empty`). */
+  emptyFetches: number;
+  conflicts: number;
+  localConflicts: number;
+  rescheduled: number;
+  reschedulesPerExecuted: number;
+  dropped: number;
+  /** Failed attempts (raise: LockConflictError, retried by graphile-worker). */
+  errors: number;
+  handoffMs: Quantiles;
+  /** Hand-off breakdown, each from the end of execution n. */
+  breakdown: {
+    /** → its unlock statement answered (exclusive variants). */
+    unlockMs: Quantiles;
+    /** → the job of execution n+1 fetched (its row locked by a worker). */
+    nextFetchMs: Quantiles;
+    /** Fetch of execution n+1 → its start (lock taken, for the exclusive variants). */
+    fetchToStartMs: Quantiles;
+  };
+  /** What brought the job of each execution after the first of its key. */
+  nextBy: Record<FetchCause, number>;
+  /** Hand-off quantiles by what brought the next job. */
+  handoffByCause: Partial<Record<FetchCause, Quantiles>>;
+  /** Every fetch by its cause: how many, and how many of them executed (the rest: conflict). */
+  fetchesByCause: Record<FetchCause, { fetches: number; executed: number }>;
+  /** When every job had been fetched at least once (from just before the insert). */
+  allFetchedOnceMs: number;
+  /** Hand-offs over 100 ms: how many, and their total (ms), all keys. */
+  slowHandoffs: { n: number; totalMs: number };
+  /** CPU time of the three worker processes during the run (user + system), ms. */
+  workerCpuMs: number;
+  /** The makespan of the key that finished last, decomposed (ms). */
+  lastKey: {
+    key: string;
+    firstStartMs: number;
+    executingMs: number;
+    handoffsMs: number;
+    handoffs: number;
+  };
+  /** Highest number of executions of one key at the same instant (must be 1). */
+  maxPerKey: number;
+  /**
+   * Out of enqueue order, per key: the fewest executions that would have to move for the key's executions
+   * to be in job id order (executions − the longest run in increasing id order among them).
+   */
+  outOfOrder: number;
+  outOfOrderPerKey: Record<string, number>;
+  /** Executions that started after a job of the same key enqueued later (every one an overtaking hurts). */
+  overtaken: number;
+}
+
+/**
+ * Why a worker fetched a job: its first fetch; a parked copy woken by a release (its run_at moved back to
+ * the moment of the wake); a parked copy whose safety-net delay expired; a retry of a failed attempt.
+ */
+type FetchCause = "first" | "wake" | "safetyNet" | "retry";
+const CAUSES: FetchCause[] = ["first", "wake", "safetyNet", "retry"];
+const CAUSE_LABEL: Record<FetchCause, string> = {
+  first: "first fetch",
+  wake: "wake",
+  safetyNet: "safety net",
+  retry: "retry",
+};
+
+function quantiles(values: number[]): Quantiles {
+  if (values.length === 0) {
+    return { n: 0, p50: Number.NaN, p90: Number.NaN, p99: Number.NaN, max: Number.NaN, mean: 0 };
+  }
+  const sorted = [...values].sort((a, b) => a - b);
+  const at = (p: number) => {
+    const index = (sorted.length - 1) * p;
+    const lo = Math.floor(index);
+    const hi = Math.ceil(index);
+    return sorted[lo]! + (sorted[hi]! - sorted[lo]!) * (index - lo);
+  };
+  const r = (v: number) => round(v, 2);
+  return {
+    n: values.length,
+    p50: r(at(0.5)),
+    p90: r(at(0.9)),
+    p99: r(at(0.99)),
+    max: r(sorted.at(-1)!),
+    mean: r(values.reduce((a, b) => a + b, 0) / values.length),
+  };
+}
+
+/** Length of the longest strictly increasing subsequence (patience sorting). */
+function longestIncreasing(values: readonly number[]): number {
+  const tails: number[] = [];
+  for (const v of values) {
+    let lo = 0;
+    let hi = tails.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (tails[mid]! < v) lo = mid + 1;
+      else hi = mid;
+    }
+    tails[lo] = v;
+  }
+  return tails.length;
+}
+
+/** Highest number of executions running at once, per key: a sweep (an end before a start at a tie). */
+function maxConcurrency(executions: readonly ExecutionRecord[]): number {
+  const points: Array<[number, number]> = [];
+  for (const e of executions) points.push([e.start, 1], [e.end, -1]);
+  points.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+  let current = 0;
+  let max = 0;
+  for (const [, delta] of points) {
+    current += delta;
+    max = Math.max(max, current);
+  }
+  return max;
+}
+
+/**
+ * Inserts the jobs in one statement; resolves each job's rank in the enqueue order (job id order) by its
+ * payload's `seq` (a parked copy has a new id but the same payload).
+ */
+async function insertContentionJobs(
+  ctx: BenchContext,
+  variant: Variant,
+  jobs: number,
+): Promise<Map<number, number>> {
+  // Round-robin over the keys: job i (1-based) has key k((i − 1) mod KEYS) and seq i. add_jobs does not
+  // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks.
+  const { rows } = await ctx.pool.query<{ id: string; seq: number }>(
+    `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
+       array(select row($1::text,
+                        json_build_object('k', 'k' || ((i - 1) % $3::int), 'seq', i),
+                        case when $4::boolean then 'cx:k' || ((i - 1) % $3::int) end,
+                        null, null, null, null, null)::graphile_worker.job_spec
+             from generate_series(1, $2::int) as i order by i)) as j`,
+    [variant.task, jobs, KEYS, variant.queues],
+  );
+  rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
+  return new Map(rows.map((r, index) => [r.seq, index + 1]));
+}
+
+async function measure(
+  ctx: BenchContext,
+  workers: WorkerProcess[],
+  variant: Variant,
+  jobs: number,
+  roundNumber: number,
+  limitMs: number | null,
+): Promise<RunFigures> {
+  for (const w of workers) {
+    if (w.pollInterval === variant.pollInterval) continue;
+    await w.request({ type: "poll", pollInterval: variant.pollInterval });
+    w.pollInterval = variant.pollInterval;
+  }
+  await resetJobs(ctx.pool);
+  // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
+  await ctx.pool.query("delete from graphile_worker_locks.waiters");
+  await Promise.all(workers.map((w) => w.request({ type: "reset" })));
+
+  const t0 = clock();
+  const rankOf = await insertContentionJobs(ctx, variant, jobs);
+  const deadline = t0 + (limitMs ?? 120_000);
+  let left = 0;
+  for (;;) {
+    if ((await countJobs(ctx.pool)) === 0) break;
+    if (clock() > deadline) {
+      if (limitMs === null) {
+        throw new Error(`contention ${variant.id}: jobs still queued after 120 s`);
+      }
+      // Time limit: delete the jobs not running; those running finish (or fail, and are deleted next).
+      for (;;) {
+        const { rowCount } = await ctx.pool.query(
+          "delete from graphile_worker._private_jobs where locked_at is null",
+        );
+        left += rowCount ?? 0;
+        if ((await countJobs(ctx.pool)) === 0) break;
+        await sleep(20);
+      }
+      break;
+    }
+    await sleep(10);
+  }
+  const drainedMs = clock() - t0;
+
+  const records: WorkerRecords[] = [];
+  for (const w of workers) {
+    const answer = await w.request({ type: "collect" });
+    if (answer.type === "answer" && answer.records) records.push(answer.records);
+  }
+  return analyse(variant, roundNumber, jobs, limitMs, left, t0, drainedMs, records, rankOf);
+}
+
+function analyse(
+  variant: Variant,
+  roundNumber: number,
+  jobs: number,
+  limitMs: number | null,
+  left: number,
+  t0: number,
+  drainedMs: number,
+  records: WorkerRecords[],
+  rankOf: Map<number, number>,
+): RunFigures {
+  const task = variant.task;
+  const executions = records.flatMap((r) => r.executions).filter((e) => e.task === task);
+  const fetches = records.flatMap((r) => r.fetches).filter((f) => f.task === task);
+  const releases = new Map(records.flatMap((r) => r.releases));
+  const parked = new Map(records.flatMap((r) => r.parked));
+  const fetchOf = new Map<string, FetchRecord>(fetches.map((f) => [`${f.jobId}/${f.attempts}`, f]));
+  const causeOf = (f: FetchRecord): FetchCause => {
+    const plannedRunAt = parked.get(f.jobId);
+    if (plannedRunAt !== undefined) return f.runAt < plannedRunAt - 1 ? "wake" : "safetyNet";
+    return f.attempts > 1 ? "retry" : "first";
+  };
+  const executedIds = new Set(executions.map((e) => `${e.jobId}/${e.attempts}`));
+  const fetchesByCause = Object.fromEntries(
+    CAUSES.map((c) => [c, { fetches: 0, executed: 0 }]),
+  ) as RunFigures["fetchesByCause"];
+  const firstFetchOf = new Map<number, number>();
+  for (const f of fetches) {
+    const entry = fetchesByCause[causeOf(f)];
+    entry.fetches++;
+    if (executedIds.has(`${f.jobId}/${f.attempts}`)) entry.executed++;
+    firstFetchOf.set(f.seq, Math.min(firstFetchOf.get(f.seq) ?? Infinity, f.at));
+  }
+  const sum = (what: string, t = task) =>
+    records.reduce((total, r) => total + (r.counters[t]?.[what] ?? 0), 0);
+
+  const byKey = new Map<string, ExecutionRecord[]>();
+  for (const e of executions) {
+    const list = byKey.get(e.k) ?? [];
+    list.push(e);
+    byKey.set(e.k, list);
+  }
+  let busiest: ExecutionRecord[] = [];
+  for (const list of byKey.values()) if (list.length > busiest.length) busiest = list;
+
+  const handoffs: number[] = [];
+  const unlock: number[] = [];
+  const nextFetch: number[] = [];
+  const fetchToStart: number[] = [];
+  const nextBy = Object.fromEntries(CAUSES.map((c) => [c, 0])) as Record<FetchCause, number>;
+  const handoffsBy = new Map<FetchCause, number[]>();
+  let lastKey: RunFigures["lastKey"] = {
+    key: "",
+    firstStartMs: Number.NaN,
+    executingMs: 0,
+    handoffsMs: 0,
+    handoffs: 0,
+  };
+  let lastEnd = -Infinity;
+  let maxPerKey = 0;
+  let outOfOrder = 0;
+  let overtaken = 0;
+  const outOfOrderPerKey: Record<string, number> = {};
+  for (const [k, list] of [...byKey].sort((a, b) =>
+    a[0].localeCompare(b[0], "en", { numeric: true }),
+  )) {
+    list.sort((a, b) => a.start - b.start);
+    maxPerKey = Math.max(maxPerKey, maxConcurrency(list));
+    const ranks = list.map((e) => rankOf.get(e.seq)!);
+    let highestRank = 0;
+    for (const rank of ranks) {
+      if (rank < highestRank) overtaken++;
+      highestRank = Math.max(highestRank, rank);
+    }
+    const displaced = ranks.length - longestIncreasing(ranks);
+    outOfOrderPerKey[k] = displaced;
+    outOfOrder += displaced;
+    const end = list.at(-1)!.end;
+    if (end > lastEnd) {
+      lastEnd = end;
+      lastKey = {
+        key: k,
+        firstStartMs: round(list[0]!.start - t0, 1),
+        executingMs: round(
+          list.reduce((total, e) => total + e.end - e.start, 0),
+          1,
+        ),
+        handoffsMs: round(
+          list.slice(1).reduce((total, e, i) => total + e.start - list[i]!.end, 0),
+          1,
+        ),
+        handoffs: list.length - 1,
+      };
+    }
+    for (let i = 1; i < list.length; i++) {
+      const previous = list[i - 1]!;
+      const next = list[i]!;
+      const gap = next.start - previous.end;
+      handoffs.push(gap);
+      const released = releases.get(previous.jobId);
+      if (released !== undefined) unlock.push(released - previous.end);
+      const fetch = fetchOf.get(`${next.jobId}/${next.attempts}`);
+      if (fetch) {
+        nextFetch.push(fetch.at - previous.end);
+        fetchToStart.push(next.start - fetch.at);
+        const cause = causeOf(fetch);
+        nextBy[cause]++;
+        const list = handoffsBy.get(cause) ?? [];
+        list.push(gap);
+        handoffsBy.set(cause, list);
+      }
+    }
+  }
+
+  const executed = executions.length;
+  const idealMs = busiest.length * TASK_MS;
+  const makespanMs = executed > 0 ? Math.max(...executions.map((e) => e.end)) - t0 : Number.NaN;
+  const durations = executions.map((e) => e.end - e.start);
+  const rescheduled = sum("rescheduled");
+  return {
+    variant: variant.id,
+    round: roundNumber,
+    jobs,
+    limitMs,
+    left,
+    executed,
+    busiestKey: busiest.length,
+    idealMs,
+    busiestKeyWorkMs: round(
+      busiest.reduce((total, e) => total + e.end - e.start, 0),
+      1,
+    ),
+    meanExecutionMs: round(durations.reduce((a, b) => a + b, 0) / Math.max(1, executed), 2),
+    makespanMs: round(makespanMs, 1),
+    makespanOverIdeal: round(makespanMs / idealMs, 3),
+    firstStartMs: round(Math.min(...executions.map((e) => e.start)) - t0, 1),
+    drainedMs: round(drainedMs, 1),
+    fetches: fetches.length,
+    fetchesPerExecuted: round(fetches.length / Math.max(1, executed), 3),
+    fetchesPerJob: round(fetches.length / jobs, 3),
+    emptyFetches: sum("emptyFetches", "*"),
+    conflicts: sum("conflicts"),
+    localConflicts: sum("localConflicts"),
+    rescheduled,
+    reschedulesPerExecuted: round(rescheduled / Math.max(1, executed), 3),
+    dropped: sum("dropped"),
+    errors: sum("errors"),
+    handoffMs: quantiles(handoffs),
+    breakdown: {
+      unlockMs: quantiles(unlock),
+      nextFetchMs: quantiles(nextFetch),
+      fetchToStartMs: quantiles(fetchToStart),
+    },
+    nextBy,
+    handoffByCause: Object.fromEntries([...handoffsBy].map(([c, v]) => [c, quantiles(v)])),
+    fetchesByCause,
+    allFetchedOnceMs:
+      firstFetchOf.size === jobs ? round(Math.max(...firstFetchOf.values()) - t0, 1) : Number.NaN,
+    slowHandoffs: {
+      n: handoffs.filter((h) => h > 100).length,
+      totalMs: round(
+        handoffs.filter((h) => h > 100).reduce((a, b) => a + b, 0),
+        1,
+      ),
+    },
+    lastKey,
+    workerCpuMs: round(
+      records.reduce((total, r) => total + r.cpuMs, 0),
+      0,
+    ),
+    maxPerKey,
+    outOfOrder,
+    outOfOrderPerKey,
+    overtaken,
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The section
+
+export interface VariantFigures {
+  variant: VariantId;
+  rounds: number;
+  /** Medians over the measured rounds. */
+  executed: number;
+  busiestKey: number;
+  idealMs: number;
+  makespanMs: number;
+  makespanSpread: number;
+  makespanOverIdeal: number;
+  drainedMs: number;
+  fetchesPerExecuted: number;
+  fetchesPerJob: number;
+  reschedulesPerExecuted: number;
+  handoffP50Ms: number;
+  handoffP99Ms: number;
+  meanExecutionMs: number;
+  workerCpuMs: number;
+  /** Worst over the rounds. */
+  maxPerKey: number;
+  outOfOrder: number;
+  left: number;
+}
+
+function summarise(variant: VariantId, runs: RunFigures[]): VariantFigures {
+  const mine = runs.filter((r) => r.variant === variant && r.round > 0);
+  const m = (f: (r: RunFigures) => number) => median(mine.map(f));
+  return {
+    variant,
+    rounds: mine.length,
+    executed: m((r) => r.executed),
+    busiestKey: m((r) => r.busiestKey),
+    idealMs: m((r) => r.idealMs),
+    makespanMs: round(
+      m((r) => r.makespanMs),
+      1,
+    ),
+    makespanSpread: round(spread(mine.map((r) => r.makespanMs)), 3),
+    makespanOverIdeal: round(
+      m((r) => r.makespanOverIdeal),
+      3,
+    ),
+    drainedMs: round(
+      m((r) => r.drainedMs),
+      1,
+    ),
+    fetchesPerExecuted: round(
+      m((r) => r.fetchesPerExecuted),
+      3,
+    ),
+    fetchesPerJob: round(
+      m((r) => r.fetchesPerJob),
+      3,
+    ),
+    reschedulesPerExecuted: round(
+      m((r) => r.reschedulesPerExecuted),
+      3,
+    ),
+    handoffP50Ms: round(
+      m((r) => r.handoffMs.p50),
+      2,
+    ),
+    handoffP99Ms: round(
+      m((r) => r.handoffMs.p99),
+      2,
+    ),
+    meanExecutionMs: round(
+      m((r) => r.meanExecutionMs),
+      2,
+    ),
+    workerCpuMs: m((r) => r.workerCpuMs),
+    maxPerKey: Math.max(...mine.map((r) => r.maxPerKey)),
+    outOfOrder: m((r) => r.outOfOrder),
+    left: m((r) => r.left),
+  };
+}
+
+export const contention: Section = {
+  id: "contention",
+  title: "Contention: many jobs over few keys, across processes",
+  async run(ctx): Promise<SectionResult> {
+    const size = ctx.quick ? SIZES.quick : SIZES.full;
+    const rounds = ctx.quick ? 1 : ROUNDS;
+    ctx.log(`contention: starting ${PROCESSES} worker processes (concurrency ${CONCURRENCY} each)`);
+    const started = await Promise.allSettled(
+      Array.from({ length: PROCESSES }, (_, i) => startWorker(ctx, `w${i + 1}`)),
+    );
+    const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+    const runs: RunFigures[] = [];
+    let offsets: Awaited<ReturnType<typeof clockOffsets>> = [];
+    try {
+      const failed = started.find((s) => s.status === "rejected");
+      if (failed) throw (failed as PromiseRejectedResult).reason;
+      offsets = await clockOffsets(workers);
+      ctx.log(
+        `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
+      );
+      const alternating: VariantId[] = ["drop", "reschedule", "queueName", "queueName100"];
+      const one = async (variant: VariantId, jobs: number, r: number, limitMs: number | null) => {
+        const figures = await measure(ctx, workers, VARIANTS[variant], jobs, r, limitMs);
+        ctx.log(
+          `contention: ${r === 0 ? "warm-up" : `round ${r}`} ${variant.padEnd(10)} ` +
+            `${fmtInt(figures.executed)} executed, makespan ${(figures.makespanMs / 1000).toFixed(2)} s ` +
+            `(ideal ${(figures.idealMs / 1000).toFixed(2)} s), ${figures.fetches} fetches, ` +
+            `hand-off p50 ${fmtFixed(figures.handoffMs.p50, 1)} ms p99 ${fmtFixed(figures.handoffMs.p99, 1)} ms, ` +
+            `max per key ${figures.maxPerKey}`,
+        );
+        if (figures.maxPerKey > 1) {
+          ctx.log(
+            `contention: OVERLAP: ${variant} ran ${figures.maxPerKey} executions of a key at once`,
+          );
+        }
+        runs.push(figures);
+      };
+      for (const variant of alternating) await one(variant, size.warmJobs, 0, null);
+      for (let r = 1; r <= rounds; r++) {
+        for (const variant of alternating) await one(variant, size.jobs, r, null);
+      }
+      await one("raise", size.jobs, 1, size.raiseLimitMs);
+    } finally {
+      await Promise.all(workers.map((w) => w.stop()));
+    }
+
+    const summaries = VARIANT_IDS.map((v) => summarise(v, runs));
+    return {
+      tables: tables(summaries, runs, offsets, size, rounds),
+      goals: goals(summaries, runs),
+      figures: {
+        processes: PROCESSES,
+        concurrency: CONCURRENCY,
+        keys: KEYS,
+        taskMs: TASK_MS,
+        pollIntervalMs: POLL_INTERVAL_MS,
+        jobs: size.jobs,
+        raiseLimitMs: size.raiseLimitMs,
+        rounds,
+        clockOffsets: offsets,
+        summaries,
+        runs,
+      },
+    };
+  },
+};
+
+function tables(
+  summaries: VariantFigures[],
+  runs: RunFigures[],
+  offsets: Array<{ name: string; offsetMs: number; uncertaintyMs: number }>,
+  size: (typeof SIZES)["full"],
+  rounds: number,
+): Table[] {
+  const s = (ms: number) => fmtFixed(ms / 1000, 2);
+  const ms = (v: number) => fmtFixed(v, 1);
+  const raise = runs.find((r) => r.variant === "raise");
+  const label = (v: VariantFigures) =>
+    v.variant === "raise"
+      ? `raise (stopped at ${size.raiseLimitMs / 1000} s, 1 run)`
+      : VARIANTS[v.variant].label;
+  const summary: Table = {
+    title:
+      `Contention: ${fmtInt(size.jobs)} jobs over ${KEYS} keys, ${TASK_MS} ms tasks, ${PROCESSES} processes × ` +
+      `concurrency ${CONCURRENCY} (median of ${rounds} runs; raise: 1 run)`,
+    columns: [
+      { header: "variant", align: "left" },
+      { header: "executed", align: "right" },
+      { header: "busiest key", align: "right" },
+      { header: "makespan s", align: "right" },
+      { header: "ideal s", align: "right" },
+      { header: "makespan/ideal", align: "right" },
+      { header: "fetches/executed", align: "right" },
+      { header: "fetches/job", align: "right" },
+      { header: "reschedules/executed", align: "right" },
+      { header: "hand-off p50 ms", align: "right" },
+      { header: "p99 ms", align: "right" },
+      { header: "max per key", align: "right" },
+      { header: "out of order", align: "right" },
+      { header: "worker CPU s", align: "right" },
+    ],
+    rows: summaries.map((v) => [
+      label(v),
+      fmtInt(v.executed),
+      fmtInt(v.busiestKey),
+      `${s(v.makespanMs)}${v.rounds > 1 ? ` ±${fmtPercent(v.makespanSpread)}` : ""}`,
+      s(v.idealMs),
+      fmtFixed(v.makespanOverIdeal, 2),
+      fmtFixed(v.fetchesPerExecuted, 2),
+      fmtFixed(v.fetchesPerJob, 2),
+      v.variant === "reschedule" ? fmtFixed(v.reschedulesPerExecuted, 2) : "",
+      ms(v.handoffP50Ms),
+      ms(v.handoffP99Ms),
+      String(v.maxPerKey),
+      fmtInt(v.outOfOrder),
+      s(v.workerCpuMs),
+    ]),
+    notes: [
+      `ideal: the busiest key's executions × ${TASK_MS} ms. reschedule and the anchors execute every job, so 200 × ${TASK_MS} ms;`,
+      "drop executes few jobs by design (the rest are dropped), so its ideal is only the busiest key's executed work, not",
+      `a target: what matters is that it empties the queue (in ${s(summaries.find((v) => v.variant === "drop")!.drainedMs)} s) without running two of a key at once.`,
+      raise
+        ? `raise: graphile-worker retries a conflict after e^attempts s (2.7, 7.4, 20, 55 s); the run was stopped at ` +
+          `${size.raiseLimitMs / 1000} s and the ${fmtInt(raise.left)} job(s) still queued deleted: its figures cover what ran by then.`
+        : "",
+      "makespan: from just before the jobs were inserted (one add_jobs statement) to the end of the last execution.",
+      `fetches: graphile-worker job:start events (a worker locked a job row), whatever came of it: execution, drop, park, failure.`,
+      "hand-off: (start of execution n+1) − (end of execution n) over consecutive executions of a key, all keys pooled.",
+      "max per key: the most executions of one key at the same instant, worst run (1 = no overlap).",
+      "out of order: the fewest executions that would have to move for each key's to run in job id order, summed",
+      "(per key below).",
+      "worker CPU: CPU time (user + system) of the three worker processes over the run (this machine has 2 cores).",
+      `mean execution: ${summaries
+        .map((v) => `${v.variant} ${fmtFixed(v.meanExecutionMs, 2)} ms`)
+        .join(", ")} (setTimeout(${TASK_MS}) overshoots).`,
+      ...(process.env.BENCH_RESCHEDULE
+        ? [
+            `BENCH_RESCHEDULE: reschedule options ${process.env.BENCH_RESCHEDULE} instead of the defaults.`,
+          ]
+        : []),
+      `Poll interval ${POLL_INTERVAL_MS} ms (graphile-worker's default) except where said. Clock offsets of the worker processes from the bench's: ` +
+        offsets
+          .map((o) => `${o.name} ${fmtFixed(o.offsetMs, 2)} ±${fmtFixed(o.uncertaintyMs, 2)} ms`)
+          .join(", ") +
+        ".",
+    ].filter((n) => n.length > 0),
+  };
+
+  const measured = runs.filter((r) => r.round > 0);
+  const pick = (variant: VariantId) => {
+    const mine = measured.filter((r) => r.variant === variant);
+    // The run with the median makespan.
+    return [...mine].sort((a, b) => a.makespanMs - b.makespanMs)[(mine.length - 1) >> 1];
+  };
+  const q = (x: Quantiles) => `${ms(x.p50)} / ${ms(x.p99)}`;
+  const picked = VARIANT_IDS.flatMap((variant) => {
+    const r = pick(variant);
+    return r ? [r] : [];
+  });
+  const breakdown: Table = {
+    title:
+      "Contention: where a hand-off's time goes (the run with the median makespan; p50 / p99, ms)",
+    columns: [
+      { header: "variant", align: "left" },
+      { header: "hand-offs", align: "right" },
+      { header: "end → unlock answered", align: "right" },
+      { header: "end → next fetched", align: "right" },
+      { header: "fetched → started", align: "right" },
+      { header: "end → next started", align: "right" },
+      { header: "> 100 ms (total s)", align: "right" },
+      { header: "by what brought the next job: n, p50 / p99", align: "left" },
+    ],
+    rows: picked.map((r) => [
+      r.variant,
+      fmtInt(r.handoffMs.n),
+      r.breakdown.unlockMs.n > 0 ? q(r.breakdown.unlockMs) : "–",
+      q(r.breakdown.nextFetchMs),
+      q(r.breakdown.fetchToStartMs),
+      q(r.handoffMs),
+      `${fmtInt(r.slowHandoffs.n)} (${s(r.slowHandoffs.totalMs)})`,
+      CAUSES.filter((c) => r.handoffByCause[c])
+        .map((c) => `${CAUSE_LABEL[c]} ${r.handoffByCause[c]!.n}, ${q(r.handoffByCause[c]!)}`)
+        .join("; "),
+    ]),
+    notes: [
+      "end: the task body returned (execution n); unlock answered: its lock statement (unlock + wake of the key's oldest",
+      "waiter + NOTIFY) came back; next fetched: a worker locked the row of execution n+1's job; started: it took the lock.",
+      "What brought the next job: wake = a parked job woken by a release; safety net = a parked job fetched when its delay",
+      "expired; first fetch = a job fetched for the first time; retry = a failed attempt retried by graphile-worker.",
+    ],
+  };
+
+  const fetchTable: Table = {
+    title:
+      "Contention: fetches by cause, and the makespan of the key that finished last (median-makespan run)",
+    columns: [
+      { header: "variant", align: "left" },
+      ...CAUSES.map((c) => ({
+        header: `${CAUSE_LABEL[c]}: executed/fetched`,
+        align: "right" as const,
+      })),
+      { header: "empty fetches", align: "right" },
+      { header: "all fetched once by s", align: "right" },
+      { header: "last key: first start + executing + hand-offs (n) = s", align: "right" },
+    ],
+    rows: picked.map((r) => [
+      r.variant,
+      ...CAUSES.map((c) => {
+        const f = r.fetchesByCause[c];
+        return f.fetches > 0 ? `${fmtInt(f.executed)}/${fmtInt(f.fetches)}` : "–";
+      }),
+      fmtInt(r.emptyFetches),
+      s(r.allFetchedOnceMs),
+      `${s(r.lastKey.firstStartMs)} + ${s(r.lastKey.executingMs)} + ${s(r.lastKey.handoffsMs)} (${r.lastKey.handoffs}) = ` +
+        s(r.lastKey.firstStartMs + r.lastKey.executingMs + r.lastKey.handoffsMs),
+    ]),
+    notes: [
+      "A fetch that did not execute met a held key: dropped, parked again (reschedule) or failed (raise).",
+      "empty fetches: graphile-worker fetches, of any worker, that found no job (e.g. nudged by a NOTIFY another took).",
+    ],
+  };
+
+  const fifoRuns = measured.filter(
+    (r) => r.variant === "reschedule" || r.variant.startsWith("queue"),
+  );
+  const keys = Array.from({ length: KEYS }, (_, i) => `k${i}`);
+  const fifo: Table = {
+    title: "Contention: executions out of enqueue order, per key (reported, no promise)",
+    columns: [
+      { header: "variant", align: "left" },
+      { header: "round", align: "right" },
+      ...keys.map((k) => ({ header: k, align: "right" as const })),
+      { header: "total", align: "right" },
+      { header: "overtaken", align: "right" },
+    ],
+    rows: fifoRuns.map((r) => [
+      r.variant,
+      String(r.round),
+      ...keys.map((k) => fmtInt(r.outOfOrderPerKey[k] ?? 0)),
+      fmtInt(r.outOfOrder),
+      fmtInt(r.overtaken),
+    ]),
+    notes: [
+      "Per key: executions − the longest sequence of them that ran in job id order, i.e. the fewest that would have to move.",
+      "overtaken: executions that started after a job of their key enqueued later (one early overtaker counts against",
+      "every job it passed).",
+    ],
+  };
+
+  const detail: Table = {
+    title: "Contention: every run (round 0 = warm-up, not counted)",
+    columns: [
+      { header: "variant", align: "left" },
+      { header: "round", align: "right" },
+      { header: "jobs", align: "right" },
+      { header: "executed", align: "right" },
+      { header: "first start ms", align: "right" },
+      { header: "makespan s", align: "right" },
+      { header: "queue empty s", align: "right" },
+      { header: "fetches", align: "right" },
+      { header: "conflicts (local)", align: "right" },
+      { header: "rescheduled", align: "right" },
+      { header: "dropped", align: "right" },
+      { header: "failed", align: "right" },
+      { header: "hand-off p50/p90/p99/max ms", align: "right" },
+      { header: "max per key", align: "right" },
+    ],
+    rows: runs.map((r) => [
+      r.variant,
+      String(r.round),
+      fmtInt(r.jobs),
+      fmtInt(r.executed),
+      fmtInt(r.firstStartMs),
+      s(r.makespanMs),
+      s(r.drainedMs),
+      fmtInt(r.fetches),
+      `${fmtInt(r.conflicts)} (${fmtInt(r.localConflicts)})`,
+      fmtInt(r.rescheduled),
+      fmtInt(r.dropped),
+      fmtInt(r.errors),
+      [r.handoffMs.p50, r.handoffMs.p90, r.handoffMs.p99, r.handoffMs.max].map(ms).join(" / "),
+      String(r.maxPerKey),
+    ]),
+  };
+  return [summary, breakdown, fetchTable, fifo, detail];
+}
+
+function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
+  const r = summaries.find((v) => v.variant === "reschedule")!;
+  const worstOverlap = Math.max(...runs.map((x) => x.maxPerKey));
+  const goal = (name: string, target: string, value: number, threshold: number): Goal => ({
+    section: "contention",
+    name,
+    target,
+    value,
+    threshold,
+    met: value <= threshold,
+  });
+  return [
+    goal(
+      "reschedule: no hot loop",
+      `fetches per executed job ≤ ${GOALS.fetchesPerExecuted}`,
+      r.fetchesPerExecuted,
+      GOALS.fetchesPerExecuted,
+    ),
+    goal(
+      "reschedule: makespan",
+      `makespan/ideal ≤ ${fmtFixed(GOALS.makespanOverIdeal, 2)}`,
+      r.makespanOverIdeal,
+      GOALS.makespanOverIdeal,
+    ),
+    goal(
+      "reschedule: hand-off p50",
+      `≤ ${GOALS.handoffP50Ms} ms`,
+      r.handoffP50Ms,
+      GOALS.handoffP50Ms,
+    ),
+    goal(
+      "reschedule: hand-off p99",
+      `≤ ${GOALS.handoffP99Ms} ms`,
+      r.handoffP99Ms,
+      GOALS.handoffP99Ms,
+    ),
+    goal(
+      "no overlap per key (every run, every variant)",
+      "max executions of one key at once ≤ 1",
+      worstOverlap,
+      1,
+    ),
+  ];
+}

@@ -1,0 +1,93 @@
+/**
+ * `npm run bench [-- <section id>...]`: starts PostgreSQL once (DATABASE_URL if set, else an embedded
+ * server in a temp directory), creates a throwaway database on it, runs the sections, prints their tables
+ * and goals, and writes every figure with the machine's description to bench/results.json
+ * (bench/results.quick.json with BENCH_QUICK=1, which shrinks the job counts for a smoke run).
+ *
+ * BENCH_ROUNDS: measured rounds per configuration (default 3). BENCH_LIB=dist: measure the build in dist/
+ * (`npm run build` first) rather than src/ through tsx; see library.ts.
+ *
+ * A missed goal is reported, not failed: the exit code is non-zero only when something broke.
+ *
+ * To add a section: write a module exporting a `Section` (see lib.ts) and list it in SECTIONS.
+ */
+import { fileURLToPath } from "node:url";
+import {
+  describeMachine,
+  fmtFixed,
+  formatTable,
+  now,
+  openBench,
+  writeJsonAtomic,
+  type Goal,
+  type Section,
+} from "./lib.js";
+import { throughput } from "./throughput.js";
+import { contention } from "./contention.js";
+import { enqueue } from "./enqueue.js";
+import { peers } from "./peers.js";
+
+const SECTIONS: Section[] = [throughput, contention, enqueue, peers];
+
+const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");
+const log = (message: string): void => {
+  process.stderr.write(`[bench] ${message}\n`);
+};
+
+async function main(): Promise<void> {
+  const wanted = process.argv.slice(2);
+  const unknown = wanted.filter((id) => !SECTIONS.some((s) => s.id === id));
+  if (unknown.length > 0) {
+    throw new Error(
+      `Unknown section(s): ${unknown.join(", ")}. Known: ${SECTIONS.map((s) => s.id).join(", ")}`,
+    );
+  }
+  const sections = wanted.length > 0 ? SECTIONS.filter((s) => wanted.includes(s.id)) : SECTIONS;
+  const output = new URL(quick ? "./results.quick.json" : "./results.json", import.meta.url);
+
+  const started = now();
+  const bench = await openBench(log, quick);
+  try {
+    const { ctx, machine } = bench;
+    process.stdout.write(`${describeMachine(machine)}\n`);
+    const results: Record<string, { title: string; seconds: number; figures: unknown }> = {};
+    const goals: Goal[] = [];
+    for (const section of sections) {
+      log(`section ${section.id}: ${section.title}`);
+      const t0 = now();
+      const result = await section.run(ctx);
+      const seconds = Math.round(now() - t0) / 1000;
+      results[section.id] = { title: section.title, seconds, figures: result.figures };
+      goals.push(...result.goals);
+      for (const table of result.tables) process.stdout.write(`\n${formatTable(table)}\n`);
+    }
+
+    if (goals.length > 0) {
+      process.stdout.write("\nGoals (reported, not enforced)\n");
+      for (const g of goals) {
+        process.stdout.write(
+          `  ${g.met ? "met   " : "MISSED"}  ${g.section} ${g.name}: ${g.target}, measured ${fmtFixed(g.value, 2)}\n`,
+        );
+      }
+    }
+    const seconds = Math.round(now() - started) / 1000;
+    process.stdout.write(`\nTotal time: ${seconds.toFixed(1)} s${quick ? " (BENCH_QUICK)" : ""}\n`);
+    await writeJsonAtomic(output, { quick, seconds, machine, goals, sections: results });
+    log(`wrote ${fileURLToPath(output)}`);
+  } finally {
+    await bench.close();
+  }
+}
+
+main().then(
+  () => {
+    // Nothing else should keep the process alive; do not wait for stray timers of the code under test.
+    process.exit(process.exitCode ?? 0);
+  },
+  (error: unknown) => {
+    process.stderr.write(
+      `[bench] failed: ${error instanceof Error ? (error.stack ?? error.message) : String(error)}\n`,
+    );
+    process.exit(1);
+  },
+);
