@@ -189,6 +189,8 @@ export async function addJobs(
       JSON.stringify(specs),
       specs.length,
       firsts,
+      [...new Set(specs.map((s) => s.identifier))],
+      [...new Set(specs.flatMap((s) => (s.queue_name === null ? [] : [s.queue_name])))],
     ]),
   );
   // Rows inserted set-based come back without a position: each is the first item of its key.

@@ -123,7 +123,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
 
     /** A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec, $2 its length, $3 how many are `first`. */
     addUniqueJobs: `select r.ord, r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_jobs($1::json, $2::int, $3::int) r
+      from ${s}.add_unique_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[]) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,

@@ -197,7 +197,10 @@ describe("conflict strategies", () => {
     const rows = await waitFor(
       async () => {
         const all = await jobRows();
-        return all.length === 1 && all[0]!.id !== job!.id ? all : null;
+        // (not while a copy is running, about to be parked again)
+        return all.length === 1 && all[0]!.id !== job!.id && all[0]!.locked_by === null
+          ? all
+          : null;
       },
       { message: "the original to complete and its copy to remain" },
     );
