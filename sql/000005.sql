@@ -11,7 +11,7 @@ declare
   v_specs :GWL_SCHEMA.unique_job_spec[];
   v_plain_ords int[];
   v_plain_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
-  v_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
+  v_ids bigint[];
   v_keys text[];
   v_spec record;
   v_one record;
@@ -28,11 +28,9 @@ begin
       where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues x where x.queue_name = q.queue_name)
       on conflict do nothing;
   end if;
-  v_specs := array(select json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs));
-
   with first_of_key as (
     select s.*
-    from unnest(v_specs) with ordinality as s
+    from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) with ordinality as s
     where s.first
   ), inserted as (
     insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
@@ -47,12 +45,22 @@ begin
     left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
     order by f.ordinality
     on conflict (key) do nothing
-    returning j.*
+    returning j.id, j.key
   )
-  select coalesce(array_agg(i), '{}') into v_jobs from inserted i;
+  select coalesce(array_agg(i.id), '{}'), coalesce(array_agg(i.key), '{}') into v_ids, v_keys from inserted i;
 
-  v_added := cardinality(v_jobs);
-  return query select null::int, 'added'::text, u from unnest(v_jobs) as u;
+  v_added := cardinality(v_ids);
+  -- (ids and keys only: arrays of whole rows cost more than reading them back by primary key)
+  return query select null::int, 'added'::text, j
+    from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids);
+
+  if v_added = p_count then
+    -- the common case: every item was a fresh key
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
+    return;
+  end if;
+  -- The rest needs the items again.
+  v_specs := array(select json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs));
 
   -- Items without uniqueness, set-based too; rows come back in insertion order, which follows the items'.
   v_plain_ords := array(
@@ -80,8 +88,8 @@ begin
     perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
     return;
   end if;
-  if cardinality(v_jobs) < p_first then
-    v_keys := array(select u.key from unnest(v_jobs) as u);
+  if cardinality(v_ids) = p_first then
+    v_keys := null; -- every first-of-key item was inserted
   end if;
 
   for v_spec in
@@ -117,3 +125,45 @@ begin
 end;
 $$;
 
+
+-- A woken waiter goes ahead of the jobs that were queued with it: graphile-worker fetches by priority, then
+-- run_at, then id, so a copy (a newer id) woken back to its old run_at would still lose every tie against
+-- jobs inserted in the same batch, which then meet the key first and park in turn.
+create or replace function :GWL_SCHEMA.wake_waiters(p_keys bigint[]) returns int
+language plpgsql volatile as $$
+declare
+  v_key bigint;
+  v_waiter record;
+  v_woken int := 0;
+begin
+  if p_keys is null or cardinality(p_keys) = 0 then
+    return 0;
+  end if;
+  foreach v_key in array p_keys loop
+    loop
+      delete from :GWL_SCHEMA.waiters w
+        where w.id = (
+          select x.id from :GWL_SCHEMA.waiters x
+          where x.lock_key = v_key
+          order by x.id
+          limit 1
+          for update skip locked
+        )
+        returning w.job_id, w.run_at into v_waiter;
+      exit when not found;
+      update :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+        set run_at = least(j.run_at, coalesce(v_waiter.run_at, now()), now()) - interval '1 millisecond'
+        where j.id = v_waiter.job_id and j.locked_at is null;
+      if found then
+        v_woken := v_woken + 1;
+        exit;
+      end if;
+      -- that job is gone or already running: try the next waiter
+    end loop;
+  end loop;
+  if v_woken > 0 then
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_woken::text || '}');
+  end if;
+  return v_woken;
+end;
+$$;

@@ -90,9 +90,9 @@ export function assertJsonSafe(value: unknown, path = "payload"): void {
   visit(value, false);
 }
 
-/** Sorted-keys JSON of `value`, after {@link assertJsonSafe}. */
-export function canonicalJson(value: unknown, path = "payload"): string {
-  assertJsonSafe(value, path);
+/** Sorted-keys JSON of `value`, after {@link assertJsonSafe} (skipped with a null path: already checked). */
+export function canonicalJson(value: unknown, path: string | null = "payload"): string {
+  if (path !== null) assertJsonSafe(value, path);
   return stringify(value);
 }
 

@@ -16,9 +16,9 @@ export type ConflictStrategy = (typeof CONFLICT_STRATEGIES)[number];
  * once. These delays are the safety net, when no release wakes it (its holder crashed, say).
  */
 export interface RescheduleOptions {
-  /** Delay after the first conflict, in milliseconds. @defaultValue `1000` */
+  /** Delay after the first conflict, in milliseconds. @defaultValue `5000` */
   minDelay?: number;
-  /** The delay doubles with each consecutive conflict on the same key, up to this. @defaultValue `30000` */
+  /** The delay doubles with each consecutive conflict on the same key, up to this. @defaultValue `60000` */
   maxDelay?: number;
   /** Fraction of the delay that is randomised (0 to 1) so that waiting jobs spread out. @defaultValue `0.5` */
   jitter?: number;
@@ -145,8 +145,8 @@ export function resolveExclusiveOptions<TPayload>(
     throw new InvalidArgumentError(`\`preemptive\` must be a boolean, got ${typeof preemptive}`);
   }
   const reschedule = {
-    minDelay: 1000,
-    maxDelay: 30_000,
+    minDelay: 5000,
+    maxDelay: 60_000,
     jitter: 0.5,
     ...defaults?.reschedule,
     ...options?.reschedule,

@@ -98,12 +98,12 @@ export function validateUniqueOptions(
   }
 }
 
-/** The job key of a unique job. */
+/** The job key of a unique job. A null `path` skips the JSON check of `value` (the caller made it). */
 export function uniqueJobKey(
   group: string,
   value: unknown,
   queueName: string | null,
-  path = "payload",
+  path: string | null = "payload",
 ): string {
   return `gwl:u:${createHash("sha256")
     .update(uniqueKeyMaterial(group, value, queueName, path), "utf8")
@@ -114,7 +114,7 @@ export function uniqueKeyMaterial(
   group: string,
   value: unknown,
   queueName: string | null,
-  path = "payload",
+  path: string | null = "payload",
 ): string {
   const queue = queueName === null ? "*" : JSON.stringify(queueName);
   return `gwl:${KEY_VERSION}:unique:${JSON.stringify(group)}:${queue}:${canonicalJson(value, path)}`;
@@ -153,7 +153,8 @@ export function resolveUnique(
       group,
       value,
       byQueue ? (spec?.queueName ?? null) : null,
-      keyFn ? "uniqueKey(payload)" : "payload",
+      // The payload itself was checked by the caller; what a key function returns is checked here.
+      keyFn ? "uniqueKey(payload)" : null,
     ),
     scope: scope || null,
     windowSeconds,
