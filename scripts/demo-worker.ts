@@ -54,7 +54,7 @@ export const DEMO_TASKS = {
     durationMs: [30, 80],
   },
   // Serialisation: every charge must happen, one at a time per account. A charge that finds the key held
-  // is parked and woken the moment the key frees; its safety-net delay (20-200 ms here, 1 s to 30 s by
+  // is parked and woken the moment the key frees; its safety-net delay (20-200 ms here, 5 s to 60 s by
   // default) only matters if no release wakes it. (The enqueue-time drop is off for reschedule tasks: a
   // charge must not be lost.)
   charge_card: {
