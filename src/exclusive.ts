@@ -94,6 +94,11 @@ export function makeExclusiveTask<TPayload>(
   const conflicts = new ConflictCounter();
   const keysOf = (payload: TPayload) =>
     slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
+  // A payload read back from PostgreSQL's JSON is JSON-safe by construction: at run time only what a custom
+  // key function returns needs the check.
+  const runtimePath = options.keyPath === "payload" ? null : options.keyPath;
+  const keysOfJob = (job: Job) =>
+    slotKeys(taskIdentifier, options.key(job.payload as TPayload), options.limit, runtimePath);
   const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo => ({
     taskIdentifier,
     jobId: job.id,
@@ -149,7 +154,7 @@ export function makeExclusiveTask<TPayload>(
     const prefetched = ctx.prefetched(job.id);
     let result = prefetched ? await prefetched : null;
     if (!result?.acquired) {
-      const slots = keysOf(payload as TPayload);
+      const slots = keysOfJob(job);
       result = await ctx.session.acquire(slots, holdInfo(job, slots));
       if (!result.acquired) return onConflict(job, helpers, slots, result.local);
     }
@@ -185,7 +190,7 @@ export function makeExclusiveTask<TPayload>(
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
     lockPlan: (job: Job) => {
-      const slots = keysOf(job.payload as TPayload);
+      const slots = keysOfJob(job);
       return { slots, info: holdInfo(job, slots) };
     },
     lockAvailable: async (payload: TPayload) => ctx.lockAvailable(keysOf(payload)),

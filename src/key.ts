@@ -105,7 +105,11 @@ function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is st
 }
 
 /** The readable string a lock key is hashed from. Exposed for debugging and documentation. */
-export function lockKeyMaterial(taskIdentifier: string, value: unknown, path = "payload"): string {
+export function lockKeyMaterial(
+  taskIdentifier: string,
+  value: unknown,
+  path: string | null = "payload",
+): string {
   assertIdentifier(taskIdentifier);
   return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value, path)}`;
 }
@@ -132,7 +136,7 @@ export function slotKeys(
   taskIdentifier: string,
   value: unknown,
   limit: number,
-  path = "payload",
+  path: string | null = "payload",
 ): bigint[] {
   const material = lockKeyMaterial(taskIdentifier, value, path);
   const keys = [hashKey(material)];
