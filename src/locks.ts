@@ -187,6 +187,7 @@ export function makeLocks(options: LocksOptions): Locks {
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
     registryIntervalMs: 500,
+    unlockDelayMs: 2,
     reconnectDelayMs: {
       min: options.reconnectDelay?.min ?? 100,
       max: options.reconnectDelay?.max ?? 5000,

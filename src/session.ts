@@ -70,6 +70,8 @@ export interface LockSessionOptions {
   onWarning(message: string, error?: unknown): void;
   heartbeatIntervalMs: number;
   registryIntervalMs: number;
+  /** How long an unlock nobody waits for may wait for a lock request to share a statement with. */
+  unlockDelayMs: number;
   reconnectDelayMs: { min: number; max: number };
 }
 
@@ -135,6 +137,9 @@ export class LockSession {
   private unlockQueue: UnlockRequest[] = [];
   private inFlight: Promise<void> | null = null;
   private flushScheduled = false;
+  private unlockTimer: NodeJS.Timeout | null = null;
+  /** Acquisitions in this process waiting for a key this process is releasing. */
+  private successorsWaiting = 0;
   private registryDirty = false;
   private readonly timers: NodeJS.Timeout[] = [];
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
@@ -178,7 +183,13 @@ export class LockSession {
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)?.releasing).find((p) => p !== undefined);
       if (!releasing) return { acquired: false, local: true };
-      await releasing;
+      this.successorsWaiting++;
+      this.scheduleFlush();
+      try {
+        await releasing;
+      } finally {
+        this.successorsWaiting--;
+      }
     }
     for (const k of free) this.pending.add(k);
     return new Promise<AcquireResult>((resolve, reject) => {
@@ -362,8 +373,38 @@ export class LockSession {
     });
   }
 
-  private flush(): void {
+  /**
+   * Whether what is queued is only unlocks that nobody waits for: no lock request, no waiter to wake, no
+   * same-process successor. Such a batch waits (up to `unlockDelayMs`) to ride with the next lock request:
+   * every statement costs both sides a round of socket I/O, and the keys stay held meanwhile, which is
+   * never looser.
+   */
+  private onlyQuietUnlocks(): boolean {
+    return (
+      this.lockQueue.length === 0 &&
+      this.successorsWaiting === 0 &&
+      this.unlockQueue.every((u) => u.hold.info.wakeKey === null)
+    );
+  }
+
+  private flush(force = false): void {
     if (this.inFlight || this.state !== "ready" || !this.client) return;
+    if (
+      !force &&
+      this.options.unlockDelayMs > 0 &&
+      this.unlockQueue.length > 0 &&
+      this.onlyQuietUnlocks()
+    ) {
+      this.unlockTimer ??= setTimeout(() => {
+        this.unlockTimer = null;
+        this.flush(true);
+      }, this.options.unlockDelayMs);
+      return;
+    }
+    if (this.unlockTimer) {
+      clearTimeout(this.unlockTimer);
+      this.unlockTimer = null;
+    }
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0) return;
     const client = this.client;
     const generation = this.generation;
@@ -467,6 +508,7 @@ export class LockSession {
     if (this.state === "closed") return;
     this.state = "closed";
     for (const timer of this.timers.splice(0)) clearInterval(timer);
+    if (this.unlockTimer) clearTimeout(this.unlockTimer);
     if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
     await this.connecting?.catch(() => undefined);
     await this.inFlight?.catch(() => undefined);
