@@ -15,7 +15,7 @@ import {
   type UniqueScope,
 } from "../src/index.js";
 import { deferred, useTestDatabase, waitFor, type Deferred } from "./support/db.js";
-import { countEvents, quietLogger, startRunner } from "./support/runner.js";
+import { countEvents, nextEvent, quietLogger, startRunner } from "./support/runner.js";
 
 const db = useTestDatabase();
 let utils: WorkerUtils;
@@ -603,4 +603,48 @@ describe("when a duplicate is accepted again: scope x outcome, with a real runne
       expect(seen).toEqual(expected[scope]);
     });
   }
+});
+
+describe("unique + exclusive (sidekiq's until_and_while_executing)", () => {
+  it("refuses duplicates while queued, accepts one once the first runs, and never runs the two at once", async () => {
+    const combined = makeLocks({ connectionString: db.url, logger: quietLogger });
+    cleanups.push(() => combined.release());
+    const firstRunning = deferred();
+    const finishFirst = deferred();
+    const runs: Array<{ n: number; start: number; end: number }> = [];
+    const task = combined.exclusive(
+      "uawe",
+      async (p: { account: number; n: number }) => {
+        const start = performance.now();
+        if (p.n === 1) {
+          firstRunning.resolve();
+          await finishFirst.promise;
+        }
+        runs.push({ n: p.n, start, end: performance.now() });
+      },
+      {
+        key: (p) => p.account,
+        unique: "queued",
+        onConflict: "reschedule",
+        reschedule: { minDelay: 60_000, maxDelay: 60_000 },
+      },
+    );
+    expect((await task.addJob({ account: 1, n: 1 })).outcome).toBe("added");
+    expect((await task.addJob({ account: 1, n: 2 })).outcome).toBe("duplicate");
+    const runner = await startRunner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { uawe: task },
+    });
+    cleanups.push(() => runner.stop());
+    await firstRunning.promise;
+    // Running: no longer "queued", so a new one is accepted; it meets the lock and waits for the first.
+    expect((await task.addJob({ account: 1, n: 3 })).outcome).toBe("added");
+    await nextEvent(combined, "job:rescheduled");
+    expect((await task.addJob({ account: 1, n: 4 })).outcome).toBe("duplicate");
+    finishFirst.resolve();
+    await waitFor(async () => runs.length === 2, { message: "both to run" });
+    expect(runs.map((r) => r.n)).toEqual([1, 3]);
+    expect(runs[1]!.start).toBeGreaterThanOrEqual(runs[0]!.end);
+  });
 });
