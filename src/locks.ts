@@ -129,10 +129,6 @@ interface Definition {
 
 const SWEEP_INTERVAL_MS = 60_000;
 
-function parseConnectionString(connectionString: string): ClientConfig {
-  return { connectionString };
-}
-
 export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
     throw new InvalidArgumentError("`makeLocks` needs `connectionString` or `pgPool`");
@@ -168,11 +164,11 @@ export function makeLocks(options: LocksOptions): Locks {
   };
 
   const lockClientConfig = (): ClientConfig => {
-    const base: ClientConfig = options.lockConnectionString
-      ? parseConnectionString(options.lockConnectionString)
-      : options.connectionString
-        ? parseConnectionString(options.connectionString)
-        : { ...(pool as unknown as { options: ClientConfig }).options };
+    // Without a connection string, the lock session connects as the given pool does.
+    const connectionString = options.lockConnectionString ?? options.connectionString;
+    const base: ClientConfig = connectionString
+      ? { connectionString }
+      : { ...(pool as unknown as { options: ClientConfig }).options };
     return {
       ...base,
       application_name:

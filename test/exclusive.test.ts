@@ -187,6 +187,10 @@ describe("conflict strategies", () => {
     // Attempt 1 fails for real: attempts = 1 from now on.
     await new Promise((resolve) => r.events.once("job:error", resolve));
     const external = await holdExternally(task.lockKey({ id: 1 }));
+    // (rescheduleJobs skips locked jobs: wait until the failure is written and the job unlocked)
+    await waitFor(async () => (await jobRows())[0]?.locked_by === null, {
+      message: "the failure to be written",
+    });
     await utils.rescheduleJobs([job!.id], { runAt: new Date() });
     // Every conflict parks a new copy (the copy runs after minDelay, meets the held key again, ...).
     const copies: string[] = [];
@@ -456,6 +460,14 @@ describe("lock loss", () => {
     const { job } = await task.addJob({ id: 2 });
     expect((await failed).code).toBe("GWL_LOCK_SESSION_UNAVAILABLE");
     // Hold graphile-worker's own retry (due in e^1 s) until the session is back, so that it runs once.
+    // (rescheduleJobs skips locked jobs: wait until the failure is written and the job unlocked.)
+    await waitFor(
+      async () => {
+        const [row] = (await jobRows()).filter((j) => j.id === job!.id);
+        return row && row.locked_by === null && row.attempts === 1;
+      },
+      { message: "the failure to be recorded" },
+    );
     await utils.rescheduleJobs([job!.id], { runAt: new Date(Date.now() + 3_600_000) });
     expect(ran.map((x) => x.id)).toEqual([1]);
     await waitFor(async () => locks.status().state === "ready", { message: "reconnection" });
