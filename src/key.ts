@@ -96,7 +96,7 @@ export function canonicalJson(value: unknown, path: string | null = "payload"): 
   return stringify(value);
 }
 
-function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is string {
+export function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is string {
   if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
     throw new InvalidArgumentError(
       `\`taskIdentifier\` must be a non-empty string, got ${JSON.stringify(taskIdentifier) ?? String(taskIdentifier)}`,

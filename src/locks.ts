@@ -19,7 +19,7 @@ import {
 import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
-import { assertJsonSafe, slotKeys } from "./key.js";
+import { assertIdentifier, assertJsonSafe, slotKeys } from "./key.js";
 import { migrate } from "./migrate.js";
 import {
   resolveExclusiveOptions,
@@ -240,19 +240,12 @@ export function makeLocks(options: LocksOptions): Locks {
     payload: unknown,
     spec: AddJobSpec | undefined,
   ): EnqueuePlan => {
-    if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
-      throw new InvalidArgumentError(
-        `\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`,
-      );
-    }
+    assertIdentifier(taskIdentifier);
     assertJsonSafe(payload);
     const definition = definitions.get(taskIdentifier);
     const exclusive = definition?.exclusive ?? null;
     const preemptive = spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
-    const rules = exclusive ?? defaultExclusive;
-    const lockKeys = preemptive
-      ? slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath)
-      : null;
+    const lockKeys = preemptive ? keysOf(taskIdentifier, payload) : null;
     const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
     return { taskIdentifier, payload, spec, lockKeys, unique };
   };
@@ -338,11 +331,7 @@ export function makeLocks(options: LocksOptions): Locks {
   };
   const assertTask = (taskIdentifier: string, task: unknown) => {
     assertOpen();
-    if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
-      throw new InvalidArgumentError(
-        `\`taskIdentifier\` must be a non-empty string, got ${String(taskIdentifier)}`,
-      );
-    }
+    assertIdentifier(taskIdentifier);
     if (typeof task !== "function") {
       throw new InvalidArgumentError(
         `\`task\` for '${taskIdentifier}' must be a function, got ${typeof task}`,
