@@ -8,6 +8,7 @@ import pg from "pg";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
 import { makeLocks, type Locks } from "../src/index.js";
 import { databaseUrl } from "../scripts/postgres.js";
+import { withAdmin } from "./support/admin.js";
 import { waitFor } from "./support/db.js";
 
 const name = `gwl_c17_${randomBytes(5).toString("hex")}`;
@@ -16,15 +17,7 @@ let pool: pg.Pool;
 let locks: Locks;
 let runner: gw17.Runner | undefined;
 
-async function admin<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
-  const client = new pg.Client({ connectionString: inject("baseUrl") });
-  await client.connect();
-  try {
-    return await fn(client);
-  } finally {
-    await client.end();
-  }
-}
+const admin = <T>(fn: (client: pg.Client) => Promise<T>) => withAdmin(inject("baseUrl"), fn);
 
 beforeAll(async () => {
   await admin((c) => c.query(`create database ${name} template template0`));

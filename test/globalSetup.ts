@@ -9,6 +9,7 @@ import pg from "pg";
 import type { TestProject } from "vitest/node";
 import { databaseUrl, startPostgres } from "../scripts/postgres.js";
 import { migrate } from "../src/migrate.js";
+import { withAdmin } from "./support/admin.js";
 
 declare module "vitest" {
   export interface ProvidedContext {
@@ -86,17 +87,6 @@ export default async function setup(project: TestProject): Promise<() => Promise
   project.provide("baseUrl", server.url);
   project.provide("templateDatabase", templateDatabase);
   return teardown;
-}
-
-async function withAdmin<T>(url: string, fn: (client: pg.Client) => Promise<T>): Promise<T> {
-  const client = new pg.Client({ connectionString: url, application_name: "gwl-test-admin" });
-  client.on("error", () => undefined);
-  await client.connect();
-  try {
-    return await fn(client);
-  } finally {
-    await client.end();
-  }
 }
 
 async function closeConnections(admin: pg.Client, database: string): Promise<void> {

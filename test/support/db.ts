@@ -6,6 +6,7 @@ import { randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, expect, inject } from "vitest";
 import { databaseUrl } from "../../scripts/postgres.js";
+import { withAdmin as withServerAdmin } from "./admin.js";
 
 export interface TestDatabase {
   /** Connection URL of this file's database (available from `beforeAll` on). */
@@ -142,18 +143,8 @@ async function findLeaks(admin: pg.Client, database: string): Promise<string[]> 
   ];
 }
 
-async function withAdmin<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
-  const client = new pg.Client({
-    connectionString: inject("baseUrl"),
-    application_name: "gwl-test-admin",
-  });
-  client.on("error", () => undefined);
-  await client.connect();
-  try {
-    return await fn(client);
-  } finally {
-    await client.end();
-  }
+function withAdmin<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
+  return withServerAdmin(inject("baseUrl"), fn);
 }
 
 function sleep(ms: number): Promise<void> {
