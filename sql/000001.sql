@@ -54,48 +54,30 @@ end;
 $$;
 
 -- The `reschedule` conflict strategy: replace the running job (which the worker will complete as soon as
--- this returns) by a copy that runs at `new_run_at`, without counting the attempt that met the conflict.
--- The running row is made non-retriable in the same transaction, so a crash between this and its
--- completion neither loses the job nor runs it twice. Uses graphile-worker's public `add_job`, and reads
--- and updates its private job tables, which is tested against each supported version.
+-- this returns) by a copy that runs at `p_run_at`, without counting the attempt that met the conflict. The
+-- running row gives up its job key and its retries in the same transaction, so a crash between this and
+-- its completion neither loses the job nor runs it twice. Reads and writes graphile-worker's private job
+-- table (as its own add_job does), which is tested against each supported version.
 create function :GWL_SCHEMA.reschedule_job(p_job_id bigint, p_run_at timestamptz) returns bigint
 language plpgsql volatile as $$
 declare
-  v_old record;
+  v_old :GRAPHILE_WORKER_SCHEMA._private_jobs;
   v_new_id bigint;
 begin
-  -- (the public `jobs` view has no payload, hence the private tables, as that view reads them)
-  select jobs.*, tasks.identifier as task_identifier, job_queues.queue_name
-    into v_old
-    from :GRAPHILE_WORKER_SCHEMA._private_jobs as jobs
-    join :GRAPHILE_WORKER_SCHEMA._private_tasks as tasks on tasks.id = jobs.task_id
-    left join :GRAPHILE_WORKER_SCHEMA._private_job_queues as job_queues on job_queues.id = jobs.job_queue_id
-    where jobs.id = p_job_id;
+  select * into v_old from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id for update;
   if not found then
     return null;
   end if;
-  if v_old.key is null then
-    -- (with a job key, add_job below does this itself: a locked row loses its key and its retries)
-    update :GRAPHILE_WORKER_SCHEMA._private_jobs as jobs
-      set attempts = jobs.max_attempts
-      where jobs.id = p_job_id;
-  end if;
-  select j.id into v_new_id
-  from :GRAPHILE_WORKER_SCHEMA.add_job(
-    identifier => v_old.task_identifier,
-    payload => v_old.payload,
-    queue_name => v_old.queue_name,
-    run_at => p_run_at,
-    max_attempts => v_old.max_attempts,
-    job_key => v_old.key,
-    priority => v_old.priority,
-    flags => case when v_old.flags is null then null
-                  else array(select jsonb_object_keys(v_old.flags::jsonb)) end,
-    job_key_mode => 'replace'
-  ) j;
-  update :GRAPHILE_WORKER_SCHEMA._private_jobs as jobs
-    set attempts = greatest(v_old.attempts - 1, 0)
-    where jobs.id = v_new_id;
+  -- The running row gives up its key and its retries: a crash before its completion neither loses the
+  -- job (the copy exists) nor runs it twice (this row will not be retried).
+  update :GRAPHILE_WORKER_SCHEMA._private_jobs j
+    set key = null, attempts = j.max_attempts, updated_at = now()
+    where j.id = p_job_id;
+  insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
+    (job_queue_id, task_id, payload, run_at, attempts, max_attempts, last_error, key, priority, flags)
+  values (v_old.job_queue_id, v_old.task_id, v_old.payload, p_run_at, greatest(v_old.attempts - 1, 0),
+    v_old.max_attempts, v_old.last_error, v_old.key, v_old.priority, v_old.flags)
+  returning id into v_new_id;
   return v_new_id;
 end;
 $$;

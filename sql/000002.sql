@@ -211,32 +211,37 @@ language sql volatile as $$
   select * from :GWL_SCHEMA.add_unique_job_one(s, true)
 $$;
 
--- Bulk enqueue in one statement: fresh keys are inserted set-based; in-batch duplicates (the first of a key
--- wins), keys that meet existing jobs, windows alone and bypassed items go through add_unique_job_one in
--- input order. Rows of the set-based part come back with a null ord (the caller maps them by job key to
+-- Bulk enqueue in one statement: fresh keys and items without uniqueness are inserted set-based; in-batch
+-- duplicates (the first of a key wins), keys that meet existing jobs and windows alone go through
+-- add_unique_job_one in input order. The caller passes the batch's distinct task identifiers and queue
+-- names, and marks the first item of each key. Rows of the set-based part come back with a null ord (the caller maps them by job key to
 -- the first item of that key); the others with their 1-based position. A duplicate whose on_duplicate is
 -- 'raise' aborts the whole batch with SQLSTATE GWLUQ (detail: the existing job's id, hint: the item's
 -- position), so nothing of the batch is written.
-create function :GWL_SCHEMA.add_unique_jobs(p_specs json, p_count int, p_first int)
+create function :GWL_SCHEMA.add_unique_jobs(p_specs json, p_count int, p_first int, p_tasks text[], p_queues text[])
 returns table (ord int, outcome text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
-  v_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
+  v_specs :GWL_SCHEMA.unique_job_spec[];
+  v_plain_ords int[];
+  v_plain_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
+  v_ids bigint[];
   v_keys text[];
   v_spec record;
   v_one record;
   v_added int := 0;
 begin
+  -- The caller sends the distinct task identifiers and queue names; the specs are parsed once.
   insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier)
-    select distinct s.identifier from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) s
-    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_tasks t where t.identifier = s.identifier)
+    select t.identifier from unnest(p_tasks) as t(identifier)
+    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_tasks x where x.identifier = t.identifier)
     on conflict do nothing;
-  insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name)
-    select distinct s.queue_name from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) s
-    where s.queue_name is not null
-      and not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues q where q.queue_name = s.queue_name)
-    on conflict do nothing;
-
+  if cardinality(p_queues) > 0 then
+    insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name)
+      select q.queue_name from unnest(p_queues) as q(queue_name)
+      where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues x where x.queue_name = q.queue_name)
+      on conflict do nothing;
+  end if;
   with first_of_key as (
     select s.*
     from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) with ordinality as s
@@ -254,18 +259,51 @@ begin
     left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
     order by f.ordinality
     on conflict (key) do nothing
-    returning j.*
+    returning j.id, j.key
   )
-  select coalesce(array_agg(i), '{}') into v_jobs from inserted i;
+  select coalesce(array_agg(i.id), '{}'), coalesce(array_agg(i.key), '{}') into v_ids, v_keys from inserted i;
 
-  v_added := cardinality(v_jobs);
-  return query select null::int, 'added'::text, u from unnest(v_jobs) as u;
+  v_added := cardinality(v_ids);
+  -- (ids and keys only: arrays of whole rows cost more than reading them back by primary key)
+  return query select null::int, 'added'::text, j
+    from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids);
+
+  if v_added = p_count then
+    -- the common case: every item was a fresh key
+    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
+    return;
+  end if;
+  -- The rest needs the items again.
+  v_specs := array(select json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs));
+
+  -- Items without uniqueness, set-based too; rows come back in insertion order, which follows the items'.
+  v_plain_ords := array(
+    select s.ordinality::int from unnest(v_specs) with ordinality as s
+    where s.unique_key is null order by s.ordinality);
+  if cardinality(v_plain_ords) > 0 then
+    with inserted as (
+      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+      select q.id, t.id, coalesce(f.payload, '{}'::json), coalesce(f.run_at, now()), coalesce(f.max_attempts, 25),
+        null, coalesce(f.priority, 0), f.flags
+      from unnest(v_specs) with ordinality as f
+      join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.identifier = f.identifier
+      left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
+      where f.unique_key is null
+      order by f.ordinality
+      returning j.*
+    )
+    select coalesce(array_agg(i), '{}') into v_plain_jobs from inserted i;
+    return query select v_plain_ords[n], 'added'::text, v_plain_jobs[n] from generate_subscripts(v_plain_jobs, 1) as n;
+    v_added := v_added + cardinality(v_plain_jobs);
+  end if;
+
   if v_added = p_count then
     perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_added::text || '}');
     return;
   end if;
-  if v_added < p_first then
-    v_keys := array(select u.key from unnest(v_jobs) as u);
+  if cardinality(v_ids) = p_first then
+    v_keys := null; -- every first-of-key item was inserted
   end if;
 
   for v_spec in
@@ -274,10 +312,11 @@ begin
       select row(s.identifier, s.payload, s.queue_name, s.run_at, s.max_attempts, s.priority, s.flags,
           s.unique_key, s.scope, s.window_seconds, s.on_duplicate, s.first):::GWL_SCHEMA.unique_job_spec as spec,
         s.ordinality::int as ord, s.unique_key, s.first
-      from json_populate_recordset(null:::GWL_SCHEMA.unique_job_spec, p_specs) with ordinality as s
+      from unnest(v_specs) with ordinality as s
     ) x
     -- every first-of-key item was inserted unless fewer rows came back than there are of them
-    where not (x.first and (v_keys is null or x.unique_key in (select unnest(v_keys))))
+    where x.unique_key is not null
+      and not (x.first and (v_keys is null or x.unique_key in (select unnest(v_keys))))
     order by x.ord
   loop
     select * into v_one from :GWL_SCHEMA.add_unique_job_one(v_spec.spec, false);

@@ -7,23 +7,42 @@
 --
 -- Lost wake-ups are closed by ordering: the releaser unlocks, then reads the waiters; the parker commits
 -- its waiter, then looks at the lock (wake_if_free). Whichever comes second sees the other.
+--
+-- A woken waiter gets back the run_at its job had when it met the conflict, less a millisecond: graphile-
+-- worker fetches by priority, then run_at, then id, so the copy (a newer id) goes ahead of the jobs queued
+-- with it, which would otherwise meet the key first and park in turn.
+--
+-- One wake per release: a parker's own check can find the key free in the moment between a release, which
+-- has already woken the next waiter, and that waiter taking the key; waking another would send two jobs
+-- after one key. The time of each key's last wake is kept, and the parker's check does not wake while it
+-- is fresh: the woken job takes the key, and its release wakes the parker. If the woken job never comes
+-- (its worker died), the parker's safety-net delay still runs it.
 
 create table :GWL_SCHEMA.waiters (
   id bigserial primary key,
   lock_key bigint not null,
   job_id bigint not null,
+  -- the job's run_at when it met the conflict, given back when it is woken
+  run_at timestamptz,
   since timestamptz not null default now()
 );
 create index waiters_lock_key on :GWL_SCHEMA.waiters (lock_key, id);
 
+create table :GWL_SCHEMA.wakes (
+  lock_key bigint primary key,
+  at timestamptz not null
+);
+
 create function :GWL_SCHEMA.park_job(p_job_id bigint, p_run_at timestamptz, p_lock_key bigint) returns bigint
 language plpgsql volatile as $$
 declare
+  v_run_at timestamptz;
   v_new_id bigint;
 begin
+  select j.run_at into v_run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id;
   v_new_id := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
   if v_new_id is not null then
-    insert into :GWL_SCHEMA.waiters (lock_key, job_id) values (p_lock_key, v_new_id);
+    insert into :GWL_SCHEMA.waiters (lock_key, job_id, run_at) values (p_lock_key, v_new_id, v_run_at);
   end if;
   return v_new_id;
 end;
@@ -35,7 +54,7 @@ create function :GWL_SCHEMA.wake_waiters(p_keys bigint[]) returns int
 language plpgsql volatile as $$
 declare
   v_key bigint;
-  v_job_id bigint;
+  v_waiter record;
   v_woken int := 0;
 begin
   if p_keys is null or cardinality(p_keys) = 0 then
@@ -51,13 +70,16 @@ begin
           limit 1
           for update skip locked
         )
-        returning w.job_id into v_job_id;
+        returning w.job_id, w.run_at into v_waiter;
       exit when not found;
+      -- (a woken waiter goes ahead of the jobs queued with it: see the top of this file)
       update :GRAPHILE_WORKER_SCHEMA._private_jobs as j
-        set run_at = least(j.run_at, now())
-        where j.id = v_job_id and j.locked_at is null;
+        set run_at = least(j.run_at, coalesce(v_waiter.run_at, now()), now()) - interval '1 millisecond'
+        where j.id = v_waiter.job_id and j.locked_at is null;
       if found then
         v_woken := v_woken + 1;
+        insert into :GWL_SCHEMA.wakes (lock_key, at) values (v_key, clock_timestamp())
+          on conflict (lock_key) do update set at = excluded.at;
         exit;
       end if;
       -- that job is gone or already running: try the next waiter
@@ -70,10 +92,17 @@ begin
 end;
 $$;
 
--- The parker's half of the hand-off: if fewer than all slots of the key are held, wake a waiter.
+-- The parker's half of the hand-off: if fewer than all slots of the key are held, and no fresh wake is on
+-- its way to it, wake a waiter.
 create function :GWL_SCHEMA.wake_if_free(p_slots bigint[], p_key bigint) returns int
 language plpgsql volatile as $$
 begin
+  if exists (
+    select 1 from :GWL_SCHEMA.wakes w
+    where w.lock_key = p_key and w.at > clock_timestamp() - interval '100 milliseconds'
+  ) then
+    return 0; -- a woken job is on its way to the key
+  end if;
   if (
     select count(*)
     from pg_catalog.pg_locks l
@@ -88,13 +117,15 @@ begin
 end;
 $$;
 
--- Waiters whose job no longer exists (it ran after its safety-net delay, or was removed).
+-- Waiters whose job no longer exists (it ran after its safety-net delay, or was removed), and old wakes.
 create function :GWL_SCHEMA.sweep_waiters() returns bigint
 language sql volatile as $$
   with gone as (
     delete from :GWL_SCHEMA.waiters w
     where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = w.job_id)
     returning 1
+  ), stale as (
+    delete from :GWL_SCHEMA.wakes where at < now() - interval '1 minute'
   )
   select count(*) from gone
 $$;
