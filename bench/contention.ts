@@ -40,6 +40,7 @@
  */
 import { fork, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
+import { highestConcurrency } from "../scripts/overlap.js";
 import {
   countJobs,
   fmtFixed,
@@ -390,20 +391,6 @@ function longestIncreasing(values: readonly number[]): number {
   return tails.length;
 }
 
-/** Highest number of executions running at once, per key: a sweep (an end before a start at a tie). */
-function maxConcurrency(executions: readonly ExecutionRecord[]): number {
-  const points: Array<[number, number]> = [];
-  for (const e of executions) points.push([e.start, 1], [e.end, -1]);
-  points.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
-  let current = 0;
-  let max = 0;
-  for (const [, delta] of points) {
-    current += delta;
-    max = Math.max(max, current);
-  }
-  return max;
-}
-
 /**
  * Inserts the jobs in one statement; resolves each job's rank in the enqueue order (job id order) by its
  * payload's `seq` (a parked copy has a new id but the same payload).
@@ -546,7 +533,7 @@ function analyse(
     a[0].localeCompare(b[0], "en", { numeric: true }),
   )) {
     list.sort((a, b) => a.start - b.start);
-    maxPerKey = Math.max(maxPerKey, maxConcurrency(list));
+    maxPerKey = Math.max(maxPerKey, highestConcurrency(list));
     const ranks = list.map((e) => rankOf.get(e.seq)!);
     let highestRank = 0;
     for (const rank of ranks) {

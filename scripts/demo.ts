@@ -36,6 +36,7 @@ import {
   type DemoTaskName,
 } from "./demo-worker.js";
 import { startPostgres } from "./postgres.js";
+import { highestConcurrency } from "./overlap.js";
 
 const WORKER_SCRIPT = fileURLToPath(new URL("./demo-worker.ts", import.meta.url));
 const WORKER_NAMES = ["1", "2", "3"] as const;
@@ -264,25 +265,6 @@ interface QueuedJob {
   task: DemoTaskName;
   attempts: number;
   lastError: string | null;
-}
-
-/**
- * The highest number of intervals open at the same instant: a sweep over start (+1) and end (-1) instants,
- * an end at the same microsecond as a start counting first.
- */
-function highestConcurrency(intervals: ReadonlyArray<{ start: number; end: number }>): number {
-  const points = intervals.flatMap(({ start, end }) => [
-    [start, 1],
-    [end, -1],
-  ]) as Array<[number, number]>;
-  points.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
-  let open = 0;
-  let highest = 0;
-  for (const [, delta] of points) {
-    open += delta;
-    highest = Math.max(highest, open);
-  }
-  return highest;
 }
 
 /** Assigns each interval to the first lane that is free at its start (as many lanes as the highest concurrency). */

@@ -1,4 +1,5 @@
 import type pg from "pg";
+import { highestConcurrency } from "../../scripts/overlap.js";
 
 export interface Execution {
   jobId: string;
@@ -40,25 +41,14 @@ export async function readExecutions(pool: pg.Pool, task = "exec"): Promise<Exec
  * instants (an end at the same microsecond as a start counts as before it).
  */
 export function maxConcurrencyPerKey(executions: readonly Execution[]): Map<string, number> {
-  const byKey = new Map<string, Array<[bigint, number]>>();
+  const byKey = new Map<string, Array<{ start: bigint; end: bigint }>>();
   for (const e of executions) {
     if (e.end === null) throw new Error(`execution of job ${e.jobId} has no end`);
-    const points = byKey.get(e.lockKey) ?? [];
-    points.push([e.start, 1], [e.end, -1]);
-    byKey.set(e.lockKey, points);
+    const intervals = byKey.get(e.lockKey) ?? [];
+    intervals.push({ start: e.start, end: e.end });
+    byKey.set(e.lockKey, intervals);
   }
-  const result = new Map<string, number>();
-  for (const [key, points] of byKey) {
-    points.sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : a[1] - b[1]));
-    let current = 0;
-    let max = 0;
-    for (const [, delta] of points) {
-      current += delta;
-      max = Math.max(max, current);
-    }
-    result.set(key, max);
-  }
-  return result;
+  return new Map([...byKey].map(([key, intervals]) => [key, highestConcurrency(intervals)]));
 }
 
 export async function readEvents(
