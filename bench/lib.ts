@@ -225,7 +225,7 @@ export interface MachineInfo {
   postgres: string;
   postgresServer: "embedded" | "DATABASE_URL";
   graphileWorker: string;
-  /** Which build of the library was measured: src/ through tsx, or dist/ (BENCH_LIB=dist). */
+  /** Which build of the library was measured: dist/ (the default), or src/ through tsx (BENCH_LIB=src). */
   library: "src" | "dist";
   /** The commit measured, and whether src/ differed from it (uncommitted changes). */
   commit: string;

@@ -153,6 +153,7 @@ type WrapperContext = Parameters<typeof makeExclusiveTask>[0];
  * made on first use), without PostgreSQL: the wrapper's own cost. Only the success path is exercised.
  */
 function fakeContext(): WrapperContext {
+  const sessionSignal = new AbortController().signal;
   const session = {
     async acquire(slots: readonly bigint[], info: unknown) {
       let controller: AbortController | undefined;
@@ -164,12 +165,19 @@ function fakeContext(): WrapperContext {
           controller ??= new AbortController();
           return controller.signal;
         },
+        sessionSignal,
         release: async () => ({ released: true, outcome: "ok" as const }),
       };
       return { acquired: true, hold };
     },
   };
-  return { session, sql: {}, emit: () => undefined } as unknown as WrapperContext;
+  return {
+    session,
+    sql: {},
+    emit: () => undefined,
+    listening: () => false,
+    prefetched: () => undefined,
+  } as unknown as WrapperContext;
 }
 
 // --- Main ----------------------------------------------------------------------------------------------
@@ -222,6 +230,7 @@ try {
           task: wrapped.task,
           statements: () => locks.status().statements,
           conflicts: () => 0,
+          attach: (events) => locks.attach({ events }),
         },
         timed: wrapped.timed,
       });

@@ -4,8 +4,8 @@
  * and goals, and writes every figure with the machine's description to bench/results.json
  * (bench/results.quick.json with BENCH_QUICK=1, which shrinks the job counts for a smoke run).
  *
- * BENCH_ROUNDS: measured rounds per configuration (default 3). BENCH_LIB=dist: measure the build in dist/
- * (`npm run build` first) rather than src/ through tsx; see library.ts.
+ * BENCH_ROUNDS: measured rounds per configuration (default 3). BENCH_LIB=src: measure src/ through tsx
+ * rather than the build in dist/ (which `npm run bench` builds first); see library.ts.
  *
  * A missed goal is reported, not failed: the exit code is non-zero only when something broke.
  *

@@ -82,7 +82,7 @@ export const CONFIGS: Config[] = [
     naiveJobs: 12_000,
     quickJobs: 500,
     worker: {},
-    goal: 0.9,
+    goal: 0.95,
   },
   {
     id: "B",
@@ -96,7 +96,7 @@ export const CONFIGS: Config[] = [
       completeJobBatchDelay: 0,
       failJobBatchDelay: 0,
     },
-    goal: 0.85,
+    goal: 0.9,
   },
 ];
 

@@ -2,7 +2,8 @@
 import type { LocksEvents } from "./events.js";
 import type { AddJobResult } from "./enqueue.js";
 import type { AddJobSpec } from "./options.js";
-import type { AcquireResult, LockSession } from "./session.js";
+import type { LockSession } from "./session.js";
+import type { Prefetch } from "./prefetch.js";
 import type { Sql } from "./sql.js";
 
 export interface LocksContext {
@@ -13,7 +14,7 @@ export interface LocksContext {
   listening(event: keyof LocksEvents): boolean;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
   /** The lock-ahead acquisition of a starting job, if its batch was prefetched (see prefetch.ts). */
-  prefetched(jobId: string): Promise<AcquireResult | null> | undefined;
+  prefetched(jobId: string): Prefetch | undefined;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

@@ -39,50 +39,53 @@ class ConflictCounter {
   }
 }
 
+/** The abort signal a locked task sees, and its promise form. */
+interface LockedAbort {
+  readonly lost: AbortSignal;
+  readonly signal: AbortSignal;
+  readonly promise: Promise<void>;
+}
+
 /**
- * The helpers the task sees: graphile-worker's, with an `abortSignal` (and `abortPromise`) that fires on
- * graphile-worker's shutdown abort and when the lock is lost. Made only if the task reads them.
+ * The task's abort signal fires on graphile-worker's own abort (the worker's signal, shared by its jobs) and
+ * when the lock session is lost (one signal per connection, shared by its holds). Both are long-lived and
+ * shared, so their combination is made once per worker and connection, not per job: a job pays for a
+ * spread of its helpers and nothing else.
  */
-function lockedHelpers(helpers: JobHelpers, hold: Hold): { helpers: JobHelpers; dispose(): void } {
-  let sources: AbortSignal[] = [];
-  let controller: AbortController | undefined;
-  let promise: Promise<void> | undefined;
-  const onAbort = (event: Event) => controller!.abort((event.target as AbortSignal).reason);
-  const signal = (): AbortSignal => {
-    if (!controller) {
-      controller = new AbortController();
-      sources = [helpers.abortSignal, hold.signal].filter((s): s is AbortSignal => s !== undefined);
-      for (const source of sources) {
-        if (source.aborted) controller.abort(source.reason);
-        else source.addEventListener("abort", onAbort, { once: true });
-      }
+class LockedAborts {
+  private readonly byWorker = new WeakMap<object, LockedAbort>();
+  private readonly noWorkerSignal = {};
+
+  helpers(helpers: JobHelpers, hold: Hold): JobHelpers {
+    const lost = hold.sessionSignal;
+    const workerSignal: AbortSignal | undefined = helpers.abortSignal;
+    const owner = workerSignal ?? this.noWorkerSignal;
+    let abort = this.byWorker.get(owner);
+    if (abort?.lost !== lost) {
+      abort = combine(lost, workerSignal);
+      this.byWorker.set(owner, abort);
     }
-    return controller.signal;
+    return { ...helpers, abortSignal: abort.signal, abortPromise: abort.promise };
+  }
+}
+
+function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): LockedAbort {
+  const controller = new AbortController();
+  const sources = workerSignal ? [workerSignal, lost] : [lost];
+  const onAbort = (event: Event) => {
+    for (const source of sources) source.removeEventListener("abort", onAbort);
+    controller.abort((event.target as AbortSignal).reason);
   };
-  const wrapped = { ...helpers };
-  Object.defineProperties(wrapped, {
-    abortSignal: { enumerable: true, get: signal },
-    abortPromise: {
-      enumerable: true,
-      get: () => {
-        if (!promise) {
-          const s = signal();
-          promise = new Promise<void>((_resolve, reject) => {
-            if (s.aborted) reject(s.reason);
-            else s.addEventListener("abort", () => reject(s.reason), { once: true });
-          });
-          promise.catch(() => undefined);
-        }
-        return promise;
-      },
-    },
+  const aborted = sources.find((source) => source.aborted);
+  if (aborted) controller.abort(aborted.reason);
+  else for (const source of sources) source.addEventListener("abort", onAbort, { once: true });
+  const { signal } = controller;
+  const promise = new Promise<void>((_resolve, reject) => {
+    if (signal.aborted) reject(signal.reason);
+    else signal.addEventListener("abort", () => reject(signal.reason), { once: true });
   });
-  return {
-    helpers: wrapped,
-    dispose: () => {
-      for (const source of sources) source.removeEventListener("abort", onAbort);
-    },
-  };
+  promise.catch(() => undefined);
+  return { lost, signal, promise };
 }
 
 export function makeExclusiveTask<TPayload>(
@@ -148,41 +151,57 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
-  const wrapped = async (payload: unknown, helpers: JobHelpers) => {
-    const { job } = helpers;
-    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
-    const prefetched = ctx.prefetched(job.id);
-    let result = prefetched ? await prefetched : null;
-    if (!result?.acquired) {
-      const slots = keysOfJob(job);
-      result = await ctx.session.acquire(slots, holdInfo(job, slots));
-      if (!result.acquired) return onConflict(job, helpers, slots, result.local);
-    }
+  const aborts = new LockedAborts();
+  const listening = () => ctx.listening("lock:released");
 
-    const { hold } = result;
+  /** Runs the task while `hold` is held, then releases it. */
+  const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
     if (hold.info.wakeKey !== null) conflicts.clear(hold.info.wakeKey.toString());
-    ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job });
-
-    const locked = lockedHelpers(helpers, hold);
-    const started = performance.now();
+    if (ctx.listening("lock:acquired"))
+      ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
+    const started = listening() ? performance.now() : 0;
     try {
-      const value = await task(payload as TPayload, locked.helpers);
+      const value = await task(payload as TPayload, aborts.helpers(helpers, hold));
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
       if (Array.isArray(value)) await Promise.allSettled(value);
       return value as ReturnType<Task>;
     } finally {
-      locked.dispose();
       // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
       const released = hold.release();
-      if (ctx.listening("lock:released")) {
+      if (listening()) {
         const heldMs = performance.now() - started;
+        const job = helpers.job;
         void released.then(({ outcome }) =>
           ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
         );
       }
     }
+  };
+
+  const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
+    const { job } = helpers;
+    const slots = keysOfJob(job);
+    const result = await ctx.session.acquire(slots, holdInfo(job, slots));
+    if (!result.acquired) return onConflict(job, helpers, slots, result.local);
+    return runHeld(result.hold, payload, helpers);
+  };
+
+  const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched; a prefetch that
+    // met a held key tries again now.
+    const prefetched = ctx.prefetched(helpers.job.id);
+    if (!prefetched) return acquireAndRun(payload, helpers);
+    if (prefetched.settled) {
+      const { result } = prefetched;
+      return result?.acquired
+        ? runHeld(result.hold, payload, helpers)
+        : acquireAndRun(payload, helpers);
+    }
+    return prefetched.promise.then((result) =>
+      result?.acquired ? runHeld(result.hold, payload, helpers) : acquireAndRun(payload, helpers),
+    );
   };
 
   return Object.assign(wrapped as Task, {

@@ -11,7 +11,7 @@
  * value is checked so that what the worker later receives from PostgreSQL yields the same key: values that
  * JSON cannot carry faithfully are rejected with an error naming their path.
  */
-import { createHash } from "node:crypto";
+import * as crypto from "node:crypto";
 import stringify from "fast-json-stable-stringify";
 import { InvalidArgumentError } from "./errors.js";
 
@@ -114,10 +114,10 @@ export function lockKeyMaterial(
   return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value, path)}`;
 }
 
-/** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */
-export function hashKey(material: string): bigint {
-  return createHash("sha256").update(material, "utf8").digest().readBigInt64BE(0);
-}
+/** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, about twice as fast. */
+const oneShotHash = (
+  crypto as { hash?: (algorithm: string, data: string, encoding: "buffer") => Buffer }
+).hash;
 
 /**
  * The advisory lock key of a task identifier and payload (or whatever the task's `key` option returns).
@@ -151,4 +151,12 @@ export function slotKeys(
 export function advisoryParts(key: bigint): { classid: number; objid: number } {
   const unsigned = BigInt.asUintN(64, key);
   return { classid: Number(unsigned >> 32n), objid: Number(unsigned & 0xffffffffn) };
+}
+
+/** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */
+export function hashKey(material: string): bigint {
+  const digest = oneShotHash
+    ? oneShotHash("sha256", material, "buffer")
+    : crypto.createHash("sha256").update(material, "utf8").digest();
+  return digest.readBigInt64BE(0);
 }

@@ -15,8 +15,15 @@ import type { AcquireResult, HoldInfo, LockSession } from "./session.js";
 /** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
 export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;
 
+/** A lock-ahead acquisition: its promise, and its result once settled (null if it failed). */
+export interface Prefetch {
+  readonly promise: Promise<AcquireResult | null>;
+  settled: boolean;
+  result: AcquireResult | null;
+}
+
 export class Prefetcher {
-  private readonly pending = new Map<string, Promise<AcquireResult | null>>();
+  private readonly pending = new Map<string, Prefetch>();
 
   constructor(
     private readonly session: LockSession,
@@ -33,15 +40,30 @@ export class Prefetcher {
         continue; // the job itself will report the bad key when it runs
       }
       if (!plan) continue;
-      this.pending.set(
-        job.id,
-        this.session.acquire(plan.slots, plan.info).catch(() => null),
-      );
+      const entry: {
+        promise: Promise<AcquireResult | null>;
+        settled: boolean;
+        result: AcquireResult | null;
+      } = {
+        promise: this.session.acquire(plan.slots, plan.info).then(
+          (result) => {
+            entry.settled = true;
+            return (entry.result = result);
+          },
+          () => {
+            entry.settled = true;
+            return null;
+          },
+        ),
+        settled: false,
+        result: null,
+      };
+      this.pending.set(job.id, entry);
     }
   }
 
   /** The prefetched acquisition of a job that is starting, if any (and forgets it). */
-  take(jobId: string): Promise<AcquireResult | null> | undefined {
+  take(jobId: string): Prefetch | undefined {
     const pending = this.pending.get(jobId);
     if (pending) this.pending.delete(jobId);
     return pending;
@@ -57,7 +79,7 @@ export class Prefetcher {
   }
 
   private giveBack(jobId: string): void {
-    void this.take(jobId)?.then((result) => {
+    void this.take(jobId)?.promise.then((result) => {
       if (result?.acquired) void result.hold.release();
     });
   }

@@ -54,6 +54,11 @@ export interface Hold {
   readonly since: Date;
   /** Aborts (with a GWL_LOCK_LOST error) if the session is lost while the key is held. */
   readonly signal: AbortSignal;
+  /**
+   * Aborts (with a GWL_LOCK_LOST error) when the connection this hold was taken on is lost: one signal
+   * shared by every hold of that connection, so it may also abort after this hold was released.
+   */
+  readonly sessionSignal: AbortSignal;
   /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
   release(): Promise<ReleaseResult>;
 }
@@ -98,6 +103,9 @@ class HoldImpl implements Hold {
       if (this.lostReason) this.controller.abort(this.lostReason);
     }
     return this.controller.signal;
+  }
+  get sessionSignal(): AbortSignal {
+    return this.lost ? this.signal : this.session.lossSignal();
   }
   markLost(reason: Error): void {
     this.lost = true;
@@ -144,6 +152,8 @@ export class LockSession {
   private readonly timers: NodeJS.Timeout[] = [];
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
   private readonly sideQueries = new Set<Promise<unknown>>();
+  /** Aborts when the current connection is lost (made on first use, one per connection). */
+  private lossController: AbortController | undefined;
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   statements = 0;
 
@@ -156,6 +166,18 @@ export class LockSession {
   /** The backend pid of the current connection, if connected. */
   get pid(): number | null {
     return (this.client as unknown as { processID?: number } | null)?.processID ?? null;
+  }
+
+  /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
+  lossSignal(): AbortSignal {
+    this.lossController ??= new AbortController();
+    return this.lossController.signal;
+  }
+
+  private abortLossSignal(reason: Error): void {
+    const controller = this.lossController;
+    this.lossController = undefined;
+    controller?.abort(reason);
   }
 
   /** Keys this process holds right now. */
@@ -174,11 +196,16 @@ export class LockSession {
    * when there is no session.
    */
   async acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
-    const keys = slots.map(String);
+    const keys = slots.length === 1 ? [slots[0]!.toString()] : slots.map(String);
     let free: string[];
     for (;;) {
       if (this.state !== "ready") await this.ensureReady();
-      free = keys.filter((k) => !this.holds.has(k) && !this.pending.has(k));
+      free =
+        keys.length === 1
+          ? this.holds.has(keys[0]!) || this.pending.has(keys[0]!)
+            ? []
+            : keys
+          : keys.filter((k) => !this.holds.has(k) && !this.pending.has(k));
       if (free.length > 0) break;
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)?.releasing).find((p) => p !== undefined);
@@ -360,6 +387,7 @@ export class LockSession {
       request.resolve({ released: false, outcome: "lost" });
     const reason = lockLost(error);
     for (const hold of lost) hold.markLost(reason);
+    this.abortLossSignal(reason);
     this.options.onLost(lost, error);
     this.scheduleReconnect();
   }
@@ -521,7 +549,9 @@ export class LockSession {
     const open = [...this.holds.values()];
     this.holds.clear();
     this.pending.clear();
-    for (const hold of open) hold.markLost(lockLost(new Error("The Locks instance was released")));
+    const reason = lockLost(new Error("The Locks instance was released"));
+    for (const hold of open) hold.markLost(reason);
+    this.abortLossSignal(reason);
     const client = this.client;
     this.client = null;
     if (client) {

@@ -389,7 +389,7 @@ describe("lock loss", () => {
     const aborted = deferred<unknown>();
     const finishA = deferred();
     const finishB = deferred();
-    const startedB = deferred();
+    const startedB = deferred<boolean>();
     const task = locks.exclusive(
       "victim",
       async (p: { k: string; role: string }, helpers) => {
@@ -399,7 +399,8 @@ describe("lock loss", () => {
           );
           await finishA.promise; // ignores the abort for a while: its release comes late
         } else {
-          startedB.resolve();
+          // A job of the new connection gets a live signal (the old connection's one has aborted).
+          startedB.resolve(helpers.abortSignal!.aborted);
           await finishB.promise;
         }
       },
@@ -424,7 +425,7 @@ describe("lock loss", () => {
 
     // B takes the same key on the new session while A is still running.
     await task.addJob({ k: "k", role: "B" });
-    await startedB.promise;
+    expect(await startedB.promise).toBe(false);
     const releasedA = nextEvent(locks, "lock:released", (e) => e.outcome === "lost");
     finishA.resolve();
     await releasedA;
@@ -435,6 +436,36 @@ describe("lock loss", () => {
     expect(await task.lockAvailable({ k: "k", role: "" })).toBe(false);
     finishB.resolve();
     await waitFor(() => task.lockAvailable({ k: "k", role: "" }), { message: "B to release" });
+  });
+
+  it("the same worker's next job after a reconnection gets a live abort signal", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 50, max: 200 } });
+    const seen: Array<{ id: number; aborted: boolean }> = [];
+    const release = deferred();
+    const task = locks.exclusive("one_worker", async (p: { id: number }, helpers) => {
+      const signal = helpers.abortSignal!;
+      if (p.id === 1)
+        await Promise.race([
+          release.promise,
+          new Promise((r) => signal.addEventListener("abort", r)),
+        ]);
+      seen.push({ id: p.id, aborted: signal.aborted });
+    });
+    // One worker: job 2 runs where job 1 ran, after the connection job 1 held its lock on was lost.
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { one_worker: task } });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({ id: 1 });
+    await acquired;
+    const reconnected = nextEvent(locks, "session:connected");
+    await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
+    await reconnected;
+    await task.addJob({ id: 2 });
+    await waitFor(async () => seen.length === 2, { message: "both jobs to run" });
+    expect(seen).toEqual([
+      { id: 1, aborted: true },
+      { id: 2, aborted: false },
+    ]);
+    release.resolve();
   });
 
   it("while the session is down no job runs unlocked: it fails with GWL_LOCK_SESSION_UNAVAILABLE and is retried", async () => {
