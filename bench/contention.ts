@@ -138,6 +138,13 @@ const VARIANTS: Record<VariantId, Variant> = {
   },
 };
 
+/** BENCH_CONTENTION (comma-separated variant ids) runs only those variants, for experiments. */
+const wanted: VariantId[] = process.env.BENCH_CONTENTION
+  ? (process.env.BENCH_CONTENTION.split(",").filter((v) =>
+      (VARIANT_IDS as string[]).includes(v),
+    ) as VariantId[])
+  : VARIANT_IDS;
+
 const GOALS = { fetchesPerExecuted: 2, makespanOverIdeal: 1.1, handoffP50Ms: 5, handoffP99Ms: 50 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -743,7 +750,9 @@ export const contention: Section = {
       ctx.log(
         `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
       );
-      const alternating: VariantId[] = ["drop", "reschedule", "queueName", "queueName100"];
+      const alternating = ["drop", "reschedule", "queueName", "queueName100"].filter((v) =>
+        wanted.includes(v as VariantId),
+      ) as VariantId[];
       const one = async (variant: VariantId, jobs: number, r: number, limitMs: number | null) => {
         const figures = await measure(ctx, workers, VARIANTS[variant], jobs, r, limitMs);
         ctx.log(
@@ -764,12 +773,12 @@ export const contention: Section = {
       for (let r = 1; r <= rounds; r++) {
         for (const variant of alternating) await one(variant, size.jobs, r, null);
       }
-      await one("raise", size.jobs, 1, size.raiseLimitMs);
+      if (wanted.includes("raise")) await one("raise", size.jobs, 1, size.raiseLimitMs);
     } finally {
       await Promise.all(workers.map((w) => w.stop()));
     }
 
-    const summaries = VARIANT_IDS.map((v) => summarise(v, runs));
+    const summaries = wanted.map((v) => summarise(v, runs));
     return {
       tables: tables(summaries, runs, offsets, size, rounds),
       goals: goals(summaries, runs),
@@ -843,7 +852,7 @@ function tables(
     notes: [
       `ideal: the busiest key's executions × ${TASK_MS} ms. reschedule and the anchors execute every job, so 200 × ${TASK_MS} ms;`,
       "drop executes few jobs by design (the rest are dropped), so its ideal is only the busiest key's executed work, not",
-      `a target: what matters is that it empties the queue (in ${s(summaries.find((v) => v.variant === "drop")!.drainedMs)} s) without running two of a key at once.`,
+      `a target: what matters is that it empties the queue (in ${s(summaries.find((v) => v.variant === "drop")?.drainedMs ?? Number.NaN)} s) without running two of a key at once.`,
       raise
         ? `raise: graphile-worker retries a conflict after e^attempts s (2.7, 7.4, 20, 55 s); the run was stopped at ` +
           `${size.raiseLimitMs / 1000} s and the ${fmtInt(raise.left)} job(s) still queued deleted: its figures cover what ran by then.`
@@ -1011,7 +1020,8 @@ function tables(
 }
 
 function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
-  const r = summaries.find((v) => v.variant === "reschedule")!;
+  const r = summaries.find((v) => v.variant === "reschedule");
+  if (!r) return [];
   const worstOverlap = Math.max(...runs.map((x) => x.maxPerKey));
   const goal = (name: string, target: string, value: number, threshold: number): Goal => ({
     section: "contention",

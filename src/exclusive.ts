@@ -24,6 +24,22 @@ export interface ExclusiveTask<TPayload = unknown> extends Task {
   readonly lockPlan: (job: Job) => { slots: bigint[]; info: HoldInfo };
 }
 
+/**
+ * How long this task's jobs hold their key, as a moving average (for timing a parked job's safety net by
+ * its place in line). Only measured for `reschedule` tasks.
+ */
+class HoldTime {
+  private average = 0;
+  private samples = 0;
+  record(ms: number): void {
+    this.samples = Math.min(this.samples + 1, 20);
+    this.average += (ms - this.average) / this.samples;
+  }
+  estimateMs(): number {
+    return Math.round(this.average * 10) / 10;
+  }
+}
+
 /** Remembers consecutive conflicts per key for the reschedule backoff; bounded in size. */
 class ConflictCounter {
   private readonly counts = new Map<string, number>();
@@ -128,20 +144,28 @@ export function makeExclusiveTask<TPayload>(
         const { minDelay, maxDelay, jitter } = options.reschedule;
         const n = conflicts.next(lockKey.toString());
         const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
-        const delayMs = Math.round(base * (1 - jitter * Math.random()));
-        const runAt = new Date(Date.now() + delayMs);
-        const newJobId = await helpers.withPgClient(async (client) => {
-          const { rows } = await client.query<{ id: string | null }>(ctx.sql.parkJob, [
+        const now = Date.now();
+        const earliest = new Date(now + Math.round(base * (1 - jitter * Math.random())));
+        // The safety net is later for a job further back in line (see park_job in sql/000004.sql).
+        const latest = new Date(now + maxDelay);
+        const parked = await helpers.withPgClient(async (client) => {
+          const { rows } = await client.query<{ id: string; run_at: Date }>(ctx.sql.parkJob, [
             job.id,
-            runAt.toISOString(),
+            earliest.toISOString(),
             lockKey.toString(),
+            holdTime.estimateMs(),
+            latest.toISOString(),
           ]);
-          const id = rows[0]?.id;
+          const row = rows[0];
           // The holder may have released between our attempt and the park's commit: then wake it now.
-          if (id) await client.query(ctx.sql.wakeIfFree, [slots.map(String), lockKey.toString()]);
-          return id;
+          if (row) {
+            await client.query(ctx.sql.wakeIfFree, [slots.map(String), lockKey.toString(), job.id]);
+          }
+          return row;
         });
-        if (!newJobId) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
+        if (!parked) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
+        const { id: newJobId, run_at: runAt } = parked;
+        const delayMs = runAt.getTime() - now;
         helpers.logger.debug(
           `Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`,
         );
@@ -152,6 +176,8 @@ export function makeExclusiveTask<TPayload>(
   };
 
   const aborts = new LockedAborts();
+  const holdTime = new HoldTime();
+  const timed = options.onConflict === "reschedule";
   const listening = () => ctx.listening("lock:released");
 
   /** Runs the task while `hold` is held, then releases it. */
@@ -159,7 +185,7 @@ export function makeExclusiveTask<TPayload>(
     if (hold.info.wakeKey !== null) conflicts.clear(hold.info.wakeKey.toString());
     if (ctx.listening("lock:acquired"))
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
-    const started = listening() ? performance.now() : 0;
+    const started = timed || listening() ? performance.now() : 0;
     try {
       const value = await task(payload as TPayload, aborts.helpers(helpers, hold));
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
@@ -170,6 +196,7 @@ export function makeExclusiveTask<TPayload>(
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
       const released = hold.release();
+      if (timed) holdTime.record(performance.now() - started);
       if (listening()) {
         const heldMs = performance.now() - started;
         const job = helpers.job;

@@ -140,7 +140,8 @@ export class LockSession {
   private reconnectAttempt = 0;
   private reconnectTimer: NodeJS.Timeout | null = null;
   private readonly holds = new Map<string, HoldImpl>();
-  private readonly pending = new Set<string>();
+  /** Keys being acquired, with the acquisition (settles when its statement answered). */
+  private readonly pending = new Map<string, Promise<AcquireResult>>();
   private lockQueue: LockRequest[] = [];
   private unlockQueue: UnlockRequest[] = [];
   private inFlight: Promise<void> | null = null;
@@ -207,6 +208,15 @@ export class LockSession {
             : keys
           : keys.filter((k) => !this.holds.has(k) && !this.pending.has(k));
       if (free.length > 0) break;
+      // A job that waits its turn (`reschedule`) does not give up on a key another job of this process is
+      // only trying to take: that attempt may fail (it may not be that job's turn), and this one's may not.
+      if (info.wakeKey !== null) {
+        const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
+        if (acquiring) {
+          await acquiring.catch(() => undefined);
+          continue;
+        }
+      }
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)?.releasing).find((p) => p !== undefined);
       if (!releasing) return { acquired: false, local: true };
@@ -218,13 +228,14 @@ export class LockSession {
         this.successorsWaiting--;
       }
     }
-    for (const k of free) this.pending.add(k);
-    return new Promise<AcquireResult>((resolve, reject) => {
+    const acquisition = new Promise<AcquireResult>((resolve, reject) => {
       const freeKeys =
         free.length === slots.length ? (slots as bigint[]) : free.map((k) => BigInt(k));
       this.lockQueue.push({ slots: free, keys: freeKeys, info, resolve, reject });
       this.scheduleFlush();
     });
+    for (const k of free) this.pending.set(k, acquisition);
+    return acquisition;
   }
 
   release(hold: HoldImpl): Promise<ReleaseResult> {
@@ -454,6 +465,8 @@ export class LockSession {
           unlocks.flatMap((u) =>
             u.hold.info.wakeKey === null ? [] : [u.hold.info.wakeKey.toString()],
           ),
+          // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
+          singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
         ],
       })
       .then(

@@ -56,10 +56,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
      * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), which runs
-     * last, after the unlocks.
+     * last, after the unlocks; $5: for each single key of $2, the job id of a `reschedule` job, which takes
+     * the key only if no parked job of that key is ahead of it (sql/000004.sql), or null.
      */
     lockBatch: {
-      name: `gwl_lock_batch_v3`,
+      name: `gwl_lock_batch_v4`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
       // every request without a row succeeded. Semaphore requests answer with the slot they took.
       text: `select 0 as op, t.i::int as i, null::text as key
@@ -67,8 +68,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
         where not pg_catalog.pg_advisory_unlock(t.k)
       union all
       select 1, t.i::int, null
-        from unnest($2::bigint[]) with ordinality as t(k, i)
-        where not pg_catalog.pg_try_advisory_lock(t.k)
+        from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
+        where not case
+          when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
+          else false
+        end
       union all
       select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
@@ -132,8 +136,9 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,
 
     /** The `reschedule` strategy: park the job as a waiter of its key, then wake it if the key is already free. */
-    parkJob: `select ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint)::text as id`,
-    wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint) as woken`,
+    parkJob: `select p.id::text as id, p.run_at from ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint,
+      $4::float8 * interval '1 millisecond', $5::timestamptz) p`,
+    wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
     sweepWaiters: `select ${s}.sweep_waiters()::int as removed`,
 
     heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,

@@ -568,6 +568,73 @@ describe("reschedule hand-off", () => {
     expect(rows).toEqual([]);
   });
 
+  it("parked jobs run in enqueue order, across two sessions, and a job enqueued meanwhile waits its turn", async () => {
+    const ran: number[] = [];
+    const gate = deferred();
+    const tasks = [newLocks(), newLocks()].map((locks) =>
+      locks.exclusive(
+        "fifo",
+        async (p: { n: number }) => {
+          if (p.n === 0) await gate.promise;
+          ran.push(p.n);
+          await new Promise((resolve) => setTimeout(resolve, 5));
+        },
+        { key: () => "one key", onConflict: "reschedule" },
+      ),
+    );
+    // Two runners, each with its own lock session: every hand-off between them goes through PostgreSQL.
+    for (const task of tasks) {
+      await runner({ connectionString: db.url, concurrency: 3, taskList: { fifo: task } });
+    }
+    await tasks[0]!.addJob({ n: 0 });
+    await waitFor(async () => ran.length === 0 && !(await tasks[0]!.lockAvailable({ n: 0 })), {
+      message: "job 0 to hold the key",
+    });
+    for (let n = 1; n <= 8; n++) await tasks[n % 2]!.addJob({ n }, { preemptive: false });
+    await waitFor(
+      async () =>
+        Number(
+          (await db.pool().query("select count(*) from graphile_worker_locks.waiters")).rows[0]
+            .count,
+        ) === 8,
+      { message: "jobs 1-8 to park" },
+    );
+    gate.resolve();
+    // Enqueued while the line moves: they go to the back, they do not take a key that frees in between.
+    for (let n = 9; n <= 13; n++) {
+      await waitFor(async () => ran.length >= n - 7, { message: "the line to move" });
+      await tasks[n % 2]!.addJob({ n }, { preemptive: false });
+    }
+    await waitFor(async () => ran.length === 14, { message: "every job to run" });
+    expect(ran).toEqual([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+  });
+
+  it("a parked job's safety net is later the further back in line it is, and never past the latest", async () => {
+    const locks = newLocks();
+    await locks.migrate();
+    const key = lockKey("line", "k").toString();
+    const soon = new Date(Date.now() + 1000);
+    const latest = new Date(soon.getTime() + 2500);
+    const runAts: number[] = [];
+    for (let n = 0; n < 5; n++) {
+      const { job } = await locks.addJob("line", { n });
+      await db
+        .pool()
+        .query(
+          "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+          [job!.id],
+        );
+      const { rows } = await db
+        .pool()
+        .query<{ run_at: Date }>(
+          "select run_at from graphile_worker_locks.park_job($1, $2, $3, interval '1 second', $4)",
+          [job!.id, soon.toISOString(), key, latest.toISOString()],
+        );
+      runAts.push(rows[0]!.run_at.getTime() - soon.getTime());
+    }
+    expect(runAts).toEqual([0, 1000, 2000, 2500, 2500]);
+  });
+
   it("the parker's own check wakes it when the key freed before its waiter was visible (no lost wake-up)", async () => {
     const locks = newLocks();
     await locks.migrate();
@@ -583,19 +650,18 @@ describe("reschedule hand-off", () => {
     const later = new Date(Date.now() + 3_600_000).toISOString();
     const { rows } = await db
       .pool()
-      .query<{ id: string }>("select graphile_worker_locks.park_job($1, $2, $3)::text as id", [
-        job!.id,
-        later,
-        key.toString(),
-      ]);
+      .query<{ id: string }>(
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        [job!.id, later, key.toString()],
+      );
     const copy = rows[0]!.id;
     const wake = () =>
       db
         .pool()
-        .query<{ woken: number }>("select graphile_worker_locks.wake_if_free($1, $2) as woken", [
-          [key.toString()],
-          key.toString(),
-        ]);
+        .query<{ woken: number }>(
+          "select graphile_worker_locks.wake_if_free($1, $2, $3) as woken",
+          [[key.toString()], key.toString(), job!.id],
+        );
     // Still held: the releaser will wake it.
     expect((await wake()).rows[0]!.woken).toBe(0);
     // Released by a holder that wakes no one (here: outside the library): the parker's check does.
