@@ -29,6 +29,8 @@ export interface BenchContext {
   quick: boolean;
   /** Progress output (stderr), so that stdout carries only the results. */
   log(message: string): void;
+  /** Where the server runs: "embedded" is on this machine, so its processes can be read from /proc. */
+  postgresServer: MachineInfo["postgresServer"];
 }
 
 /** A target from the issue, checked and reported, never enforced (a missed goal does not fail the run). */
@@ -345,7 +347,11 @@ export async function openBench(
           "other work on this machine will skew the figures",
       );
     }
-    return { ctx: { url: database.url, pool, quick, log }, machine, close };
+    return {
+      ctx: { url: database.url, pool, quick, log, postgresServer: server },
+      machine,
+      close,
+    };
   } catch (error) {
     await close();
     throw error;

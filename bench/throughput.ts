@@ -16,8 +16,25 @@
  * - naive: what you would write without the library: per job, `pg_try_advisory_lock` and then
  *   `pg_advisory_unlock` on one dedicated connection (two round trips, same key derivation), which shows
  *   what coalescing buys.
+ *
+ * Configurations A3 and B3 are A and B run by 3 worker processes (bench/throughput-worker.ts, same
+ * per-process concurrency and options), each with one runner and, wrapped, one Locks instance with
+ * `locks.attach()`. The processes are forked once and stay up across runs (each run starts and stops their
+ * runners), so process start-up is not measured. N jobs are inserted up front, the clock runs from the
+ * start signal until the job table is empty; CPU is the three processes' own, lock statements are summed
+ * over their lock sessions. No naive variant there: it is a one-process comparison of coalescing.
+ *
+ * Lock session cost, in the wrapped runs: the connections each process has open (pg_stat_activity, every
+ * connection named by process and role, sampled every SAMPLE_INTERVAL_MS while the runners run in A3 and
+ * B3 and once when the table is empty in every configuration), the lock session's backend memory against
+ * a graphile-worker pool backend's (from /proc, embedded server only), the Node.js heap after a wrapped run
+ * against after a plain run (after a full GC, in the worker processes, which run with --expose-gc), the
+ * locks still held after a run, and lock statements per executed job.
  */
+import { fork } from "node:child_process";
 import { EventEmitter } from "node:events";
+import { readFile } from "node:fs/promises";
+import { fileURLToPath } from "node:url";
 import pg from "pg";
 import { run } from "graphile-worker";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
@@ -33,6 +50,7 @@ import {
   quietLogger,
   resetJobs,
   round,
+  sleep,
   spread,
   waitUntilNoJobs,
   type BenchContext,
@@ -41,6 +59,19 @@ import {
   type SectionResult,
   type Table,
 } from "./lib.js";
+import {
+  APPLICATION_PREFIX,
+  CONNECTION_ROLES,
+  applicationName,
+  makeNamedLocks,
+  parseApplicationName,
+  withApplicationName,
+  type ChildMessage,
+  type ConnectionRole,
+  type ParentMessage,
+  type ProcessReport,
+  type ProcessVariant,
+} from "./throughput-worker.js";
 
 export const TASK = "noop";
 /** Measured rounds per configuration (BENCH_ROUNDS overrides). */
@@ -100,6 +131,31 @@ export const CONFIGS: Config[] = [
   },
 ];
 
+/** Worker processes of the multi-process configurations. */
+const PROCESSES = 3;
+
+/** A configuration run by worker processes (bench/throughput-worker.ts) instead of this process. */
+export interface ProcessesConfig extends Omit<Config, "naiveJobs"> {
+  processes: number;
+}
+
+/**
+ * A3 and B3: A and B in 3 processes, each with A's or B's concurrency and options (so 3 × the workers in
+ * all), the same job counts and the same goals.
+ */
+export const PROCESS_CONFIGS: ProcessesConfig[] = CONFIGS.map(({ naiveJobs: _, ...config }) => ({
+  ...config,
+  id: `${config.id}${PROCESSES}`,
+  label: `${PROCESSES} processes × ${config.label}`,
+  processes: PROCESSES,
+}));
+
+/** The name of this process's connections (`gwl-bench-tp/main/<role>`), for the one-process runs. */
+const MAIN_PROCESS = "main";
+
+/** How often pg_stat_activity is sampled during a multi-process run. */
+const SAMPLE_INTERVAL_MS = 250;
+
 /** `nolock` exists in bench/profile.ts only. */
 export type VariantId = "plain" | "wrapped" | "naive" | "nolock";
 
@@ -112,13 +168,16 @@ export interface Variant {
   conflicts(): number;
   /** Hooks the variant into the runner's events before it starts (the library's lock-ahead). */
   attach?(events: WorkerEvents): () => void;
+  /** The variant's lock session (wrapped): how many keys it holds now. */
+  session?(): { held: number };
 }
 
 /** The three variants, with what they need (a Locks instance, the naive variant's connection). */
 export async function openVariants(
   ctx: BenchContext,
 ): Promise<{ variants: Variant[]; close(): Promise<void> }> {
-  const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+  // Its connections named, so that the session cost table can count them (no other difference).
+  const locks = makeNamedLocks(ctx.url, MAIN_PROCESS, quietLogger);
   const naiveClient = new pg.Client({
     connectionString: ctx.url,
     application_name: "gwl-bench-naive",
@@ -141,6 +200,7 @@ export async function openVariants(
         conflicts: countConflicts(locks),
         // As the README says to run with a local queue (and a no-op without one).
         attach: (events) => locks.attach({ events }),
+        session: () => ({ held: locks.status().held.length }),
       },
       { id: "naive", task: naive.task, statements: naive.statements, conflicts: naive.conflicts },
     ],
@@ -168,8 +228,17 @@ export interface RunFigures {
   lockStatements: number;
   /** Conflicts seen (must be 0: every key is distinct). */
   conflicts: number;
-  /** CPU time of this Node.js process (user + system) per job, in microseconds. */
+  /**
+   * CPU time (user + system) per job, in microseconds: of this Node.js process, or in a multi-process
+   * configuration of the worker processes together.
+   */
   nodeCpuUsPerJob: number;
+  /** Multi-process configurations: each process's account of the run. */
+  processes?: ProcessReport[];
+  /** V8 heap used by this process after the run and a full GC (one process, only with --expose-gc). */
+  heapUsedBytes?: number;
+  /** Connections, backend memory and locks left held (wrapped runs; every run with several processes). */
+  session?: SessionRunFigures;
 }
 
 /** A no-op task. */
@@ -235,8 +304,11 @@ export async function measure(
   variant: Variant,
   jobs: number,
   roundNumber: number,
-  /** For instruments (bench/profile.ts): called just before `run()` and once the table is empty. */
-  hooks: { started?(): void; drained?(): void } = {},
+  /**
+   * For instruments (bench/profile.ts, the session cost): called just before `run()`, and once the table
+   * is empty (awaited, after the run's figures were taken, before the runner stops).
+   */
+  hooks: { started?(): void; drained?(): unknown } = {},
 ): Promise<RunFigures> {
   await resetJobs(ctx.pool);
   await insertJobs(ctx.pool, TASK, jobs);
@@ -279,7 +351,7 @@ export async function measure(
   let runner: Runner | undefined;
   try {
     runner = await run({
-      connectionString: ctx.url,
+      connectionString: withApplicationName(ctx.url, applicationName(MAIN_PROCESS, "worker")),
       concurrency: config.concurrency,
       taskList: { [TASK]: variant.task },
       noHandleSignals: true,
@@ -305,7 +377,7 @@ export async function measure(
     await Promise.race([waitUntilNoJobs(ctx.pool, 30_000), limit.promise]);
     const seconds = (now() - t0) / 1000;
     const cpu = process.cpuUsage(cpuBefore);
-    hooks.drained?.();
+    await hooks.drained?.();
     return {
       config: config.id,
       variant: variant.id,
@@ -331,90 +403,625 @@ export async function measure(
   }
 }
 
+export interface VariantFigures {
+  /** Jobs per measured run. */
+  jobs: number;
+  medianJobsPerSecond: number;
+  /** (max − min) / median of the rounds' jobs/s. */
+  spread: number;
+  /** CPU time of the Node.js process(es) per job (µs), median over the rounds. */
+  medianNodeCpuUsPerJob: number;
+  /** Lock statements per job over all rounds. */
+  lockStatementsPerJob: number;
+  /** Jobs per lock statement (the coalescing factor). */
+  jobsPerLockStatement: number;
+}
+
 export interface ConfigFigures {
   id: string;
   label: string;
+  /** 1: this process; more: that many worker processes (A3, B3). */
+  processes: number;
+  /** Per process. */
   concurrency: number;
   worker: WorkerPreset;
   rounds: number;
-  variants: Record<
-    Exclude<VariantId, "nolock">,
-    {
-      /** Jobs per measured run. */
-      jobs: number;
-      medianJobsPerSecond: number;
-      /** (max − min) / median of the rounds' jobs/s. */
-      spread: number;
-      /** CPU time of the Node.js process per job (µs), median over the rounds. */
-      medianNodeCpuUsPerJob: number;
-      /** Lock statements per job over all rounds. */
-      lockStatementsPerJob: number;
-      /** Jobs per lock statement (the coalescing factor). */
-      jobsPerLockStatement: number;
-    }
-  >;
+  /** No naive variant with several processes. */
+  variants: { plain: VariantFigures; wrapped: VariantFigures; naive?: VariantFigures };
   /** Ratio of the medians. */
   wrappedOverPlain: number;
-  naiveOverPlain: number;
+  naiveOverPlain: number | null;
   goal: number;
   goalMet: boolean;
   runs: RunFigures[];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker processes (A3, B3)
+
+const WORKER_SCRIPT = fileURLToPath(new URL("./throughput-worker.ts", import.meta.url));
+
+/** A message to a worker without its id (Omit over each member of the union). */
+type ParentRequest = ParentMessage extends infer M
+  ? M extends ParentMessage
+    ? Omit<M, "id">
+    : never
+  : never;
+type ChildAnswer = Extract<ChildMessage, { type: "answer" }>;
+
+interface WorkerProcess {
+  name: string;
+  /** Rejects when the process reports that its run cannot finish, or exits when it should not. */
+  failed: Promise<never>;
+  /** Jobs completed in run `run`, as last reported. */
+  progress: { run: number; completed: number };
+  /** Called on every progress report. */
+  onProgress: (() => void) | undefined;
+  /** Resolves the answer; rejects on an error answer, after `timeoutMs`, or when the process exits. */
+  request(message: ParentRequest, timeoutMs?: number): Promise<ChildAnswer>;
+  /** Asks the process to exit (it stops its runner, releases its lock session), kills it if it does not. */
+  stop(): Promise<void>;
+}
+
+/** Forks a worker process and waits until its lock session is open; kills it if that does not happen. */
+async function startWorker(ctx: BenchContext, name: string): Promise<WorkerProcess> {
+  const child = fork(WORKER_SCRIPT, [], {
+    // --expose-gc: the heap figures of the session cost are taken after a full collection.
+    execArgv: ["--import", "tsx", "--expose-gc"],
+    env: { ...process.env, DATABASE_URL: ctx.url, WORKER_NAME: name },
+    // The child's stdout goes to our stderr: our stdout carries only the results.
+    stdio: ["ignore", 2, 2, "ipc"],
+  });
+  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
+  const alive = () => child.exitCode === null && child.signalCode === null;
+  const kill = async () => {
+    if (alive()) child.kill("SIGKILL");
+    await exited;
+  };
+
+  let leaving = false;
+  let rejectFailed!: (error: Error) => void;
+  const failed = new Promise<never>((_resolve, reject) => {
+    rejectFailed = reject;
+  });
+  failed.catch(() => undefined);
+  let ready!: () => void;
+  const isReady = new Promise<void>((resolve) => {
+    ready = resolve;
+  });
+  const waiting = new Map<
+    number,
+    { resolve(answer: ChildAnswer): void; reject(error: Error): void }
+  >();
+  const worker: WorkerProcess = {
+    name,
+    failed,
+    progress: { run: 0, completed: 0 },
+    onProgress: undefined,
+    request,
+    async stop() {
+      if (!alive()) return;
+      leaving = true;
+      try {
+        await request({ type: "exit" }, 15_000);
+        await Promise.race([exited, sleep(5_000)]);
+      } catch {
+        // Killed below.
+      }
+      await kill();
+    },
+  };
+
+  child.on("message", (message: ChildMessage) => {
+    switch (message.type) {
+      case "ready":
+        ready();
+        break;
+      case "progress":
+        worker.progress = { run: message.run, completed: message.completed };
+        worker.onProgress?.();
+        break;
+      case "failed":
+        rejectFailed(new Error(`throughput worker ${name}: ${message.message}`));
+        break;
+      case "answer":
+        waiting.get(message.id)?.resolve(message);
+        waiting.delete(message.id);
+        break;
+    }
+  });
+  child.once("exit", (code, signal) => {
+    const error = new Error(`throughput worker ${name} exited (${signal ?? code})`);
+    for (const w of waiting.values()) w.reject(error);
+    waiting.clear();
+    if (!leaving) rejectFailed(error);
+  });
+
+  let nextId = 1;
+  function request(message: ParentRequest, timeoutMs = 60_000): Promise<ChildAnswer> {
+    return new Promise<ChildAnswer>((resolve, reject) => {
+      if (!alive()) {
+        reject(new Error(`throughput worker ${name} is not running`));
+        return;
+      }
+      const id = nextId++;
+      const timer = setTimeout(() => {
+        waiting.delete(id);
+        reject(new Error(`throughput worker ${name}: no answer to '${message.type}'`));
+      }, timeoutMs);
+      const settle = () => clearTimeout(timer);
+      waiting.set(id, {
+        resolve(answer) {
+          settle();
+          if (answer.error) reject(new Error(`throughput worker ${name}: ${answer.error}`));
+          else resolve(answer);
+        },
+        reject(error) {
+          settle();
+          reject(error);
+        },
+      });
+      child.send({ ...message, id } as ParentMessage);
+    });
+  }
+
+  const notReady = timeout(60_000, `throughput worker ${name} was not ready within 60 s`);
+  try {
+    await Promise.race([isReady, failed, notReady.promise]);
+  } catch (error) {
+    await kill();
+    throw error;
+  } finally {
+    notReady.clear();
+  }
+  return worker;
+}
+
+/** Starts `count` worker processes; if any fails to start, stops the others and throws. */
+async function startWorkers(ctx: BenchContext, count: number): Promise<WorkerProcess[]> {
+  const started = await Promise.allSettled(
+    Array.from({ length: count }, (_, i) => startWorker(ctx, `w${i + 1}`)),
+  );
+  const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+  const failure = started.find((s): s is PromiseRejectedResult => s.status === "rejected");
+  if (failure) {
+    await stopWorkers(workers);
+    throw failure.reason;
+  }
+  return workers;
+}
+
+async function stopWorkers(workers: WorkerProcess[]): Promise<void> {
+  await Promise.all(workers.map((w) => w.stop()));
+}
+
+/** Resolves once the workers reported `jobs` completed jobs between them in run `run`. */
+function allCompleted(workers: WorkerProcess[], run: number, jobs: number): Promise<void> {
+  return new Promise<void>((resolve) => {
+    const check = () => {
+      const completed = workers.reduce(
+        (sum, w) => sum + (w.progress.run === run ? w.progress.completed : 0),
+        0,
+      );
+      if (completed >= jobs) resolve();
+    };
+    for (const w of workers) w.onProgress = check;
+  });
+}
+
+let lastRunId = 0;
+
+/**
+ * One measured run in the worker processes: insert, start their runners (the clock starts with the start
+ * signal), wait until they reported every job completed and the table is empty, sample the connections
+ * and the backends' memory, stop the runners. pg_stat_activity is sampled during every run, plain ones
+ * included, so that both variants share that load.
+ */
+async function measureProcesses(
+  ctx: BenchContext,
+  workers: WorkerProcess[],
+  config: ProcessesConfig,
+  variant: ProcessVariant,
+  jobs: number,
+  roundNumber: number,
+): Promise<RunFigures> {
+  await resetJobs(ctx.pool);
+  await insertJobs(ctx.pool, TASK, jobs);
+
+  const runId = ++lastRunId;
+  const failed = Promise.race(workers.map((w) => w.failed));
+  failed.catch(() => undefined);
+  const limit = timeout(
+    60_000 + jobs * 5,
+    `${config.id}/${variant}: ${jobs} jobs did not complete in time`,
+  );
+  const completed = allCompleted(workers, runId, jobs);
+  const sampling = sampleBackends(ctx.pool, SAMPLE_INTERVAL_MS);
+  const t0 = now();
+  try {
+    const started = workers.map((w) =>
+      w.request({
+        type: "start",
+        run: runId,
+        variant,
+        taskIdentifier: TASK,
+        concurrency: config.concurrency,
+        worker: config.worker,
+      }),
+    );
+    await Promise.race([Promise.all(started), failed, limit.promise]);
+    await Promise.race([completed, failed, limit.promise]);
+    await Promise.race([waitUntilNoJobs(ctx.pool, 30_000), failed, limit.promise]);
+    const seconds = (now() - t0) / 1000;
+    // With the runners still running: their pools are open, as they were during the run.
+    const samples = await sampling.finish();
+    const memory = await backendMemory(ctx, samples.at(-1)!);
+    const answers = await Promise.all(workers.map((w) => w.request({ type: "stop" })));
+    const reports = answers.map((a) => a.report!);
+    const executed = reports.reduce((sum, r) => sum + r.completed, 0);
+    if (executed !== jobs) {
+      ctx.log(`warning: ${config.id}/${variant}: ${executed} job(s) completed, ${jobs} inserted`);
+    }
+    return processRunFigures(config, variant, roundNumber, jobs, seconds, reports, samples, memory);
+  } finally {
+    sampling.cancel();
+    limit.clear();
+    for (const w of workers) w.onProgress = undefined;
+  }
+}
+
+function processRunFigures(
+  config: ProcessesConfig,
+  variant: ProcessVariant,
+  roundNumber: number,
+  jobs: number,
+  seconds: number,
+  reports: ProcessReport[],
+  samples: Backend[][],
+  memory: BackendMemory[],
+): RunFigures {
+  const sum = (f: (r: ProcessReport) => number) => reports.reduce((total, r) => total + f(r), 0);
+  const known = (values: Array<number | null>) => values.filter((v): v is number => v !== null);
+  const startups = known(reports.map((r) => r.startupMs));
+  const lastCompletes = known(reports.map((r) => r.lastCompleteMs));
+  return {
+    config: config.id,
+    variant,
+    round: roundNumber,
+    jobs,
+    seconds: round(seconds, 3),
+    jobsPerSecond: Math.round(jobs / seconds),
+    // The first job in any process, from its receiving the start signal.
+    startupMs: startups.length > 0 ? Math.round(Math.min(...startups)) : Number.NaN,
+    lastCompleteMs: lastCompletes.length > 0 ? Math.round(Math.max(...lastCompletes)) : Number.NaN,
+    lockStatements: sum((r) => r.lockStatements),
+    conflicts: sum((r) => r.conflicts),
+    nodeCpuUsPerJob: round(sum((r) => r.cpuUs) / jobs, 1),
+    processes: reports,
+    session: {
+      samples: samples.length,
+      connections: connectionRanges(
+        samples,
+        reports.map((r) => r.name),
+      ),
+      memory,
+      heldAfterRun: Math.max(...reports.map((r) => r.heldAfterRun)),
+    },
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Lock session cost: connections and backend memory
+
+/** A connection of the benchmark, told apart by its application_name. */
+export interface Backend {
+  pid: number;
+  processName: string;
+  role: ConnectionRole;
+}
+
+/** The fewest and the most connections of one kind a process had open, over a run's samples. */
+export interface Range {
+  min: number;
+  max: number;
+}
+
+export interface BackendMemory extends Backend {
+  /** From /proc/<pid>/status: the resident set, and its anonymous part. */
+  vmRssKiB: number;
+  /**
+   * Includes the pages a backend still shares, copy-on-write, with the postmaster it was forked from (the
+   * same in every backend), which is why the table shows USS instead.
+   */
+  rssAnonKiB: number;
+  /**
+   * From /proc/<pid>/smaps_rollup: the unique set (Private_Clean + Private_Dirty, what the backend's exit
+   * would free: its caches, prepared statements, work memory) and the proportional set (Pss: shared
+   * pages, such as shared buffers, divided among the processes that map them).
+   */
+  ussKiB: number;
+  pssKiB: number;
+}
+
+export interface SessionRunFigures {
+  /** pg_stat_activity samples taken (the last one once the job table was empty). */
+  samples: number;
+  /** Per process (`main`, or `w1`...), per role. */
+  connections: Record<string, Record<ConnectionRole, Range>>;
+  /** The lock sessions' and graphile-worker's backends at the last sample (embedded server only). */
+  memory: BackendMemory[];
+  /** Locks still held once the run was over, by the process holding the most (must be 0). */
+  heldAfterRun: number;
+}
+
+/** The benchmark's named connections to its database, now. */
+async function namedBackends(pool: pg.Pool): Promise<Backend[]> {
+  const { rows } = await pool.query<{ pid: number; application_name: string }>(
+    `select pid, application_name from pg_stat_activity
+      where datname = current_database() and application_name like $1`,
+    [`${APPLICATION_PREFIX}/%`],
+  );
+  return rows.flatMap((row) => {
+    const parsed = parseApplicationName(row.application_name);
+    return parsed ? [{ pid: row.pid, ...parsed }] : [];
+  });
+}
+
+/**
+ * Samples the named connections every `intervalMs` until `finish()`, which takes one more sample and
+ * resolves them all; `cancel()` only stops the loop (on errors).
+ */
+function sampleBackends(
+  pool: pg.Pool,
+  intervalMs: number,
+): { finish(): Promise<Backend[][]>; cancel(): void } {
+  const samples: Backend[][] = [];
+  let stopped = false;
+  let timer: NodeJS.Timeout | undefined;
+  let wake: (() => void) | undefined;
+  const loop = (async () => {
+    for (;;) {
+      await new Promise<void>((resolve) => {
+        wake = resolve;
+        timer = setTimeout(resolve, intervalMs);
+      });
+      if (stopped) return;
+      samples.push(await namedBackends(pool));
+    }
+  })();
+  loop.catch(() => undefined);
+  const cancel = () => {
+    stopped = true;
+    clearTimeout(timer);
+    wake?.();
+  };
+  return {
+    async finish() {
+      cancel();
+      await loop;
+      samples.push(await namedBackends(pool));
+      return samples;
+    },
+    cancel,
+  };
+}
+
+function connectionRanges(
+  samples: Backend[][],
+  processNames: string[],
+): Record<string, Record<ConnectionRole, Range>> {
+  const range = (processName: string, role: ConnectionRole): Range => {
+    const counts = samples.map(
+      (sample) => sample.filter((b) => b.processName === processName && b.role === role).length,
+    );
+    return { min: Math.min(...counts), max: Math.max(...counts) };
+  };
+  return Object.fromEntries(
+    processNames.map((name) => [
+      name,
+      Object.fromEntries(CONNECTION_ROLES.map((role) => [role, range(name, role)])) as Record<
+        ConnectionRole,
+        Range
+      >,
+    ]),
+  );
+}
+
+/** A backend's memory from /proc; null if `pid` is not a PostgreSQL process of this machine. */
+async function readBackendMemory(backend: Backend): Promise<BackendMemory | null> {
+  try {
+    const [comm, status, rollup] = await Promise.all(
+      ["comm", "status", "smaps_rollup"].map((file) =>
+        readFile(`/proc/${backend.pid}/${file}`, "utf8"),
+      ),
+    );
+    if (!comm!.startsWith("postgres")) return null;
+    const kib = (text: string, field: string) =>
+      Number(new RegExp(`^${field}:\\s+(\\d+) kB$`, "m").exec(text)?.[1] ?? Number.NaN);
+    return {
+      ...backend,
+      vmRssKiB: kib(status!, "VmRSS"),
+      rssAnonKiB: kib(status!, "RssAnon"),
+      ussKiB: kib(rollup!, "Private_Clean") + kib(rollup!, "Private_Dirty"),
+      pssKiB: kib(rollup!, "Pss"),
+    };
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * The memory of the lock sessions' and graphile-worker's backends among `sample`, read from /proc: only
+ * when the server is the embedded one, which runs on this machine (a pid of another host means nothing).
+ */
+async function backendMemory(ctx: BenchContext, sample: Backend[]): Promise<BackendMemory[]> {
+  if (ctx.postgresServer !== "embedded") return [];
+  const read = await Promise.all(
+    sample.filter((b) => b.role !== "locks-pool").map(readBackendMemory),
+  );
+  return read.filter((m): m is BackendMemory => m !== null);
+}
+
+/** V8 heap used after a full collection, when this process runs with --expose-gc. */
+function heapAfterGc(): number | undefined {
+  const gc = (globalThis as { gc?: () => void }).gc;
+  if (!gc) return undefined;
+  gc();
+  return process.memoryUsage().heapUsed;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The section
+
+/**
+ * One warm-up run of each variant (a quarter of the jobs, at least 100; not counted), then ROUNDS rounds
+ * that alternate the variants.
+ */
+async function alternate<V extends { id: VariantId }>(
+  ctx: BenchContext,
+  config: { id: string },
+  variants: V[],
+  jobsOf: (variant: V) => number,
+  one: (variant: V, jobs: number, roundNumber: number) => Promise<RunFigures>,
+): Promise<RunFigures[]> {
+  const runs: RunFigures[] = [];
+  for (const variant of variants) {
+    const warmJobs = Math.max(100, Math.round(jobsOf(variant) / 4));
+    ctx.log(`throughput ${config.id}: warm-up ${variant.id} (${warmJobs} jobs)`);
+    runs.push(await one(variant, warmJobs, 0));
+  }
+  for (let r = 1; r <= ROUNDS; r++) {
+    for (const variant of variants) {
+      const figures = await one(variant, jobsOf(variant), r);
+      ctx.log(
+        `throughput ${config.id}: round ${r} ${variant.id.padEnd(7)} ${fmtInt(figures.jobsPerSecond).padStart(7)} jobs/s` +
+          ` (${figures.seconds.toFixed(2)} s, start-up ${figures.startupMs} ms` +
+          `${figures.lockStatements ? `, ${figures.lockStatements} lock statements` : ""})`,
+      );
+      if (figures.conflicts > 0) {
+        ctx.log(
+          `warning: ${figures.conflicts} lock conflict(s) in ${config.id}/${variant.id}, where every key is distinct`,
+        );
+      }
+      runs.push(figures);
+    }
+  }
+  return runs;
+}
+
+/**
+ * `measure`, plus what the session cost needs: for the wrapped variant, the connections and the backends'
+ * memory once the table is empty (one sample: sampling during the run would cost this process CPU, which
+ * the run measures), and the locks still held; for every variant, the heap after the run (with --expose-gc).
+ */
+async function measureInProcess(
+  ctx: BenchContext,
+  config: Config,
+  variant: Variant,
+  jobs: number,
+  roundNumber: number,
+): Promise<RunFigures> {
+  const drained: { sample?: Backend[]; memory?: BackendMemory[] } = {};
+  const hooks = variant.session
+    ? {
+        async drained() {
+          drained.sample = await namedBackends(ctx.pool);
+          drained.memory = await backendMemory(ctx, drained.sample);
+        },
+      }
+    : {};
+  const figures = await measure(ctx, config, variant, jobs, roundNumber, hooks);
+  const heapUsedBytes = heapAfterGc();
+  return {
+    ...figures,
+    ...(heapUsedBytes === undefined ? {} : { heapUsedBytes }),
+    ...(variant.session && drained.sample
+      ? {
+          session: {
+            samples: 1,
+            connections: connectionRanges([drained.sample], [MAIN_PROCESS]),
+            memory: drained.memory ?? [],
+            heldAfterRun: variant.session().held,
+          },
+        }
+      : {}),
+  };
+}
+
+async function runInProcess(
+  ctx: BenchContext,
+  config: Config,
+  variants: Variant[],
+): Promise<ConfigFigures> {
+  const jobsOf = (variant: Variant) =>
+    ctx.quick ? config.quickJobs : variant.id === "naive" ? config.naiveJobs : config.jobs;
+  const runs = await alternate(ctx, config, variants, jobsOf, (variant, jobs, r) =>
+    measureInProcess(ctx, config, variant, jobs, r),
+  );
+  return summarise(config, 1, runs);
+}
+
+async function runInProcesses(
+  ctx: BenchContext,
+  config: ProcessesConfig,
+  workers: WorkerProcess[],
+): Promise<ConfigFigures> {
+  const variants: Array<{ id: ProcessVariant }> = [{ id: "plain" }, { id: "wrapped" }];
+  const jobs = ctx.quick ? config.quickJobs : config.jobs;
+  const runs = await alternate(
+    ctx,
+    config,
+    variants,
+    () => jobs,
+    (variant, n, r) => measureProcesses(ctx, workers, config, variant.id, n, r),
+  );
+  return summarise(config, config.processes, runs);
 }
 
 export const throughput: Section = {
   id: "throughput",
   title: "Execution overhead",
   async run(ctx): Promise<SectionResult> {
-    const { variants, close } = await openVariants(ctx);
     const results: ConfigFigures[] = [];
+    const { variants, close } = await openVariants(ctx);
     try {
-      for (const config of CONFIGS) {
-        const jobsOf = (variant: Variant) =>
-          ctx.quick ? config.quickJobs : variant.id === "naive" ? config.naiveJobs : config.jobs;
-        const runs: RunFigures[] = [];
-        for (const variant of variants) {
-          const warmJobs = Math.max(100, Math.round(jobsOf(variant) / 4));
-          ctx.log(`throughput ${config.id}: warm-up ${variant.id} (${warmJobs} jobs)`);
-          runs.push(await measure(ctx, config, variant, warmJobs, 0));
-        }
-        for (let r = 1; r <= ROUNDS; r++) {
-          for (const variant of variants) {
-            const figures = await measure(ctx, config, variant, jobsOf(variant), r);
-            ctx.log(
-              `throughput ${config.id}: round ${r} ${variant.id.padEnd(7)} ${fmtInt(figures.jobsPerSecond).padStart(7)} jobs/s` +
-                ` (${figures.seconds.toFixed(2)} s, start-up ${figures.startupMs} ms` +
-                `${figures.lockStatements ? `, ${figures.lockStatements} lock statements` : ""})`,
-            );
-            if (figures.conflicts > 0) {
-              ctx.log(
-                `warning: ${figures.conflicts} lock conflict(s) in ${config.id}/${variant.id}, where every key is distinct`,
-              );
-            }
-            runs.push(figures);
-          }
-        }
-        results.push(summarise(config, runs));
-      }
+      for (const config of CONFIGS) results.push(await runInProcess(ctx, config, variants));
     } finally {
       await close();
     }
+    // Started after the one-process runs, so that idle worker processes do not share their machine.
+    ctx.log(`throughput: starting ${PROCESSES} worker processes`);
+    const workers = await startWorkers(ctx, PROCESSES);
+    try {
+      for (const config of PROCESS_CONFIGS) {
+        results.push(await runInProcesses(ctx, config, workers));
+      }
+    } finally {
+      await stopWorkers(workers);
+    }
+    const costs = results.map(sessionCost);
     return {
-      tables: tables(results),
-      goals: goals(results),
-      figures: { rounds: ROUNDS, configs: results },
+      tables: [...tables(results), sessionTable(costs, ctx)],
+      goals: [...goals(results), ...sessionGoals(costs)],
+      figures: { rounds: ROUNDS, configs: results, sessionCost: costs },
     };
   },
 };
 
-function summarise(config: Config, runs: RunFigures[]): ConfigFigures {
+function summarise(
+  config: Pick<Config, "id" | "label" | "concurrency" | "worker" | "goal">,
+  processes: number,
+  runs: RunFigures[],
+): ConfigFigures {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: Exclude<VariantId, "nolock">) => {
+  const per = (variant: Exclude<VariantId, "nolock">): VariantFigures | undefined => {
     const mine = measured.filter((r) => r.variant === variant);
+    if (mine.length === 0) return undefined;
     const rates = mine.map((r) => r.jobsPerSecond);
     const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
     const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
     return {
-      jobs: mine[0]?.jobs ?? 0,
+      jobs: mine[0]!.jobs,
       medianJobsPerSecond: Math.round(median(rates)),
       spread: round(spread(rates), 3),
       medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
@@ -422,23 +1029,20 @@ function summarise(config: Config, runs: RunFigures[]): ConfigFigures {
       jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
     };
   };
-  const variants = { plain: per("plain"), wrapped: per("wrapped"), naive: per("naive") };
-  const wrappedOverPlain = round(
-    variants.wrapped.medianJobsPerSecond / variants.plain.medianJobsPerSecond,
-    3,
-  );
+  const plain = per("plain")!;
+  const wrapped = per("wrapped")!;
+  const naive = per("naive");
+  const wrappedOverPlain = round(wrapped.medianJobsPerSecond / plain.medianJobsPerSecond, 3);
   return {
     id: config.id,
     label: config.label,
+    processes,
     concurrency: config.concurrency,
     worker: config.worker,
     rounds: ROUNDS,
-    variants,
+    variants: naive ? { plain, wrapped, naive } : { plain, wrapped },
     wrappedOverPlain,
-    naiveOverPlain: round(
-      variants.naive.medianJobsPerSecond / variants.plain.medianJobsPerSecond,
-      3,
-    ),
+    naiveOverPlain: naive ? round(naive.medianJobsPerSecond / plain.medianJobsPerSecond, 3) : null,
     goal: config.goal,
     goalMet: wrappedOverPlain >= config.goal,
     runs,
@@ -446,6 +1050,10 @@ function summarise(config: Config, runs: RunFigures[]): ConfigFigures {
 }
 
 function tables(results: ConfigFigures[]): Table[] {
+  const jobsPerRun = (c: ConfigFigures) =>
+    !c.variants.naive || c.variants.naive.jobs === c.variants.plain.jobs
+      ? fmtInt(c.variants.plain.jobs)
+      : `${fmtInt(c.variants.plain.jobs)} (naive ${fmtInt(c.variants.naive.jobs)})`;
   const summary: Table = {
     title: `Execution overhead: no-op task, jobs/s (median of ${ROUNDS} alternating runs; ± = spread (max−min)/median)`,
     columns: [
@@ -463,19 +1071,19 @@ function tables(results: ConfigFigures[]): Table[] {
     ],
     rows: results.map((c) => [
       `${c.id}: ${c.label}`,
-      c.variants.naive.jobs === c.variants.plain.jobs
-        ? fmtInt(c.variants.plain.jobs)
-        : `${fmtInt(c.variants.plain.jobs)} (naive ${fmtInt(c.variants.naive.jobs)})`,
+      jobsPerRun(c),
       `${fmtInt(c.variants.plain.medianJobsPerSecond)} ±${fmtPercent(c.variants.plain.spread)}`,
       `${fmtInt(c.variants.wrapped.medianJobsPerSecond)} ±${fmtPercent(c.variants.wrapped.spread)}`,
       fmtFixed(c.wrappedOverPlain, 2),
       `≥ ${fmtFixed(c.goal, 2)}`,
       c.goalMet ? "yes" : "NO",
       fmtFixed(c.variants.wrapped.lockStatementsPerJob, 3),
-      `${fmtInt(c.variants.naive.medianJobsPerSecond)} ±${fmtPercent(c.variants.naive.spread)}`,
-      fmtFixed(c.naiveOverPlain, 2),
+      c.variants.naive
+        ? `${fmtInt(c.variants.naive.medianJobsPerSecond)} ±${fmtPercent(c.variants.naive.spread)}`
+        : "–",
+      c.naiveOverPlain === null ? "–" : fmtFixed(c.naiveOverPlain, 2),
       [c.variants.plain, c.variants.wrapped, c.variants.naive]
-        .map((v) => fmtInt(v.medianNodeCpuUsPerJob))
+        .map((v) => (v ? fmtInt(v.medianNodeCpuUsPerJob) : "–"))
         .join(" / "),
     ]),
     notes: [
@@ -483,6 +1091,10 @@ function tables(results: ConfigFigures[]): Table[] {
       "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job).",
       "lock stmts/job: statements on the lock session per job (< 1: lock/unlock requests coalesced).",
       "node CPU µs/job: CPU time (user + system) of this Node.js process per job, plain / wrapped / naive.",
+      `${PROCESS_CONFIGS.map((c) => c.id).join(", ")}: ${PROCESSES} worker processes, each with the concurrency and options of ` +
+        `${CONFIGS.map((c) => c.id).join(", ")} and its own runner`,
+      "(and Locks instance, with attach()); clock from the start signal to an empty table; lock stmts/job and",
+      "node CPU summed over the processes. No naive variant there: it is a one-process comparison of coalescing.",
     ],
   };
   const detail: Table = {
@@ -497,6 +1109,7 @@ function tables(results: ConfigFigures[]): Table[] {
       { header: "start-up ms", align: "right" },
       { header: "lock stmts", align: "right" },
       { header: "node CPU µs/job", align: "right" },
+      { header: "jobs per process", align: "right" },
     ],
     rows: results.flatMap((c) =>
       c.runs.map((r) => [
@@ -506,11 +1119,15 @@ function tables(results: ConfigFigures[]): Table[] {
         fmtInt(r.jobs),
         r.seconds.toFixed(2),
         fmtInt(r.jobsPerSecond),
-        String(r.startupMs),
+        fmtInt(r.startupMs),
         r.variant === "plain" ? "" : fmtInt(r.lockStatements),
         fmtInt(r.nodeCpuUsPerJob),
+        r.processes?.map((p) => fmtInt(p.completed)).join(" / ") ?? "",
       ]),
     ),
+    notes: [
+      "start-up ms: to the first job (several processes: the first in any, from its receiving the start signal).",
+    ],
   };
   return [summary, detail];
 }
@@ -524,4 +1141,185 @@ function goals(results: ConfigFigures[]): Goal[] {
     threshold: c.goal,
     met: c.goalMet,
   }));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Lock session cost: summary
+
+/** Medians over backends. */
+export interface MemoryFigures {
+  backends: number;
+  vmRssKiB: number;
+  rssAnonKiB: number;
+  ussKiB: number;
+  pssKiB: number;
+}
+
+export interface SessionCostFigures {
+  config: string;
+  processes: number;
+  /** The measured wrapped runs these figures come from. */
+  runs: number;
+  /** pg_stat_activity samples over those runs. */
+  samples: number;
+  /** Per role: the fewest and the most connections of that role any process had open in a sample. */
+  connections: Record<ConnectionRole, Range>;
+  /** The lock session's backend, and graphile-worker's pool backends, at the end of each run; null when not readable. */
+  lockBackend: MemoryFigures | null;
+  workerBackend: MemoryFigures | null;
+  /** V8 heap used by a process after a run and a full GC, median; null without --expose-gc. */
+  heapAfterPlainBytes: number | null;
+  heapAfterWrappedBytes: number | null;
+  /** Locks held after a run, the most of any process in any run (must be 0). */
+  heldAfterRun: number;
+  lockStatementsPerJob: number;
+}
+
+function sessionCost(c: ConfigFigures): SessionCostFigures {
+  const measured = c.runs.filter((r) => r.round > 0);
+  const sessions = measured.flatMap((r) =>
+    r.variant === "wrapped" && r.session ? [r.session] : [],
+  );
+  const ranges = sessions.flatMap((s) => Object.values(s.connections));
+  const connections = Object.fromEntries(
+    CONNECTION_ROLES.map((role) => [
+      role,
+      ranges.length > 0
+        ? {
+            min: Math.min(...ranges.map((r) => r[role].min)),
+            max: Math.max(...ranges.map((r) => r[role].max)),
+          }
+        : { min: Number.NaN, max: Number.NaN },
+    ]),
+  ) as Record<ConnectionRole, Range>;
+  const memory = (role: ConnectionRole): MemoryFigures | null => {
+    const all = sessions.flatMap((s) => s.memory.filter((m) => m.role === role));
+    if (all.length === 0) return null;
+    const m = (f: (b: BackendMemory) => number) => Math.round(median(all.map(f)));
+    return {
+      backends: all.length,
+      vmRssKiB: m((b) => b.vmRssKiB),
+      rssAnonKiB: m((b) => b.rssAnonKiB),
+      ussKiB: m((b) => b.ussKiB),
+      pssKiB: m((b) => b.pssKiB),
+    };
+  };
+  const heap = (variant: VariantId): number | null => {
+    const values = measured
+      .filter((r) => r.variant === variant)
+      .flatMap((r) =>
+        r.processes
+          ? r.processes.filter((p) => p.gc).map((p) => p.heapUsedBytes)
+          : r.heapUsedBytes === undefined
+            ? []
+            : [r.heapUsedBytes],
+      );
+    return values.length > 0 ? median(values) : null;
+  };
+  return {
+    config: c.id,
+    processes: c.processes,
+    runs: sessions.length,
+    samples: sessions.reduce((sum, s) => sum + s.samples, 0),
+    connections,
+    lockBackend: memory("lock"),
+    workerBackend: memory("worker"),
+    heapAfterPlainBytes: heap("plain"),
+    heapAfterWrappedBytes: heap("wrapped"),
+    heldAfterRun: Math.max(0, ...sessions.map((s) => s.heldAfterRun)),
+    lockStatementsPerJob: c.variants.wrapped.lockStatementsPerJob,
+  };
+}
+
+const fmtRange = (r: Range) =>
+  r.min === r.max ? fmtInt(r.min) : `${fmtInt(r.min)}–${fmtInt(r.max)}`;
+const fmtMiB = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
+
+function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
+  const memory = (m: MemoryFigures | null) =>
+    m ? `${fmtMiB(m.ussKiB * 1024)} / ${fmtMiB(m.pssKiB * 1024)}` : "n/a";
+  const heap = (c: SessionCostFigures) =>
+    c.heapAfterPlainBytes === null || c.heapAfterWrappedBytes === null
+      ? "n/a"
+      : `${fmtMiB(c.heapAfterPlainBytes)} / ${fmtMiB(c.heapAfterWrappedBytes)} ` +
+        `(${c.heapAfterWrappedBytes >= c.heapAfterPlainBytes ? "+" : "−"}${fmtMiB(Math.abs(c.heapAfterWrappedBytes - c.heapAfterPlainBytes))})`;
+  const connectionsGoal = sessionGoals(costs)[0]!;
+  const heldGoal = sessionGoals(costs)[1]!;
+  const row = (metric: string, cell: (c: SessionCostFigures) => string, goal = "") => [
+    metric,
+    ...costs.map(cell),
+    goal,
+  ];
+  return {
+    title: "Lock session cost, wrapped runs (per worker process; medians over the measured rounds)",
+    columns: [
+      { header: "", align: "left" },
+      ...costs.map((c) => ({
+        header: `${c.config} (${c.processes} process${c.processes > 1 ? "es" : ""})`,
+        align: "right" as const,
+      })),
+      { header: "goal", align: "left" },
+    ],
+    rows: [
+      row(
+        "lock session connections per process",
+        (c) => fmtRange(c.connections.lock),
+        `= 1: ${connectionsGoal.met ? "met" : "MISSED"}`,
+      ),
+      row("library pool connections per process", (c) => fmtRange(c.connections["locks-pool"])),
+      row("graphile-worker pool connections per process", (c) => fmtRange(c.connections.worker)),
+      row("pg_stat_activity samples", (c) => fmtInt(c.samples)),
+      row("lock session backend USS / Pss, MiB", (c) => memory(c.lockBackend)),
+      row("graphile-worker pool backend USS / Pss, MiB", (c) => memory(c.workerBackend)),
+      row("Node.js heap after a plain / wrapped run, MiB", heap),
+      row(
+        "locks held after a run",
+        (c) => fmtInt(c.heldAfterRun),
+        `= 0: ${heldGoal.met ? "met" : "MISSED"}`,
+      ),
+      row("lock statements per executed job", (c) => fmtFixed(c.lockStatementsPerJob, 3)),
+    ],
+    notes: [
+      `Connections: pg_stat_activity, every connection named ${APPLICATION_PREFIX}/<process>/<role>; fewest–most per process over the`,
+      `samples (several processes: every ${SAMPLE_INTERVAL_MS} ms during each run and once the table was empty; one process: once`,
+      "the table was empty, as sampling in the measured process would cost it CPU). Library pool: the Locks instance's own",
+      "pool (enqueues, introspection; its migration check at start), not used by exclusive execution.",
+      ctx.postgresServer === "embedded"
+        ? "Backend memory, once the table was empty, from /proc/<pid>/smaps_rollup: USS (Private_Clean + Private_Dirty: what"
+        : "Backend memory: n/a, the server is not the embedded one on this machine (/proc/<pid> would be another process).",
+      ...(ctx.postgresServer === "embedded"
+        ? [
+            "the backend's exit would free) and Pss (shared pages divided among their users); graphile-worker: the median",
+            "of its pool's backends (up to maxPoolSize, 10, per process).",
+          ]
+        : []),
+      "Node.js heap: heapUsed after the runner stopped and a full GC (worker processes run with --expose-gc; this",
+      "process only if started with it), after plain runs against after wrapped runs, medians over processes and rounds.",
+    ],
+  };
+}
+
+function sessionGoals(costs: SessionCostFigures[]): Goal[] {
+  const lock = costs.map((c) => c.connections.lock);
+  const fewest = Math.min(...lock.map((r) => r.min));
+  const most = Math.max(...lock.map((r) => r.max));
+  const held = Math.max(...costs.map((c) => c.heldAfterRun));
+  return [
+    {
+      section: "throughput",
+      name: "lock session: connections per worker process",
+      target: "= 1 (every process, every sample)",
+      value: most !== 1 ? most : fewest,
+      threshold: 1,
+      met: fewest === 1 && most === 1,
+    },
+    {
+      section: "throughput",
+      name: "lock session: locks held after a run",
+      target: "= 0",
+      value: held,
+      threshold: 0,
+      met: held === 0,
+    },
+  ];
 }

@@ -286,6 +286,10 @@ export class LockSession {
     try {
       await this.options.prepare();
       await client.connect();
+      // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
+      // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
+      // parked job's safety net. So its hand-offs do not pay a disk flush.
+      await client.query("set synchronous_commit = off");
       await client.query(this.options.sql.cleanHolders);
     } catch (error) {
       client.removeAllListeners("end");
