@@ -158,15 +158,15 @@ export async function addJobs(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
-    const v = commonValues(plan);
+    const { spec } = plan;
     return {
       identifier: plan.taskIdentifier,
       payload: plan.payload ?? {},
-      queue_name: v.queueName,
-      run_at: v.runAt,
-      max_attempts: v.maxAttempts,
-      priority: v.priority,
-      flags: uniqueFlags(plan.spec?.flags, plan.unique),
+      queue_name: spec?.queueName ?? null,
+      run_at: spec?.runAt ? spec.runAt.toISOString() : null,
+      max_attempts: spec?.maxAttempts ?? null,
+      priority: spec?.priority ?? null,
+      flags: uniqueFlags(spec?.flags, plan.unique),
       unique_key: plan.unique?.key ?? null,
       scope: plan.unique?.scope ?? null,
       window_seconds: plan.unique?.windowSeconds ?? null,

@@ -116,7 +116,12 @@ export function lockKeyMaterial(
 
 /** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, about twice as fast. */
 const oneShotHash = (
-  crypto as { hash?: (algorithm: string, data: string, encoding: "buffer") => Buffer }
+  crypto as {
+    hash?: {
+      (algorithm: string, data: string, encoding: "buffer"): Buffer;
+      (algorithm: string, data: string, encoding: "hex"): string;
+    };
+  }
 ).hash;
 
 /**
@@ -151,6 +156,13 @@ export function slotKeys(
 export function advisoryParts(key: bigint): { classid: number; objid: number } {
   const unsigned = BigInt.asUintN(64, key);
   return { classid: Number(unsigned >> 32n), objid: Number(unsigned & 0xffffffffn) };
+}
+
+/** SHA-256 of `material` as lowercase hex. */
+export function sha256Hex(material: string): string {
+  return oneShotHash
+    ? oneShotHash("sha256", material, "hex")
+    : crypto.createHash("sha256").update(material, "utf8").digest("hex");
 }
 
 /** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */

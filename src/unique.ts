@@ -9,9 +9,8 @@
  * index then decides every race. The group is the task identifier unless `uniqueGroup` shares keys across
  * tasks; the queue name is part of the key only with `uniqueByQueue` (as Faktory does).
  */
-import { createHash } from "node:crypto";
 import { InvalidArgumentError } from "./errors.js";
-import { KEY_VERSION, canonicalJson } from "./key.js";
+import { KEY_VERSION, canonicalJson, sha256Hex } from "./key.js";
 
 export const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
 /**
@@ -105,9 +104,7 @@ export function uniqueJobKey(
   queueName: string | null,
   path: string | null = "payload",
 ): string {
-  return `gwl:u:${createHash("sha256")
-    .update(uniqueKeyMaterial(group, value, queueName, path), "utf8")
-    .digest("hex")}`;
+  return `gwl:u:${sha256Hex(uniqueKeyMaterial(group, value, queueName, path))}`;
 }
 
 export function uniqueKeyMaterial(
