@@ -2,7 +2,8 @@
  * `npm run bench [-- <section id>...]`: starts PostgreSQL once (DATABASE_URL if set, else an embedded
  * server in a temp directory), creates a throwaway database on it, runs the sections, prints their tables
  * and goals, and writes every figure with the machine's description to bench/results.json
- * (bench/results.quick.json with BENCH_QUICK=1, which shrinks the job counts for a smoke run).
+ * (bench/results.quick.json with BENCH_QUICK=1, which shrinks the job counts for a smoke run;
+ * bench/results.partial.json when only some sections or variants ran).
  *
  * BENCH_ROUNDS: measured rounds per configuration (default 3). BENCH_LIB=src: measure src/ through tsx
  * rather than the build in dist/ (which `npm run bench` builds first); see library.ts.
@@ -43,7 +44,12 @@ async function main(): Promise<void> {
     );
   }
   const sections = wanted.length > 0 ? SECTIONS.filter((s) => wanted.includes(s.id)) : SECTIONS;
-  const output = new URL(quick ? "./results.quick.json" : "./results.json", import.meta.url);
+  // Only a full run replaces results.json (the figures the README quotes); a part of one goes beside it.
+  const partial = sections.length < SECTIONS.length || process.env.BENCH_CONTENTION !== undefined;
+  const output = new URL(
+    quick ? "./results.quick.json" : partial ? "./results.partial.json" : "./results.json",
+    import.meta.url,
+  );
 
   const started = now();
   const bench = await openBench(log, quick);

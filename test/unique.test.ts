@@ -370,6 +370,59 @@ describe("bulk", () => {
     expect(await jobCount()).toBe(5);
   });
 
+  it("a holder out of its scope gives up its key to the batch; one in scope answers for every duplicate", async () => {
+    const started = await locks.addJob("bs", { k: "started" }, { unique: "queued" });
+    const waiting = await locks.addJob("bs", { k: "waiting" }, { unique: "queued" });
+    const byK = (p: unknown) => (p as { k: string }).k;
+    const replaceable = await locks.addJob(
+      "bs",
+      { k: "repl" },
+      { unique: "queued", uniqueKey: byK },
+    );
+    // The first one has started: a `queued` job no longer refuses duplicates.
+    await db
+      .pool()
+      .query(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+        [started.job!.id],
+      );
+    const results = await locks.addJobs([
+      { identifier: "bs", payload: { k: "waiting" }, unique: "queued" },
+      { identifier: "bs", payload: { k: "started" }, unique: "queued" },
+      { identifier: "bs", payload: { k: "waiting" }, unique: "active" },
+      { identifier: "bs", payload: { k: "started" }, unique: "queued" },
+      {
+        identifier: "bs",
+        payload: { k: "repl", v: 2 },
+        unique: "queued",
+        uniqueKey: byK,
+        onDuplicate: "replace",
+      },
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual([
+      "duplicate",
+      "added",
+      "duplicate",
+      "duplicate",
+      "replaced",
+    ]);
+    expect(results[0]!.job!.id).toBe(waiting.job!.id);
+    expect(results[2]!.job!.id).toBe(waiting.job!.id);
+    expect(results[1]!.job!.id).not.toBe(started.job!.id);
+    expect(results[3]!.job!.id).toBe(results[1]!.job!.id);
+    expect(results[4]!.job!.id).toBe(replaceable.job!.id);
+    expect(results[4]!.job!.payload).toEqual({ k: "repl", v: 2 });
+    // The started job keeps running without its key; the batch's job holds it now.
+    const { rows } = await db
+      .pool()
+      .query<{ id: string; key: string | null }>(
+        "select id::text, key from graphile_worker._private_jobs where id = any($1::bigint[]) order by id",
+        [[started.job!.id, results[1]!.job!.id]],
+      );
+    expect(rows.map((r) => r.key === null)).toEqual([true, false]);
+    expect(await jobCount()).toBe(4);
+  });
+
   it("raise on any duplicate aborts the whole batch", async () => {
     const existing = await locks.addJob("br", { k: 1 }, { unique: "active" });
     const error = await locks
