@@ -167,6 +167,7 @@ function fakeContext(): WrapperContext {
         },
         sessionSignal,
         release: async () => ({ released: true, outcome: "ok" as const }),
+        releaseQuietly: () => undefined,
       };
       return { acquired: true, hold };
     },

@@ -195,14 +195,16 @@ export function makeExclusiveTask<TPayload>(
       // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
-      const released = hold.release();
       if (timed) holdTime.record(performance.now() - started);
-      if (listening()) {
+      if (!listening()) hold.releaseQuietly();
+      else {
         const heldMs = performance.now() - started;
         const job = helpers.job;
-        void released.then(({ outcome }) =>
-          ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
-        );
+        void hold
+          .release()
+          .then(({ outcome }) =>
+            ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
+          );
       }
     }
   };

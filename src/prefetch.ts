@@ -80,7 +80,7 @@ export class Prefetcher {
 
   private giveBack(jobId: string): void {
     void this.take(jobId)?.promise.then((result) => {
-      if (result?.acquired) void result.hold.release();
+      if (result?.acquired) result.hold.releaseQuietly();
     });
   }
 

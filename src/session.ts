@@ -61,6 +61,8 @@ export interface Hold {
   readonly sessionSignal: AbortSignal;
   /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
   release(): Promise<ReleaseResult>;
+  /** Releases the key like `release()`, for a caller that does not wait for the answer (no promise made). */
+  releaseQuietly(): void;
 }
 
 export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; local: boolean };
@@ -80,12 +82,20 @@ export interface LockSessionOptions {
   reconnectDelayMs: { min: number; max: number };
 }
 
+const OK: ReleaseResult = Object.freeze({ released: true, outcome: "ok" });
+const LOST: ReleaseResult = Object.freeze({ released: false, outcome: "lost" });
+const UNVERIFIED: ReleaseResult = Object.freeze({ released: false, outcome: "unverified" });
+
 class HoldImpl implements Hold {
   private controller: AbortController | undefined;
   private lostReason: Error | undefined;
   private readonly sinceMs = Date.now();
   lost = false;
-  releasing: Promise<ReleaseResult> | undefined;
+  /** The unlock was asked for (and until `result`, is on its way). */
+  releaseRequested = false;
+  private result: ReleaseResult | undefined;
+  private answered: Promise<ReleaseResult> | undefined;
+  private resolveAnswered: ((result: ReleaseResult) => void) | undefined;
   constructor(
     readonly session: LockSession,
     readonly key: bigint,
@@ -113,8 +123,21 @@ class HoldImpl implements Hold {
     this.controller?.abort(reason);
   }
   release(): Promise<ReleaseResult> {
-    this.releasing ??= this.session.release(this);
-    return this.releasing;
+    this.releaseQuietly();
+    this.answered ??= this.result
+      ? Promise.resolve(this.result)
+      : new Promise<ReleaseResult>((resolve) => (this.resolveAnswered = resolve));
+    return this.answered;
+  }
+  releaseQuietly(): void {
+    if (this.releaseRequested) return;
+    this.releaseRequested = true;
+    this.session.release(this);
+  }
+  /** The unlock's answer (called once, by the session). */
+  settle(result: ReleaseResult): void {
+    this.result = result;
+    this.resolveAnswered?.(result);
   }
 }
 
@@ -125,11 +148,6 @@ interface LockRequest {
   info: HoldInfo;
   resolve(result: AcquireResult): void;
   reject(error: Error): void;
-}
-
-interface UnlockRequest {
-  hold: HoldImpl;
-  resolve(result: ReleaseResult): void;
 }
 
 export class LockSession {
@@ -143,7 +161,7 @@ export class LockSession {
   /** Keys being acquired, with the acquisition (settles when its statement answered). */
   private readonly pending = new Map<string, Promise<AcquireResult>>();
   private lockQueue: LockRequest[] = [];
-  private unlockQueue: UnlockRequest[] = [];
+  private unlockQueue: HoldImpl[] = [];
   private inFlight: Promise<void> | null = null;
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
@@ -196,7 +214,16 @@ export class LockSession {
    * conflict (`local: true` when this process itself holds every slot), throws GWL_LOCK_SESSION_UNAVAILABLE
    * when there is no session.
    */
-  async acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+  acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+    // The common case, a free single key on a ready session, without the general path's async frame.
+    if (this.state === "ready" && slots.length === 1) {
+      const key = slots[0]!.toString();
+      if (!this.holds.has(key) && !this.pending.has(key)) return this.queueLock([key], slots, info);
+    }
+    return this.acquireSlowly(slots, info);
+  }
+
+  private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
     const keys = slots.length === 1 ? [slots[0]!.toString()] : slots.map(String);
     let free: string[];
     for (;;) {
@@ -218,34 +245,45 @@ export class LockSession {
         }
       }
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
-      const releasing = keys.map((k) => this.holds.get(k)?.releasing).find((p) => p !== undefined);
+      const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) return { acquired: false, local: true };
       this.successorsWaiting++;
       this.scheduleFlush();
       try {
-        await releasing;
+        await releasing.release();
       } finally {
         this.successorsWaiting--;
       }
     }
+    return this.queueLock(
+      free,
+      free.length === slots.length ? slots : free.map((k) => BigInt(k)),
+      info,
+    );
+  }
+
+  /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
+  private queueLock(
+    free: string[],
+    keys: readonly bigint[],
+    info: HoldInfo,
+  ): Promise<AcquireResult> {
     const acquisition = new Promise<AcquireResult>((resolve, reject) => {
-      const freeKeys =
-        free.length === slots.length ? (slots as bigint[]) : free.map((k) => BigInt(k));
-      this.lockQueue.push({ slots: free, keys: freeKeys, info, resolve, reject });
+      this.lockQueue.push({ slots: free, keys: keys as bigint[], info, resolve, reject });
       this.scheduleFlush();
     });
     for (const k of free) this.pending.set(k, acquisition);
     return acquisition;
   }
 
-  release(hold: HoldImpl): Promise<ReleaseResult> {
+  /** Queues the unlock of `hold`; its answer goes to `hold.settle`. */
+  release(hold: HoldImpl): void {
     if (hold.lost || hold.generation !== this.generation || this.state !== "ready") {
-      return Promise.resolve({ released: false, outcome: "lost" });
+      hold.settle(LOST);
+      return;
     }
-    return new Promise<ReleaseResult>((resolve) => {
-      this.unlockQueue.push({ hold, resolve });
-      this.scheduleFlush();
-    });
+    this.unlockQueue.push(hold);
+    this.scheduleFlush();
   }
 
   /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
@@ -398,8 +436,7 @@ export class LockSession {
     this.pending.clear();
     const unavailable = lockSessionUnavailable("the connection was lost", error);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
-    for (const request of this.unlockQueue.splice(0))
-      request.resolve({ released: false, outcome: "lost" });
+    for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const reason = lockLost(error);
     for (const hold of lost) hold.markLost(reason);
     this.abortLossSignal(reason);
@@ -426,7 +463,7 @@ export class LockSession {
     return (
       this.lockQueue.length === 0 &&
       this.successorsWaiting === 0 &&
-      this.unlockQueue.every((u) => u.hold.info.wakeKey === null)
+      this.unlockQueue.every((hold) => hold.info.wakeKey === null)
     );
   }
 
@@ -463,11 +500,11 @@ export class LockSession {
         name: this.options.sql.lockBatch.name,
         text: this.options.sql.lockBatch.text,
         values: [
-          unlocks.map((u) => u.hold.keyText),
+          unlocks.map((hold) => hold.keyText),
           singles.map((r) => r.slots[0]),
           multis.map((r) => r.slots.join(",")),
-          unlocks.flatMap((u) =>
-            u.hold.info.wakeKey === null ? [] : [u.hold.info.wakeKey.toString()],
+          unlocks.flatMap((hold) =>
+            hold.info.wakeKey === null ? [] : [hold.info.wakeKey.toString()],
           ),
           // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
           singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
@@ -479,7 +516,7 @@ export class LockSession {
             // The connection died after answering: whatever this statement took died with it.
             const unavailable = lockSessionUnavailable("the connection was lost");
             for (const request of locks) request.reject(unavailable);
-            for (const u of unlocks) u.resolve({ released: false, outcome: "lost" });
+            for (const hold of unlocks) hold.settle(LOST);
             return;
           }
           // Rows name the failed unlocks and single locks, and every semaphore request's slot.
@@ -490,7 +527,7 @@ export class LockSession {
             else if (row.op === 1) failedSingles.add(row.i);
             else if (row.op === 2) this.settleLock(multis[row.i - 1]!, row.key, generation);
           }
-          unlocks.forEach((u, index) => this.settleUnlock(u, !failedUnlocks.has(index + 1)));
+          unlocks.forEach((hold, index) => this.settleUnlock(hold, !failedUnlocks.has(index + 1)));
           singles.forEach((r, index) =>
             this.settleLock(r, failedSingles.has(index + 1) ? null : r.slots[0]!, generation),
           );
@@ -501,7 +538,7 @@ export class LockSession {
             for (const k of request.slots) this.pending.delete(k);
             request.reject(unavailable);
           }
-          for (const u of unlocks) u.resolve({ released: false, outcome: "lost" });
+          for (const hold of unlocks) hold.settle(LOST);
           if (generation === this.generation) {
             this.options.onWarning("A lock statement failed; dropping the lock session", error);
             this.handleLost(client, error);
@@ -533,8 +570,7 @@ export class LockSession {
     request.resolve({ acquired: true, hold });
   }
 
-  private settleUnlock(request: UnlockRequest, ok: boolean): void {
-    const { hold } = request;
+  private settleUnlock(hold: HoldImpl, ok: boolean): void {
     if (this.holds.get(hold.keyText) === hold) this.holds.delete(hold.keyText);
     this.registryDirty = true;
     if (!ok) {
@@ -542,7 +578,7 @@ export class LockSession {
         `pg_advisory_unlock(${hold.keyText}) returned false: the lock session did not hold the key it was releasing`,
       );
     }
-    request.resolve({ released: ok, outcome: ok ? "ok" : "unverified" });
+    hold.settle(ok ? OK : UNVERIFIED);
   }
 
   /**
@@ -561,8 +597,7 @@ export class LockSession {
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
-    for (const request of this.unlockQueue.splice(0))
-      request.resolve({ released: false, outcome: "lost" });
+    for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const open = [...this.holds.values()];
     this.holds.clear();
     this.pending.clear();
