@@ -96,11 +96,13 @@ declare
   v_key bigint;
   v_waiter record;
   v_woken int := 0;
+  v_on_its_way boolean;
 begin
   if p_keys is null or cardinality(p_keys) = 0 then
     return 0;
   end if;
   foreach v_key in array p_keys loop
+    v_on_its_way := false;
     loop
       delete from :GWL_SCHEMA.waiters w
         where w.id = (
@@ -129,8 +131,15 @@ begin
         values (v_key, clock_timestamp(), v_waiter.job_id, v_waiter.pos)
         on conflict (lock_key) do update
           set at = excluded.at, job_id = excluded.job_id, pos = excluded.pos;
+      v_on_its_way := true;
       exit;
     end loop;
+    if not v_on_its_way then
+      -- Nobody waits: whoever was woken last has come and gone (this is its release, or a later one's). Its
+      -- wake must not keep counting as one on its way, or a job that parks a moment later would wait for it
+      -- (wake_if_free) instead of being woken, until its safety net.
+      delete from :GWL_SCHEMA.wakes k where k.lock_key = v_key;
+    end if;
   end loop;
   if v_woken > 0 then
     perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_woken::text || '}');

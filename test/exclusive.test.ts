@@ -635,6 +635,43 @@ describe("reschedule hand-off", () => {
     expect(runAts).toEqual([0, 1000, 2000, 2500, 2500]);
   });
 
+  it("a release that finds nobody waiting retires the last wake: a job parking a moment later is woken, not stranded", async () => {
+    const locks = newLocks();
+    await locks.migrate();
+    const key = lockKey("sw", "k");
+    const later = new Date(Date.now() + 3_600_000).toISOString();
+    const q = (text: string, values: unknown[]) => db.pool().query(text, values);
+    const fetchAndPark = async (n: number) => {
+      const { job } = await locks.addJob("sw", { n });
+      await q(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+        [job!.id],
+      );
+      const { rows } = await q(
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        [job!.id, later, key.toString()],
+      );
+      return { original: job!.id, copy: (rows[0] as { id: string }).id };
+    };
+    const wakeWaiters = () =>
+      q("select graphile_worker_locks.wake_waiters($1)", [[key.toString()]]);
+    // H waited, was woken (a wake on its way to the key), took the key...
+    await fetchAndPark(1);
+    await wakeWaiters();
+    const h = await holdExternally(key);
+    // ...and released it: unlock, then wake, with nobody waiting yet.
+    await h.release();
+    await wakeWaiters();
+    // P met the key while H held it, and its park commits only now: its own check must wake it.
+    const p = await fetchAndPark(2);
+    const { rows } = await q("select graphile_worker_locks.wake_if_free($1, $2, $3) as woken", [
+      [key.toString()],
+      key.toString(),
+      p.original,
+    ]);
+    expect((rows[0] as { woken: number }).woken).toBe(1);
+  });
+
   it("the parker's own check wakes it when the key freed before its waiter was visible (no lost wake-up)", async () => {
     const locks = newLocks();
     await locks.migrate();
