@@ -19,7 +19,8 @@
  *
  * Controlled over IPC by request/answer messages carrying an `id`: `clock` (answers this process's clock),
  * `reset` (forgets what was recorded), `collect` (answers the records), `stop` (stops the runner, releases
- * the lock session, answers and exits), `poll` (restarts the runner with another poll interval). Sends
+ * the lock session, answers and exits), `poll` (restarts the runner with another poll interval, and with or
+ * without `forbiddenFlags: locks.forbiddenFlags`). Sends
  * `ready` once its runner runs and its lock session is open.
  */
 import { EventEmitter } from "node:events";
@@ -86,7 +87,7 @@ export type ParentMessage =
   | { type: "clock"; id: number }
   | { type: "reset"; id: number }
   | { type: "collect"; id: number }
-  | { type: "poll"; id: number; pollInterval: number }
+  | { type: "poll"; id: number; pollInterval: number; skipHeld: boolean }
   | { type: "stop"; id: number };
 
 export type ChildMessage =
@@ -100,6 +101,8 @@ async function main(): Promise<void> {
   const name = process.env.WORKER_NAME ?? String(process.pid);
   const concurrency = Number(process.env.CONCURRENCY ?? 8);
   let pollInterval = Number(process.env.POLL_INTERVAL ?? 2000);
+  /** Whether the runner skips jobs of the keys this process holds (`forbiddenFlags: locks.forbiddenFlags`). */
+  let skipHeld = false;
   const quiet = new Logger(() => () => undefined);
   // For experiments only: BENCH_RESCHEDULE='{"minDelay":10000}' overrides the library's default backoff.
   const rescheduleOptions = process.env.BENCH_RESCHEDULE
@@ -197,6 +200,7 @@ async function main(): Promise<void> {
       pollInterval,
       logger: quiet,
       events,
+      ...(skipHeld ? { forbiddenFlags: locks.forbiddenFlags } : {}),
     });
   let runner = await start();
 
@@ -239,6 +243,7 @@ async function main(): Promise<void> {
         void (async () => {
           await runner.stop();
           pollInterval = message.pollInterval;
+          skipHeld = message.skipHeld;
           runner = await start();
           send({ type: "answer", id: message.id });
         })();

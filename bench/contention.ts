@@ -41,6 +41,7 @@
 import { fork, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { highestConcurrency } from "../scripts/overlap.js";
+import { library } from "./library.js";
 import {
   countJobs,
   fmtFixed,
@@ -87,8 +88,15 @@ const SIZES = {
   quick: { jobs: 200, warmJobs: 50, raiseLimitMs: 6_000 },
 };
 
-type VariantId = "drop" | "reschedule" | "raise" | "queueName" | "queueName100";
-const VARIANT_IDS: VariantId[] = ["drop", "reschedule", "raise", "queueName", "queueName100"];
+type VariantId = "drop" | "reschedule" | "rescheduleSkip" | "raise" | "queueName" | "queueName100";
+const VARIANT_IDS: VariantId[] = [
+  "drop",
+  "reschedule",
+  "rescheduleSkip",
+  "raise",
+  "queueName",
+  "queueName100",
+];
 
 interface Variant {
   id: VariantId;
@@ -98,6 +106,11 @@ interface Variant {
   queues: boolean;
   /** graphile-worker's poll interval for this run (the runners are restarted when it changes). */
   pollInterval: number;
+  /**
+   * Whether the jobs carry their key's flag and the runners skip the keys their process holds
+   * (`forbiddenFlags: locks.forbiddenFlags`; the runners are restarted when it changes).
+   */
+  skipHeld?: boolean;
 }
 
 const VARIANTS: Record<VariantId, Variant> = {
@@ -114,6 +127,14 @@ const VARIANTS: Record<VariantId, Variant> = {
     task: STRATEGY_TASKS.reschedule,
     queues: false,
     pollInterval: POLL_INTERVAL_MS,
+  },
+  rescheduleSkip: {
+    id: "rescheduleSkip",
+    label: "reschedule, forbiddenFlags: locks.forbiddenFlags",
+    task: STRATEGY_TASKS.reschedule,
+    queues: false,
+    pollInterval: POLL_INTERVAL_MS,
+    skipHeld: true,
   },
   raise: {
     id: "raise",
@@ -166,6 +187,7 @@ type ParentRequest = ParentMessage extends infer M
 interface WorkerProcess {
   name: string;
   pollInterval: number;
+  skipHeld: boolean;
   child: ChildProcess;
   request(message: ParentRequest, timeoutMs?: number): Promise<ChildMessage>;
   stop(): Promise<void>;
@@ -218,6 +240,7 @@ async function startWorker(ctx: BenchContext, name: string): Promise<WorkerProce
   return {
     name,
     pollInterval: POLL_INTERVAL_MS,
+    skipHeld: false,
     child,
     request,
     async stop() {
@@ -414,15 +437,21 @@ async function insertContentionJobs(
   jobs: number,
 ): Promise<Map<number, number>> {
   // Round-robin over the keys: job i (1-based) has key k((i − 1) mod KEYS) and seq i. add_jobs does not
-  // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks.
+  // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks. With
+  // skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
+  const flags = variant.skipHeld
+    ? Array.from({ length: KEYS }, (_, k) => `gwl:lock:${library.lockKey(variant.task, `k${k}`)}`)
+    : null;
   const { rows } = await ctx.pool.query<{ id: string; seq: number }>(
     `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
        array(select row($1::text,
                         json_build_object('k', 'k' || ((i - 1) % $3::int), 'seq', i),
                         case when $4::boolean then 'cx:k' || ((i - 1) % $3::int) end,
-                        null, null, null, null, null)::graphile_worker.job_spec
+                        null, null, null, null,
+                        case when $5::text[] is not null
+                          then array[($5::text[])[(i - 1) % $3::int + 1]] end)::graphile_worker.job_spec
              from generate_series(1, $2::int) as i order by i)) as j`,
-    [variant.task, jobs, KEYS, variant.queues],
+    [variant.task, jobs, KEYS, variant.queues, flags],
   );
   rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
   return new Map(rows.map((r, index) => [r.seq, index + 1]));
@@ -437,9 +466,11 @@ async function measure(
   limitMs: number | null,
 ): Promise<RunFigures> {
   for (const w of workers) {
-    if (w.pollInterval === variant.pollInterval) continue;
-    await w.request({ type: "poll", pollInterval: variant.pollInterval });
+    const skipHeld = variant.skipHeld ?? false;
+    if (w.pollInterval === variant.pollInterval && w.skipHeld === skipHeld) continue;
+    await w.request({ type: "poll", pollInterval: variant.pollInterval, skipHeld });
     w.pollInterval = variant.pollInterval;
+    w.skipHeld = skipHeld;
   }
   await resetJobs(ctx.pool);
   // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
@@ -756,9 +787,13 @@ export const contention: Section = {
       ctx.log(
         `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
       );
-      const alternating = ["drop", "reschedule", "queueName", "queueName100"].filter((v) =>
-        wanted.includes(v as VariantId),
-      ) as VariantId[];
+      const alternating = [
+        "drop",
+        "reschedule",
+        "rescheduleSkip",
+        "queueName",
+        "queueName100",
+      ].filter((v) => wanted.includes(v as VariantId)) as VariantId[];
       const one = async (variant: VariantId, jobs: number, r: number, limitMs: number | null) => {
         const figures = await measure(ctx, workers, VARIANTS[variant], jobs, r, limitMs);
         ctx.log(
@@ -848,7 +883,7 @@ function tables(
       fmtFixed(v.makespanOverIdeal, 2),
       fmtFixed(v.fetchesPerExecuted, 2),
       fmtFixed(v.fetchesPerJob, 2),
-      v.variant === "reschedule" ? fmtFixed(v.reschedulesPerExecuted, 2) : "",
+      v.variant.startsWith("reschedule") ? fmtFixed(v.reschedulesPerExecuted, 2) : "",
       ms(v.handoffP50Ms),
       ms(v.handoffP99Ms),
       String(v.maxPerKey),
@@ -961,7 +996,7 @@ function tables(
   };
 
   const fifoRuns = measured.filter(
-    (r) => r.variant === "reschedule" || r.variant.startsWith("queue"),
+    (r) => r.variant.startsWith("reschedule") || r.variant.startsWith("queue"),
   );
   const keys = Array.from({ length: KEYS }, (_, i) => `k${i}`);
   const fifo: Table = {
@@ -1029,9 +1064,6 @@ function tables(
 }
 
 function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
-  const r = summaries.find((v) => v.variant === "reschedule");
-  if (!r) return [];
-  const worstOverlap = Math.max(...runs.map((x) => x.maxPerKey));
   const goal = (name: string, target: string, value: number, threshold: number): Goal => ({
     section: "contention",
     name,
@@ -1040,43 +1072,51 @@ function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
     threshold,
     met: value <= threshold,
   });
-  return [
-    goal(
-      "reschedule: no hot loop",
-      `fetches per executed job ≤ ${GOALS.fetchesPerExecuted}`,
-      r.fetchesPerExecuted,
-      GOALS.fetchesPerExecuted,
-    ),
-    goal(
-      "reschedule: makespan",
-      `makespan/ideal ≤ ${fmtFixed(GOALS.makespanOverIdeal, 2)}`,
-      r.makespanOverIdeal,
-      GOALS.makespanOverIdeal,
-    ),
-    goal(
-      "reschedule: hand-off p50",
-      `≤ ${GOALS.handoffP50Ms} ms`,
-      r.handoffP50Ms,
-      GOALS.handoffP50Ms,
-    ),
-    goal(
-      "reschedule: hand-off p99",
-      `≤ ${GOALS.handoffP99Ms} ms`,
-      r.handoffP99Ms,
-      GOALS.handoffP99Ms,
-    ),
-    goal(
-      "reschedule: FIFO per key",
-      `executions out of enqueue order ≤ ${GOALS.outOfOrderPerKey} per key (${GOALS.outOfOrderPerKey * KEYS}), worst run`,
-      Math.max(
-        ...runs.filter((x) => x.variant === "reschedule" && x.round > 0).map((x) => x.outOfOrder),
+  const rescheduleGoals = (r: VariantFigures): Goal[] => {
+    const name = VARIANTS[r.variant].label;
+    return [
+      goal(
+        `${name}: no hot loop`,
+        `fetches per executed job ≤ ${GOALS.fetchesPerExecuted}`,
+        r.fetchesPerExecuted,
+        GOALS.fetchesPerExecuted,
       ),
-      GOALS.outOfOrderPerKey * KEYS,
-    ),
+      goal(
+        `${name}: makespan`,
+        `makespan/ideal ≤ ${fmtFixed(GOALS.makespanOverIdeal, 2)}`,
+        r.makespanOverIdeal,
+        GOALS.makespanOverIdeal,
+      ),
+      goal(
+        `${name}: hand-off p50`,
+        `≤ ${GOALS.handoffP50Ms} ms`,
+        r.handoffP50Ms,
+        GOALS.handoffP50Ms,
+      ),
+      goal(
+        `${name}: hand-off p99`,
+        `≤ ${GOALS.handoffP99Ms} ms`,
+        r.handoffP99Ms,
+        GOALS.handoffP99Ms,
+      ),
+      goal(
+        `${name}: FIFO per key`,
+        `executions out of enqueue order ≤ ${GOALS.outOfOrderPerKey} per key (${GOALS.outOfOrderPerKey * KEYS}), worst run`,
+        Math.max(
+          ...runs.filter((x) => x.variant === r.variant && x.round > 0).map((x) => x.outOfOrder),
+        ),
+        GOALS.outOfOrderPerKey * KEYS,
+      ),
+    ];
+  };
+  return [
+    ...summaries
+      .filter((v) => v.variant === "reschedule" || v.variant === "rescheduleSkip")
+      .flatMap(rescheduleGoals),
     goal(
       "no overlap per key (every run, every variant)",
       "max executions of one key at once ≤ 1",
-      worstOverlap,
+      Math.max(...runs.map((x) => x.maxPerKey)),
       1,
     ),
   ];

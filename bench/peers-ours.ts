@@ -74,6 +74,8 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
       noHandleSignals: true,
       logger: quietLogger,
       events,
+      // Jobs of a key this process holds are not fetched only to be parked (they carry the key's flag).
+      forbiddenFlags: locks.forbiddenFlags,
     });
   };
 
@@ -82,7 +84,7 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
   return {
     id: "ours",
     settings: [
-      "graphile-worker run({ concurrency }), defaults otherwise (LISTEN/NOTIFY, pollInterval 2 s, no local queue)",
+      "graphile-worker run({ concurrency, forbiddenFlags: locks.forbiddenFlags }), defaults otherwise (LISTEN/NOTIFY, pollInterval 2 s, no local queue)",
       'locks.exclusive(..., { onConflict: "reschedule", key: (p) => p.key }); makeLocks() defaults (pool of 10)',
     ],
 
@@ -105,12 +107,14 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
 
     async contended(keys, jobMs, concurrency): Promise<ContendedRun> {
       await reset();
+      // Each job carries its key's flag, as locks.addJob gives it to a `reschedule` task's jobs.
+      const flags = keys.map((k) => `gwl:lock:${task.lockKey({ key: k, i: 0, ms: 0 })}`);
       await ctx.pool.query(
         `select count(*) from graphile_worker.add_jobs(array(
            select row($1::text, json_build_object('key', t.k, 'i', t.i, 'ms', $3::int),
-             null, null, null, null, null, null)::graphile_worker.job_spec
-           from unnest($2::text[]) with ordinality as t(k, i) order by t.i))`,
-        [EXCLUSIVE, keys, jobMs],
+             null, null, null, null, null, array[t.flag])::graphile_worker.job_spec
+           from unnest($2::text[], $4::text[]) with ordinality as t(k, flag, i) order by t.i))`,
+        [EXCLUSIVE, keys, jobMs, flags],
       );
       await ctx.pool.query("vacuum analyze graphile_worker._private_jobs");
       const done = recorder.expect(keys.length, 60_000 + keys.length * jobMs * 4);

@@ -150,6 +150,15 @@ export function slotKeys(
 }
 
 /**
+ * The graphile-worker job flag naming a job's lock key. Jobs of a `reschedule` task enqueued through the
+ * library carry it, so that a runner given `forbiddenFlags: locks.forbiddenFlags` skips them while their key
+ * is held in its process.
+ */
+export function lockFlag(key: bigint): string {
+  return `gwl:lock:${key}`;
+}
+
+/**
  * How PostgreSQL shows a one-bigint advisory lock in `pg_locks`: the high 32 bits in `classid`, the low 32
  * bits in `objid` (both unsigned), with `objsubid = 1`.
  */

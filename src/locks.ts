@@ -19,7 +19,7 @@ import {
 import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
-import { assertIdentifier, assertJsonSafe, slotKeys } from "./key.js";
+import { assertIdentifier, assertJsonSafe, lockFlag, slotKeys } from "./key.js";
 import { migrate } from "./migrate.js";
 import {
   resolveExclusiveOptions,
@@ -117,6 +117,14 @@ export interface Locks {
    * theirs. Returns a function that detaches (also done when the runner stops).
    */
   attach(runner: { events: WorkerEvents }): () => void;
+  /**
+   * For graphile-worker's `forbiddenFlags` run option: the flags of the keys this process holds for
+   * `reschedule` jobs, so that its workers do not fetch more jobs of a held key only to park them. Jobs
+   * enqueued through this library carry their key's flag (`reschedule` tasks with `limit: 1`). graphile-
+   * worker calls it before every fetch; it reads memory only. (A non-null `forbiddenFlags` turns off
+   * graphile-worker's local queue batching.)
+   */
+  forbiddenFlags(): string[];
   /** Closes the lock session (releasing every lock it holds) and the pool it created. */
   release(): Promise<void>;
 }
@@ -247,6 +255,11 @@ export function makeLocks(options: LocksOptions): Locks {
     const preemptive = spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
     const lockKeys = preemptive ? keysOf(taskIdentifier, payload) : null;
     const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
+    // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
+    if (exclusive?.onConflict === "reschedule" && exclusive.limit === 1) {
+      const flag = lockFlag((lockKeys ?? keysOf(taskIdentifier, payload))[0]!);
+      spec = { ...spec, flags: [...(spec?.flags ?? []), flag] };
+    }
     return { taskIdentifier, payload, spec, lockKeys, unique };
   };
 
@@ -447,6 +460,7 @@ export function makeLocks(options: LocksOptions): Locks {
       }));
     },
     migrate: ensureMigrated,
+    forbiddenFlags: () => session.heldFlags(),
     async connect() {
       assertOpen();
       await session.warmUp();

@@ -204,6 +204,19 @@ export class LockSession {
     return [...this.holds.values()].map((h) => ({ key: h.key, info: h.info, since: h.since }));
   }
 
+  /**
+   * The job flags (`lockFlag`) of the keys this process holds for jobs that wait their turn (`reschedule`)
+   * and has not begun to release: graphile-worker need not fetch more jobs of those keys for now. A key being
+   * released is left out: its next job may be fetched (and then waits for the unlock, in this process).
+   */
+  heldFlags(): string[] {
+    const flags: string[] = [];
+    for (const hold of this.holds.values()) {
+      if (hold.info.wakeKey !== null && !hold.releaseRequested) flags.push(`gwl:lock:${hold.keyText}`);
+    }
+    return flags;
+  }
+
   /** Whether this process holds, or is acquiring or releasing, any of `keys`. */
   holdsAny(keys: readonly bigint[]): boolean {
     return keys.some((k) => this.holds.has(k.toString()) || this.pending.has(k.toString()));

@@ -215,7 +215,8 @@ describe("conflict strategies", () => {
     expect(copy.key).toBe("later-1");
     expect(copy.queue_name).toBe("q1");
     expect(copy.priority).toBe(3);
-    expect(copy.flags).toEqual({ f1: true });
+    // (the caller's flag, and the key's, which every job of a `reschedule` task enqueued here carries)
+    expect(copy.flags).toEqual({ f1: true, [`gwl:lock:${task.lockKey({ id: 1 })}`]: true });
     expect(copy.payload).toEqual({ id: 1 });
     // More conflicts while held; then the key frees and the job runs, never lost.
     await nextEvent(locks, "job:rescheduled");
@@ -607,6 +608,45 @@ describe("reschedule hand-off", () => {
     }
     await waitFor(async () => ran.length === 14, { message: "every job to run" });
     expect(ran).toEqual([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+  });
+
+  it("a runner given forbiddenFlags: locks.forbiddenFlags fetches no job of a key it holds: no parks, in order", async () => {
+    const locks = newLocks();
+    const ran: number[] = [];
+    const gate = deferred();
+    const task = locks.exclusive(
+      "skip_held",
+      async (p: { n: number }) => {
+        if (p.n === 0) await gate.promise;
+        ran.push(p.n);
+        await new Promise((resolve) => setTimeout(resolve, 2));
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    const counts = countEvents(locks, ["job:rescheduled", "lock:conflict"]);
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { skip_held: task },
+      forbiddenFlags: locks.forbiddenFlags,
+    });
+    const { job } = await task.addJob({ n: 0 });
+    expect(Object.keys(job!.flags ?? {})).toEqual([`gwl:lock:${task.lockKey({ n: 0 })}`]);
+    await waitFor(async () => !(await task.lockAvailable({ n: 0 })), { message: "job 0 to hold" });
+    expect(locks.forbiddenFlags()).toEqual([`gwl:lock:${task.lockKey({ n: 0 })}`]);
+    let emptyFetches = 0;
+    r.events.on("worker:getJob:empty", () => emptyFetches++);
+    for (let n = 1; n <= 6; n++) await task.addJob({ n });
+    // Every add nudges the idle workers: they fetch, and find nothing they may run.
+    await waitFor(async () => emptyFetches >= 6, { message: "the idle workers to fetch" });
+    const { rows } = await db
+      .pool()
+      .query("select count(*)::int as n from graphile_worker.jobs where locked_at is not null");
+    expect(rows[0].n).toBe(1);
+    gate.resolve();
+    await waitFor(async () => ran.length === 7, { message: "every job to run" });
+    expect(ran).toEqual([0, 1, 2, 3, 4, 5, 6]);
+    expect(counts).toEqual({ "job:rescheduled": 0, "lock:conflict": 0 });
   });
 
   it("a parked job's safety net is later the further back in line it is, and never past the latest", async () => {
