@@ -212,7 +212,8 @@ export class LockSession {
   heldFlags(): string[] {
     const flags: string[] = [];
     for (const hold of this.holds.values()) {
-      if (hold.info.wakeKey !== null && !hold.releaseRequested) flags.push(`gwl:lock:${hold.keyText}`);
+      if (hold.info.wakeKey !== null && !hold.releaseRequested)
+        flags.push(`gwl:lock:${hold.keyText}`);
     }
     return flags;
   }
