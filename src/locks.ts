@@ -247,12 +247,14 @@ export function makeLocks(options: LocksOptions): Locks {
     taskIdentifier: string,
     payload: unknown,
     spec: AddJobSpec | undefined,
+    preemptiveCheck?: boolean,
   ): EnqueuePlan => {
     assertIdentifier(taskIdentifier);
     assertJsonSafe(payload);
     const definition = definitions.get(taskIdentifier);
     const exclusive = definition?.exclusive ?? null;
-    const preemptive = spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
+    const preemptive =
+      preemptiveCheck ?? spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
     const lockKeys = preemptive ? keysOf(taskIdentifier, payload) : null;
     const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
     // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
@@ -405,8 +407,9 @@ export function makeLocks(options: LocksOptions): Locks {
             `addJobs: item ${index} must be an object, got ${String(item)}`,
           );
         }
-        const { identifier, payload, ...spec } = item;
-        return { ...plan(identifier, payload, { ...spec, preemptive: false }), lockKeys: null };
+        // The item is its own spec (its `identifier` and `payload` are not read as options); a bulk
+        // enqueue has no preemptive check.
+        return plan(item.identifier, item.payload, item, false);
       });
       await ensureMigrated();
       const db: Queryable = addOptions?.pgClient ?? pool;
