@@ -23,6 +23,7 @@ import { assertIdentifier, assertJsonSafe, lockFlag, slotKeys } from "./key.js";
 import { migrate } from "./migrate.js";
 import {
   resolveExclusiveOptions,
+  validateLocksTimings,
   type AddJobSpec,
   type DefineOptions,
   type ExclusiveOptions,
@@ -141,6 +142,7 @@ export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
     throw new InvalidArgumentError("`makeLocks` needs `connectionString` or `pgPool`");
   }
+  validateLocksTimings(options);
   const schema = options.schema ?? "graphile_worker_locks";
   const workerSchema = options.workerSchema ?? "graphile_worker";
   const logger = options.logger ?? new Logger(consoleLogFactory);
@@ -190,6 +192,7 @@ export function makeLocks(options: LocksOptions): Locks {
     client: lockClientConfig(),
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
+    heartbeatTimeoutMs: options.heartbeatTimeout ?? 20_000,
     registryIntervalMs: 500,
     unlockDelayMs: 2,
     reconnectDelayMs: {

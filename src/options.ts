@@ -83,6 +83,12 @@ export interface LocksOptions {
   logger?: Logger;
   /** How often the lock session is checked while it holds locks, in ms (detects a silently dead connection). @defaultValue `5000` */
   heartbeatInterval?: number;
+  /**
+   * How long the lock session may leave a heartbeat or a lock statement unanswered before it counts as lost
+   * (the holders' abort signals fire, `lock:lost`, reconnection), in ms. Generous, so that a busy server is
+   * not mistaken for a dead network. @defaultValue `20000`
+   */
+  heartbeatTimeout?: number;
   /** Reconnection backoff of the lock session, in ms. @defaultValue `{ min: 100, max: 5000 }` */
   reconnectDelay?: { min?: number; max?: number };
   /** Defaults for every exclusive task of this instance. */
@@ -104,6 +110,19 @@ export interface AddJobSpec extends TaskSpec, UniqueOptions<never> {
   preemptive?: boolean;
   /** Enqueue on this client, e.g. inside your own transaction. @defaultValue the Locks pool */
   pgClient?: PoolClient | Client;
+}
+
+/** Checks the timing options of `makeLocks` (positive numbers of ms, where given). */
+export function validateLocksTimings(options: LocksOptions): void {
+  for (const name of ["heartbeatInterval", "heartbeatTimeout"] as const) {
+    const value = options[name];
+    if (value === undefined) continue;
+    if (typeof value !== "number" || !Number.isFinite(value) || value <= 0) {
+      throw new InvalidArgumentError(
+        `\`${name}\` must be a positive number of milliseconds, got ${String(value)}`,
+      );
+    }
+  }
 }
 
 function assertPositiveInteger(name: string, value: unknown): asserts value is number {

@@ -76,6 +76,8 @@ export interface LockSessionOptions {
   onConnected(): void;
   onWarning(message: string, error?: unknown): void;
   heartbeatIntervalMs: number;
+  /** How long a heartbeat or lock statement may go unanswered before the connection counts as lost. */
+  heartbeatTimeoutMs: number;
   registryIntervalMs: number;
   /** How long an unlock nobody waits for may wait for a lock request to share a statement with. */
   unlockDelayMs: number;
@@ -163,6 +165,9 @@ export class LockSession {
   private lockQueue: LockRequest[] = [];
   private unlockQueue: HoldImpl[] = [];
   private inFlight: Promise<void> | null = null;
+  /** When the lock statement in flight was sent (`performance.now()`). */
+  private inFlightSince = 0;
+  private heartbeatPending = false;
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
   /** Acquisitions in this process waiting for a key this process is releasing. */
@@ -372,16 +377,7 @@ export class LockSession {
   }
 
   private startTimers(): void {
-    const heartbeat = setInterval(() => {
-      // Only needed while something is held: that is when a silently dead connection matters.
-      if (this.state !== "ready" || this.holds.size === 0 || this.inFlight) return;
-      const client = this.client;
-      this.side(
-        client
-          ?.query(this.options.sql.heartbeat)
-          .catch((error: Error) => this.handleLost(client, error)),
-      );
-    }, this.options.heartbeatIntervalMs);
+    const heartbeat = setInterval(() => this.heartbeat(), this.options.heartbeatIntervalMs);
     const registry = setInterval(
       () => this.side(this.writeRegistry()),
       this.options.registryIntervalMs,
@@ -397,6 +393,45 @@ export class LockSession {
     }, 60_000);
     for (const timer of [heartbeat, registry, sweep]) timer.unref();
     this.timers.push(heartbeat, registry, sweep);
+  }
+
+  /**
+   * Checks the connection while something is held: that is when a silently dead connection matters (a
+   * network that drops packets without a reset leaves a query waiting for many minutes). A heartbeat, or a
+   * lock statement, unanswered for `heartbeatTimeoutMs` counts as a lost connection: the holders' signals
+   * abort, as they would if the connection had failed outright.
+   */
+  private heartbeat(): void {
+    const client = this.client;
+    if (this.state !== "ready" || !client) return;
+    const timeout = this.options.heartbeatTimeoutMs;
+    if (this.inFlight) {
+      if (performance.now() - this.inFlightSince > timeout) {
+        this.handleLost(client, new Error(`A lock statement went unanswered for ${timeout} ms`));
+      }
+      return;
+    }
+    if (this.holds.size === 0 || this.heartbeatPending) return;
+    this.heartbeatPending = true;
+    const timer = setTimeout(() => {
+      this.handleLost(
+        client,
+        new Error(`The lock session did not answer a heartbeat in ${timeout} ms`),
+      );
+    }, timeout);
+    this.side(
+      client.query(this.options.sql.heartbeat).then(
+        () => {
+          clearTimeout(timer);
+          this.heartbeatPending = false;
+        },
+        (error: Error) => {
+          clearTimeout(timer);
+          this.heartbeatPending = false;
+          this.handleLost(client, error);
+        },
+      ),
+    );
   }
 
   /** Runs a statement beside the lock batches (heartbeat, registry, sweep), counted and awaited by close(). */
@@ -444,6 +479,12 @@ export class LockSession {
     client?.removeAllListeners("end");
     client?.on("error", () => undefined);
     client?.end().catch(() => undefined);
+    // end() waits for the server's goodbye, which a dead network never sends: cut the socket, so that what
+    // is still waiting on it fails now.
+    (
+      client as { connection?: { stream?: { destroy(): void } } } | null
+    )?.connection?.stream?.destroy();
+    this.heartbeatPending = false;
 
     const lost = [...this.holds.values()];
     this.holds.clear();
@@ -509,6 +550,7 @@ export class LockSession {
     for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
 
     this.statements++;
+    this.inFlightSince = performance.now();
     this.inFlight = client
       .query<{ op: number; i: number; key: string | null }>({
         name: this.options.sql.lockBatch.name,

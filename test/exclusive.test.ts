@@ -3,6 +3,7 @@
  * Real PostgreSQL, real graphile-worker runners, separate connections.
  */
 import { makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
+import net from "node:net";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import {
@@ -380,6 +381,12 @@ describe("lockAvailable and the preemptive check", () => {
       locks.exclusive("x", async () => undefined, { reschedule: { jitter: 2 } }),
     ).toThrow(/`reschedule.jitter` must be between 0 and 1/);
     expect(() => makeLocks({} as never)).toThrow(/needs `connectionString` or `pgPool`/);
+    expect(() => makeLocks({ connectionString: db.url, heartbeatTimeout: 0 })).toThrow(
+      /`heartbeatTimeout` must be a positive number of milliseconds, got 0/,
+    );
+    expect(() => makeLocks({ connectionString: db.url, heartbeatInterval: "5s" as never })).toThrow(
+      InvalidArgumentError,
+    );
     expect(await jobRows()).toEqual([]);
   });
 });
@@ -467,6 +474,71 @@ describe("lock loss", () => {
       { id: 2, aborted: false },
     ]);
     release.resolve();
+  });
+
+  it("a connection that goes silent (no reset, no answer) is given up after heartbeatTimeout: holders abort", async () => {
+    // A TCP proxy in front of PostgreSQL whose connections can be frozen: bytes stop flowing both ways,
+    // nothing is closed, as when a network drops packets.
+    const target = new URL(db.url);
+    const frozen = new Set<net.Socket>();
+    const sockets: net.Socket[] = [];
+    const proxy = net.createServer((inbound) => {
+      const outbound = net.connect(Number(target.port), target.hostname);
+      sockets.push(inbound, outbound);
+      for (const [from, to] of [
+        [inbound, outbound],
+        [outbound, inbound],
+      ] as const) {
+        from.on("error", () => undefined);
+        from.on("data", (chunk) => {
+          if (!frozen.has(inbound)) to.write(chunk);
+        });
+        from.on("close", () => to.destroy());
+      }
+    });
+    await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
+    cleanups.push(async () => {
+      for (const socket of sockets) socket.destroy();
+      await new Promise((resolve) => proxy.close(resolve));
+    });
+    const proxied = new URL(db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String((proxy.address() as net.AddressInfo).port);
+
+    const locks = newLocks({
+      lockConnectionString: proxied.toString(),
+      heartbeatInterval: 100,
+      heartbeatTimeout: 500,
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const aborted = deferred<{ code?: string }>();
+    const task = locks.exclusive("silent", async (_p, helpers) => {
+      const signal = helpers.abortSignal!;
+      await new Promise<void>((resolve) =>
+        signal.addEventListener("abort", () => {
+          aborted.resolve(signal.reason as { code?: string });
+          resolve();
+        }),
+      );
+    });
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { silent: task } });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({});
+    await acquired;
+    const oldPid = locks.status().pid!;
+    const lost = nextEvent(locks, "lock:lost");
+    const reconnected = nextEvent(locks, "session:connected");
+    for (const socket of sockets) frozen.add(socket);
+
+    expect((await aborted.promise).code).toBe("GWL_LOCK_LOST");
+    expect((await lost).error.message).toMatch(/heartbeat|unanswered/);
+    // The old backend never heard of it and still holds the key: another job of the key cannot start
+    // until PostgreSQL ends that backend (here by hand; in life, its own keepalive or a DBA).
+    expect(await task.lockAvailable({})).toBe(false);
+    await db.pool().query("select pg_terminate_backend($1)", [oldPid]);
+    await reconnected;
+    expect(locks.status().pid).not.toBe(oldPid);
+    await waitFor(() => task.lockAvailable({}), { message: "the old backend's lock to go" });
   });
 
   it("while the session is down no job runs unlocked: it fails with GWL_LOCK_SESSION_UNAVAILABLE and is retried", async () => {
