@@ -48,8 +48,29 @@ const quietLogger = new Logger(() => (level, message) => {
   if (level === "error" || level === "warning") console.warn(`[graphile-worker] ${message}`);
 });
 
+/**
+ * Runs `start`, failing with its error if something it set off throws asynchronously (an 'error' event of
+ * a child process nobody listens to, say). Such an error would otherwise end vitest's process, while it is
+ * still in its global setup, with exit code 1 and no message at all.
+ */
+async function failingLoudly<T>(what: string, start: () => Promise<T>): Promise<T> {
+  let onUncaught: ((error: unknown) => void) | undefined;
+  const uncaught = new Promise<never>((_resolve, reject) => {
+    onUncaught = (error) => reject(new Error(`${what}: ${String(error)}`, { cause: error }));
+    process.on("uncaughtException", onUncaught);
+  });
+  try {
+    return await Promise.race([start(), uncaught]);
+  } catch (error) {
+    console.error(`[test setup] ${(error as Error).message}`);
+    throw error;
+  } finally {
+    process.off("uncaughtException", onUncaught!);
+  }
+}
+
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {
-  const server = await startPostgres();
+  const server = await failingLoudly("PostgreSQL could not be started", () => startPostgres());
   // On a shared server, a unique name keeps parallel runs apart.
   const templateDatabase = process.env.TEST_DATABASE_URL
     ? `gwl_template_${randomBytes(4).toString("hex")}`
