@@ -170,6 +170,8 @@ export class LockSession {
   private heartbeatPending = false;
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
+  /** `reschedule` jobs waiting for a hold's release, by hold (see acquireSlowly). */
+  private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   private registryDirty = false;
@@ -266,6 +268,11 @@ export class LockSession {
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) return { acquired: false, local: true };
+      // Jobs that wait their turn and meet the same release go on in job id order (the enqueue order of
+      // first fetches): the first takes the key, the others will find it held and park behind it.
+      const line = info.wakeKey !== null && info.jobId !== null ? this.lineFor(releasing) : null;
+      const me = line ? BigInt(info.jobId!) : 0n;
+      line?.add(me);
       this.successorsWaiting++;
       this.scheduleFlush();
       try {
@@ -273,12 +280,25 @@ export class LockSession {
       } finally {
         this.successorsWaiting--;
       }
+      if (line) {
+        const first = [...line].reduce((a, b) => (b < a ? b : a));
+        line.delete(me);
+        if (line.size === 0) this.successorLines.delete(releasing);
+        if (first !== me) return { acquired: false, local: true };
+      }
     }
     return this.queueLock(
       free,
       free.length === slots.length ? slots : free.map((k) => BigInt(k)),
       info,
     );
+  }
+
+  /** The job ids of `reschedule` jobs waiting for `hold`'s release. */
+  private lineFor(hold: HoldImpl): Set<bigint> {
+    let line = this.successorLines.get(hold);
+    if (!line) this.successorLines.set(hold, (line = new Set()));
+    return line;
   }
 
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
