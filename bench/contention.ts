@@ -440,7 +440,9 @@ async function insertContentionJobs(
   // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks. With
   // skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
   const flags = variant.skipHeld
-    ? Array.from({ length: KEYS }, (_, k) => `gwl:lock:${library.lockKey(variant.task, `k${k}`)}`)
+    ? Array.from({ length: KEYS }, (_, k) =>
+        library.lockFlag(library.lockKey(variant.task, `k${k}`)),
+      )
     : null;
   const { rows } = await ctx.pool.query<{ id: string; seq: number }>(
     `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(

@@ -108,7 +108,7 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
     async contended(keys, jobMs, concurrency): Promise<ContendedRun> {
       await reset();
       // Each job carries its key's flag, as locks.addJob gives it to a `reschedule` task's jobs.
-      const flags = keys.map((k) => `gwl:lock:${task.lockKey({ key: k, i: 0, ms: 0 })}`);
+      const flags = keys.map((k) => library.lockFlag(task.lockKey({ key: k, i: 0, ms: 0 })));
       await ctx.pool.query(
         `select count(*) from graphile_worker.add_jobs(array(
            select row($1::text, json_build_object('key', t.k, 'i', t.i, 'ms', $3::int),

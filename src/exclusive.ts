@@ -5,7 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
-import type { Hold, HoldInfo } from "./session.js";
+import type { AcquireResult, Hold, HoldInfo } from "./session.js";
 import { slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
@@ -185,7 +185,8 @@ export function makeExclusiveTask<TPayload>(
     if (hold.info.wakeKey !== null) conflicts.clear(hold.info.wakeKey.toString());
     if (ctx.listening("lock:acquired"))
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
-    const started = timed || listening() ? performance.now() : 0;
+    const measured = timed || listening();
+    const started = measured ? performance.now() : 0;
     try {
       const value = await task(payload as TPayload, aborts.helpers(helpers, hold));
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
@@ -195,10 +196,10 @@ export function makeExclusiveTask<TPayload>(
       // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
-      if (timed) holdTime.record(performance.now() - started);
+      const heldMs = measured ? performance.now() - started : 0;
+      if (timed) holdTime.record(heldMs);
       if (!listening()) hold.releaseQuietly();
       else {
-        const heldMs = performance.now() - started;
         const job = helpers.job;
         void hold
           .release()
@@ -217,20 +218,16 @@ export function makeExclusiveTask<TPayload>(
     return runHeld(result.hold, payload, helpers);
   };
 
+  /** Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then. */
+  const runPrefetched = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
+    result?.acquired ? runHeld(result.hold, payload, helpers) : acquireAndRun(payload, helpers);
+
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
-    // With lock-ahead the key was derived (and usually taken) when the job was fetched; a prefetch that
-    // met a held key tries again now.
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
     const prefetched = ctx.prefetched(helpers.job.id);
     if (!prefetched) return acquireAndRun(payload, helpers);
-    if (prefetched.settled) {
-      const { result } = prefetched;
-      return result?.acquired
-        ? runHeld(result.hold, payload, helpers)
-        : acquireAndRun(payload, helpers);
-    }
-    return prefetched.promise.then((result) =>
-      result?.acquired ? runHeld(result.hold, payload, helpers) : acquireAndRun(payload, helpers),
-    );
+    if (prefetched.settled) return runPrefetched(prefetched.result, payload, helpers);
+    return prefetched.promise.then((result) => runPrefetched(result, payload, helpers));
   };
 
   return Object.assign(wrapped as Task, {

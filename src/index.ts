@@ -20,6 +20,7 @@ export {
   canonicalJson,
   assertJsonSafe,
   advisoryParts,
+  lockFlag,
   KEY_VERSION,
 } from "./key.js";
 export { migrate } from "./migrate.js";

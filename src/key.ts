@@ -116,12 +116,7 @@ export function lockKeyMaterial(
 
 /** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, about twice as fast. */
 const oneShotHash = (
-  crypto as {
-    hash?: {
-      (algorithm: string, data: string, encoding: "buffer"): Buffer;
-      (algorithm: string, data: string, encoding: "hex"): string;
-    };
-  }
+  crypto as { hash?: (algorithm: string, data: string, encoding: "buffer") => Buffer }
 ).hash;
 
 /**
@@ -154,7 +149,7 @@ export function slotKeys(
  * library carry it, so that a runner given `forbiddenFlags: locks.forbiddenFlags` skips them while their key
  * is held in its process.
  */
-export function lockFlag(key: bigint): string {
+export function lockFlag(key: bigint | string): string {
   return `gwl:lock:${key}`;
 }
 
@@ -167,17 +162,19 @@ export function advisoryParts(key: bigint): { classid: number; objid: number } {
   return { classid: Number(unsigned >> 32n), objid: Number(unsigned & 0xffffffffn) };
 }
 
+/** SHA-256 of `material`. */
+function sha256(material: string): Buffer {
+  return oneShotHash
+    ? oneShotHash("sha256", material, "buffer")
+    : crypto.createHash("sha256").update(material, "utf8").digest();
+}
+
 /** SHA-256 of `material` as lowercase hex. */
 export function sha256Hex(material: string): string {
-  return oneShotHash
-    ? oneShotHash("sha256", material, "hex")
-    : crypto.createHash("sha256").update(material, "utf8").digest("hex");
+  return sha256(material).toString("hex");
 }
 
 /** SHA-256 of `material`, first 8 bytes as a signed 64-bit integer. */
 export function hashKey(material: string): bigint {
-  const digest = oneShotHash
-    ? oneShotHash("sha256", material, "buffer")
-    : crypto.createHash("sha256").update(material, "utf8").digest();
-  return digest.readBigInt64BE(0);
+  return sha256(material).readBigInt64BE(0);
 }

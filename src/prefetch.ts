@@ -40,11 +40,7 @@ export class Prefetcher {
         continue; // the job itself will report the bad key when it runs
       }
       if (!plan) continue;
-      const entry: {
-        promise: Promise<AcquireResult | null>;
-        settled: boolean;
-        result: AcquireResult | null;
-      } = {
+      const entry: Prefetch = {
         promise: this.session.acquire(plan.slots, plan.info).then(
           (result) => {
             entry.settled = true;

@@ -28,6 +28,7 @@
 import pg from "pg";
 import type { ClientConfig } from "pg";
 import { lockLost, lockSessionUnavailable } from "./errors.js";
+import { lockFlag } from "./key.js";
 import type { Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed";
@@ -219,15 +220,19 @@ export class LockSession {
   heldFlags(): string[] {
     const flags: string[] = [];
     for (const hold of this.holds.values()) {
-      if (hold.info.wakeKey !== null && !hold.releaseRequested)
-        flags.push(`gwl:lock:${hold.keyText}`);
+      if (hold.info.wakeKey !== null && !hold.releaseRequested) flags.push(lockFlag(hold.keyText));
     }
     return flags;
   }
 
   /** Whether this process holds, or is acquiring or releasing, any of `keys`. */
   holdsAny(keys: readonly bigint[]): boolean {
-    return keys.some((k) => this.holds.has(k.toString()) || this.pending.has(k.toString()));
+    return keys.some((k) => !this.isFree(k.toString()));
+  }
+
+  /** Whether no job of this process holds, acquires or releases `key`. */
+  private isFree(key: string): boolean {
+    return !this.holds.has(key) && !this.pending.has(key);
   }
 
   /**
@@ -239,22 +244,17 @@ export class LockSession {
     // The common case, a free single key on a ready session, without the general path's async frame.
     if (this.state === "ready" && slots.length === 1) {
       const key = slots[0]!.toString();
-      if (!this.holds.has(key) && !this.pending.has(key)) return this.queueLock([key], slots, info);
+      if (this.isFree(key)) return this.queueLock([key], slots, info);
     }
     return this.acquireSlowly(slots, info);
   }
 
   private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
-    const keys = slots.length === 1 ? [slots[0]!.toString()] : slots.map(String);
+    const keys = slots.map(String);
     let free: string[];
     for (;;) {
       if (this.state !== "ready") await this.ensureReady();
-      free =
-        keys.length === 1
-          ? this.holds.has(keys[0]!) || this.pending.has(keys[0]!)
-            ? []
-            : keys
-          : keys.filter((k) => !this.holds.has(k) && !this.pending.has(k));
+      free = keys.filter((k) => this.isFree(k));
       if (free.length > 0) break;
       // A job that waits its turn (`reschedule`) does not give up on a key another job of this process is
       // only trying to take: that attempt may fail (it may not be that job's turn), and this one's may not.
