@@ -648,14 +648,17 @@ describe("reschedule hand-off", () => {
 
   it("parked jobs run in enqueue order, across two sessions, and a job enqueued meanwhile waits its turn", async () => {
     const ran: number[] = [];
+    const spans: Array<{ start: number; end: number }> = [];
     const gate = deferred();
     const tasks = [newLocks(), newLocks()].map((locks) =>
       locks.exclusive(
         "fifo",
         async (p: { n: number }) => {
+          const start = performance.now();
           if (p.n === 0) await gate.promise;
           ran.push(p.n);
           await new Promise((resolve) => setTimeout(resolve, 5));
+          spans.push({ start, end: performance.now() });
         },
         { key: () => "one key", onConflict: "reschedule" },
       ),
@@ -685,6 +688,8 @@ describe("reschedule hand-off", () => {
     }
     await waitFor(async () => ran.length === 14, { message: "every job to run" });
     expect(ran).toEqual([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    // (both runners are in this process, so one clock serves: never two at once across the sessions)
+    expect(highestConcurrency(spans)).toBe(1);
   });
 
   it("a runner given forbiddenFlags: locks.forbiddenFlags fetches no job of a key it holds, then runs each once, one at a time", async () => {
