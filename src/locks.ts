@@ -111,6 +111,11 @@ export interface Locks {
     pid: number | null;
     held: Array<{ lockKey: bigint; taskIdentifier: string; jobId: string | null; since: Date }>;
     statements: number;
+    /**
+     * Hand-offs of `reschedule` keys so far: early wakes of the next job in line, keys passed to the next job
+     * in this process without an unlock, and keys taken after waiting for another process's release.
+     */
+    handoffs: { prewakes: number; handedOver: number; afterRelease: number };
   };
   /**
    * Lock-ahead for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
@@ -486,6 +491,7 @@ export function makeLocks(options: LocksOptions): Locks {
           since: h.since,
         })),
         statements: session.statements,
+        handoffs: { ...session.handoffs },
       };
     },
     async release() {

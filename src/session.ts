@@ -39,6 +39,13 @@ export interface HoldInfo {
   jobId: string | null;
   /** The key whose waiters (parked rescheduled jobs) to wake on release, if any. */
   wakeKey: bigint | null;
+  /**
+   * For a `reschedule` hold whose key has a line: when, counted from the start of the hold, to wake the first
+   * job in line early, so that it is fetched while this one still runs (null: only at the release).
+   */
+  prewakeAfterMs?: number | null;
+  /** For a job woken early: how long it waits for its key's release before it parks again. */
+  releaseWaitMs?: number;
 }
 
 export interface ReleaseResult {
@@ -91,6 +98,10 @@ const UNVERIFIED: ReleaseResult = Object.freeze({ released: false, outcome: "unv
 
 class HoldImpl implements Hold {
   private controller: AbortController | undefined;
+  /** The timer of this hold's early wake of the next job in line (see planPrewake). */
+  prewakeTimer: NodeJS.Timeout | undefined;
+  /** The statement carrying this hold's early wake, until it answered. */
+  prewaking: Promise<void> | null = null;
   private lostReason: Error | undefined;
   private readonly sinceMs = Date.now();
   lost = false;
@@ -121,6 +132,8 @@ class HoldImpl implements Hold {
     return this.lost ? this.signal : this.session.lossSignal();
   }
   markLost(reason: Error): void {
+    if (this.prewakeTimer) clearTimeout(this.prewakeTimer);
+    this.prewakeTimer = undefined;
     this.lost = true;
     this.lostReason = reason;
     this.controller?.abort(reason);
@@ -151,6 +164,31 @@ interface LockRequest {
   info: HoldInfo;
   resolve(result: AcquireResult): void;
   reject(error: Error): void;
+  /** How many times this request, woken early, has waited for its key's release (see awaitRelease). */
+  waits?: number;
+}
+
+/** A request that waits for its key (a job woken early waits for its holder to finish). */
+interface Waiting {
+  request: LockRequest;
+  timer: NodeJS.Timeout;
+}
+
+/** What the session has done about hand-offs, for `locks.status()`. */
+export interface HandoffCounts {
+  /** Early wakes of the next job in line that woke a job. */
+  prewakes: number;
+  /** Keys passed from a finished job to the next one in this process, without an unlock. */
+  handedOver: number;
+  /** Keys taken by a job woken early after waiting for another session's release. */
+  afterRelease: number;
+}
+
+/** How long a job woken early waits at most for a release, whatever the task's hold time. */
+const RELEASE_WAIT_CAP_MS = 1000;
+
+function releaseWaitMs(info: HoldInfo): number {
+  return Math.min(RELEASE_WAIT_CAP_MS, info.releaseWaitMs ?? 100);
 }
 
 export class LockSession {
@@ -175,6 +213,18 @@ export class LockSession {
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
+  /** Keys whose first waiter a hold of this process woke early, with the woken job's id. */
+  private readonly prewoken = new Map<string, string>();
+  /** Holds whose key's first waiter to wake early, in the next statement. */
+  private prewakeQueue: HoldImpl[] = [];
+  /** Jobs woken early that wait for a hold of this process to pass them its key (see release). */
+  private readonly handovers = new Map<string, Waiting>();
+  /** Jobs woken early that wait for another session's release of their key (see awaitRelease). */
+  private readonly awaitingRelease = new Map<string, Waiting>();
+  /** For keys being acquired: the number of the last release notification seen for each. */
+  private readonly releaseNotices = new Map<string, number>();
+  private notices = 0;
+  readonly handoffs: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0 };
   private registryDirty = false;
   private readonly timers: NodeJS.Timeout[] = [];
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
@@ -215,12 +265,14 @@ export class LockSession {
   /**
    * The job flags (`lockFlag`) of the keys this process holds for jobs that wait their turn (`reschedule`)
    * and has not begun to release: graphile-worker need not fetch more jobs of those keys for now. A key being
-   * released is left out: its next job may be fetched (and then waits for the unlock, in this process).
+   * released, or whose next job was woken early, is left out: its next job may be fetched (and then waits for
+   * the key, in this process).
    */
   heldFlags(): string[] {
     const flags: string[] = [];
     for (const hold of this.holds.values()) {
-      if (hold.info.wakeKey !== null && !hold.releaseRequested) flags.push(lockFlag(hold.keyText));
+      if (hold.info.wakeKey !== null && !hold.releaseRequested && !this.prewoken.has(hold.keyText))
+        flags.push(lockFlag(hold.keyText));
     }
     return flags;
   }
@@ -267,12 +319,33 @@ export class LockSession {
       }
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
-      if (!releasing) return { acquired: false, local: true };
+      if (!releasing) {
+        // The job a hold of this process woke early waits for that hold to pass it the key. It may come
+        // before the early wake's answer (a worker fetching at that moment): then wait for the answer first.
+        const key = keys[0]!;
+        const waking = info.wakeKey !== null ? this.holds.get(key)?.prewaking : null;
+        if (waking) {
+          await waking;
+          continue;
+        }
+        if (
+          keys.length === 1 &&
+          info.jobId !== null &&
+          this.prewoken.get(key) === info.jobId &&
+          !this.handovers.has(key)
+        ) {
+          return this.awaitHandover(key, slots, info);
+        }
+        return { acquired: false, local: true };
+      }
       // Jobs that wait their turn and meet the same release go on in job id order (the enqueue order of
-      // first fetches): the first takes the key, the others will find it held and park behind it.
+      // first fetches), the job woken early first: the first takes the key, the others will find it held
+      // and park behind it.
       const line = info.wakeKey !== null && info.jobId !== null ? this.lineFor(releasing) : null;
       const me = line ? BigInt(info.jobId!) : 0n;
       line?.add(me);
+      // The job woken early for this key goes first (its place in line is older than any fresh job's id).
+      const early = line ? this.prewoken.get(keys[0]!) : undefined;
       this.successorsWaiting++;
       this.scheduleFlush();
       try {
@@ -281,7 +354,10 @@ export class LockSession {
         this.successorsWaiting--;
       }
       if (line) {
-        const first = [...line].reduce((a, b) => (b < a ? b : a));
+        const first =
+          early !== undefined && line.has(BigInt(early))
+            ? BigInt(early)
+            : [...line].reduce((a, b) => (b < a ? b : a));
         line.delete(me);
         if (line.size === 0) this.successorLines.delete(releasing);
         if (first !== me) return { acquired: false, local: true };
@@ -292,6 +368,73 @@ export class LockSession {
       free.length === slots.length ? slots : free.map((k) => BigInt(k)),
       info,
     );
+  }
+
+  /**
+   * Waits, up to the job's `releaseWaitMs`, for the hold of `key` to pass it the key when it is released
+   * (release); resolves a local conflict (the job parks again) when the wait runs out.
+   */
+  private awaitHandover(key: string, slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+    return new Promise<AcquireResult>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        if (this.handovers.get(key)?.timer !== timer) return;
+        this.handovers.delete(key);
+        resolve({ acquired: false, local: true });
+      }, releaseWaitMs(info));
+      const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
+      this.handovers.set(key, { request, timer });
+    });
+  }
+
+  /**
+   * A job woken early found its key still held by another session: it waits for the release's notification
+   * (or, at most, its `releaseWaitMs`) and tries again, its key still pending meanwhile. A notification that
+   * came while its statement was on its way means the key is already free: it tries again at once.
+   */
+  private awaitRelease(request: LockRequest, noticesAtSend: number): void {
+    const key = request.slots[0]!;
+    request.waits = (request.waits ?? 0) + 1;
+    if ((this.releaseNotices.get(key) ?? 0) > noticesAtSend) {
+      this.lockQueue.push(request);
+      this.scheduleFlush();
+      return;
+    }
+    const timer = setTimeout(() => {
+      if (this.awaitingRelease.get(key)?.timer !== timer) return;
+      this.awaitingRelease.delete(key);
+      this.lockQueue.push(request);
+      this.scheduleFlush();
+    }, releaseWaitMs(request.info));
+    this.awaitingRelease.set(key, { request, timer });
+  }
+
+  /** A release notification: a key that a job woken early may be waiting for is free. */
+  private onReleaseNotice(key: string): void {
+    if (!this.pending.has(key)) return;
+    this.releaseNotices.set(key, ++this.notices);
+    const waiting = this.awaitingRelease.get(key);
+    if (!waiting) return;
+    clearTimeout(waiting.timer);
+    this.awaitingRelease.delete(key);
+    this.lockQueue.push(waiting.request);
+    this.scheduleFlush();
+  }
+
+  /** Starts the timer of `hold`'s early wake of the next job in line, if its task has one. */
+  private planPrewake(hold: HoldImpl): void {
+    const after = hold.info.prewakeAfterMs;
+    if (after === null || after === undefined) return;
+    if (after <= 0) {
+      this.prewakeQueue.push(hold);
+      this.scheduleFlush();
+      return;
+    }
+    hold.prewakeTimer = setTimeout(() => {
+      hold.prewakeTimer = undefined;
+      if (this.holds.get(hold.keyText) !== hold || hold.releaseRequested) return;
+      this.prewakeQueue.push(hold);
+      this.scheduleFlush();
+    }, after);
   }
 
   /** The job ids of `reschedule` jobs waiting for `hold`'s release. */
@@ -315,11 +458,34 @@ export class LockSession {
     return acquisition;
   }
 
-  /** Queues the unlock of `hold`; its answer goes to `hold.settle`. */
+  /**
+   * Queues the unlock of `hold`; its answer goes to `hold.settle`. When the job its hold woke early waits in
+   * this process, the key passes to that job instead, without an unlock: PostgreSQL sees the key held
+   * throughout, and the finished job's hold ends before the next job's begins.
+   */
   release(hold: HoldImpl): void {
+    if (hold.prewakeTimer) {
+      clearTimeout(hold.prewakeTimer);
+      hold.prewakeTimer = undefined;
+    }
     if (hold.lost || hold.generation !== this.generation || this.state !== "ready") {
       hold.settle(LOST);
       return;
+    }
+    const key = hold.keyText;
+    if (this.holds.get(key) === hold) {
+      const next = this.handovers.get(key);
+      if (next) {
+        this.prewoken.delete(key);
+        clearTimeout(next.timer);
+        this.handovers.delete(key);
+        this.holds.delete(key);
+        hold.settle(OK);
+        this.handoffs.handedOver++;
+        // The next job was woken from a line, so it is taken to have one behind it.
+        next.request.resolve({ acquired: true, hold: this.grant(next.request, key, hold.generation, true) });
+        return;
+      }
     }
     this.unlockQueue.push(hold);
     this.scheduleFlush();
@@ -368,6 +534,11 @@ export class LockSession {
       // parked job's safety net. So its hand-offs do not pay a disk flush.
       await client.query("set synchronous_commit = off");
       await client.query(this.options.sql.cleanHolders);
+      client.on("notification", (message) => {
+        if (message.channel === this.options.sql.releaseChannel && message.payload)
+          this.onReleaseNotice(message.payload);
+      });
+      await client.query(`listen ${this.options.sql.releaseChannel}`);
     } catch (error) {
       client.removeAllListeners("end");
       client.end().catch(() => undefined);
@@ -510,6 +681,7 @@ export class LockSession {
     this.holds.clear();
     this.pending.clear();
     const unavailable = lockSessionUnavailable("the connection was lost", error);
+    this.dropWaiting(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const reason = lockLost(error);
@@ -537,6 +709,7 @@ export class LockSession {
   private onlyQuietUnlocks(): boolean {
     return (
       this.lockQueue.length === 0 &&
+      this.prewakeQueue.length === 0 &&
       this.successorsWaiting === 0 &&
       this.unlockQueue.every((hold) => hold.info.wakeKey === null)
     );
@@ -560,11 +733,27 @@ export class LockSession {
       clearTimeout(this.unlockTimer);
       this.unlockTimer = null;
     }
-    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0) return;
+    if (
+      this.lockQueue.length === 0 &&
+      this.unlockQueue.length === 0 &&
+      this.prewakeQueue.length === 0
+    )
+      return;
     const client = this.client;
     const generation = this.generation;
+    const noticesAtSend = this.notices;
     const unlocks = this.unlockQueue.splice(0);
     const locks = this.lockQueue.splice(0);
+    // A hold that ended since its early wake was queued has woken its line at its release already.
+    const prewakes = this.prewakeQueue
+      .splice(0)
+      .filter((hold) => this.holds.get(hold.keyText) === hold && !hold.releaseRequested);
+    const waking = unlocks.filter((hold) => hold.info.wakeKey !== null);
+    let answered: () => void = () => undefined;
+    if (prewakes.length > 0) {
+      const prewaking = new Promise<void>((resolve) => (answered = resolve));
+      for (const hold of prewakes) hold.prewaking = prewaking;
+    }
     const singles: LockRequest[] = [];
     const multis: LockRequest[] = [];
     for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
@@ -579,11 +768,11 @@ export class LockSession {
           unlocks.map((hold) => hold.keyText),
           singles.map((r) => r.slots[0]),
           multis.map((r) => r.slots.join(",")),
-          unlocks.flatMap((hold) =>
-            hold.info.wakeKey === null ? [] : [hold.info.wakeKey.toString()],
-          ),
+          waking.map((hold) => hold.info.wakeKey!.toString()),
           // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
           singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
+          prewakes.map((hold) => hold.keyText),
+          waking.map((hold) => hold.info.jobId),
         ],
       })
       .then(
@@ -595,18 +784,31 @@ export class LockSession {
             for (const hold of unlocks) hold.settle(LOST);
             return;
           }
-          // Rows name the failed unlocks and single locks, and every semaphore request's slot.
+          // Rows name the failed unlocks and single locks, and every semaphore request's slot (see
+          // lockBatch for the rest).
           const failedUnlocks = new Set<number>();
-          const failedSingles = new Set<number>();
+          const singleRows = new Map<number, number>();
           for (const row of rows) {
             if (row.op === 0) failedUnlocks.add(row.i);
-            else if (row.op === 1) failedSingles.add(row.i);
-            else if (row.op === 2) this.settleLock(multis[row.i - 1]!, row.key, generation);
+            else if (row.op === 1 || row.op === 4 || row.op === 5) singleRows.set(row.i, row.op);
+            else if (row.op === 2) this.settleLock(multis[row.i - 1]!, row.key, generation, false);
+            else if (row.op === 6) {
+              // (a hold released meanwhile has told the woken job at its release, in the database)
+              const hold = prewakes[row.i - 1]!;
+              if (this.holds.get(hold.keyText) === hold && !hold.releaseRequested)
+                this.prewoken.set(hold.keyText, row.key!);
+              this.handoffs.prewakes++;
+            }
           }
           unlocks.forEach((hold, index) => this.settleUnlock(hold, !failedUnlocks.has(index + 1)));
-          singles.forEach((r, index) =>
-            this.settleLock(r, failedSingles.has(index + 1) ? null : r.slots[0]!, generation),
-          );
+          singles.forEach((r, index) => {
+            const op = singleRows.get(index + 1);
+            if (op === undefined || op === 5) {
+              if (r.waits) this.handoffs.afterRelease++;
+              this.settleLock(r, r.slots[0]!, generation, op === 5);
+            } else if (op === 4 && (r.waits ?? 0) < 2) this.awaitRelease(r, noticesAtSend);
+            else this.settleLock(r, null, generation, false);
+          });
         },
         (error: Error) => {
           const unavailable = lockSessionUnavailable("a lock statement failed", error);
@@ -622,17 +824,33 @@ export class LockSession {
         },
       )
       .finally(() => {
+        for (const hold of prewakes) hold.prewaking = null;
+        answered();
         this.inFlight = null;
         this.flush();
       });
   }
 
-  private settleLock(request: LockRequest, key: string | null, generation: number): void {
-    for (const k of request.slots) this.pending.delete(k);
+  /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
+  private settleLock(
+    request: LockRequest,
+    key: string | null,
+    generation: number,
+    line: boolean,
+  ): void {
+    for (const k of request.slots) {
+      this.pending.delete(k);
+      if (this.releaseNotices.size > 0) this.releaseNotices.delete(k);
+    }
     if (key === null) {
       request.resolve({ acquired: false, local: false });
       return;
     }
+    request.resolve({ acquired: true, hold: this.grant(request, key, generation, line) });
+  }
+
+  /** Makes the hold of `key` for `request` (whose key it is now) and plans its early wake if it has a line. */
+  private grant(request: LockRequest, key: string, generation: number, line: boolean): HoldImpl {
     const index = request.slots.length === 1 ? 0 : request.slots.indexOf(key);
     const hold = new HoldImpl(
       this,
@@ -643,11 +861,28 @@ export class LockSession {
     );
     this.holds.set(key, hold);
     this.registryDirty = true;
-    request.resolve({ acquired: true, hold });
+    if (line) this.planPrewake(hold);
+    return hold;
+  }
+
+  /** The connection is gone: jobs waiting for a key fail as if they had asked now, and early wakes are moot. */
+  private dropWaiting(error: Error): void {
+    for (const waiting of [...this.handovers.values(), ...this.awaitingRelease.values()]) {
+      clearTimeout(waiting.timer);
+      waiting.request.reject(error);
+    }
+    this.handovers.clear();
+    this.awaitingRelease.clear();
+    this.releaseNotices.clear();
+    this.prewoken.clear();
+    this.prewakeQueue = [];
   }
 
   private settleUnlock(hold: HoldImpl, ok: boolean): void {
-    if (this.holds.get(hold.keyText) === hold) this.holds.delete(hold.keyText);
+    if (this.holds.get(hold.keyText) === hold) {
+      this.holds.delete(hold.keyText);
+      this.prewoken.delete(hold.keyText);
+    }
     this.registryDirty = true;
     if (!ok) {
       this.options.onWarning(
@@ -672,6 +907,7 @@ export class LockSession {
     await Promise.allSettled([...this.sideQueries]);
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
+    this.dropWaiting(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const open = [...this.holds.values()];

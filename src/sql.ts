@@ -55,30 +55,47 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     /**
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
-     * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), which runs
-     * last, after the unlocks; $5: for each single key of $2, the job id of a `reschedule` job, which takes
-     * the key only if no parked job of that key is ahead of it (sql/000004.sql), or null.
+     * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), with $7 the
+     * job ids that released them (sql/000006.sql), which runs after the unlocks; $5: for each single key
+     * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
+     * ahead of it (sql/000004.sql), or null; $6: held keys whose first waiter to wake early (prewake).
      */
     lockBatch: {
-      name: `gwl_lock_batch_v4`,
+      name: `gwl_lock_batch_v5`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
-      // every request without a row succeeded. Semaphore requests answer with the slot they took.
+      // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
+      // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
+      // should wait for the release. Semaphore requests answer with the slot they took; op 6 names the
+      // job each early wake woke.
       text: `select 0 as op, t.i::int as i, null::text as key
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)
       union all
-      select 1, t.i::int, null
-        from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
-        where not case
-          when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
-          else false
-        end
+      select case
+          when r.got then 5
+          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then 4
+          else 1
+        end, r.i::int, null
+        from (
+          select t.k, t.job, t.i, case
+              when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
+              else false
+            end as got
+          from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
+          offset 0
+        ) r
+        where not r.got or (r.job is not null and exists (select 1 from ${s}.waiters w where w.lock_key = r.k))
       union all
       select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
       union all
-      select 3, ${s}.wake_waiters($4::bigint[]), null where cardinality($4::bigint[]) > 0`,
+      select 3, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
+      union all
+      select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[]) p where cardinality($6::bigint[]) > 0`,
     },
+
+    /** The channel on which a release tells the session of a job woken early that its key is free. */
+    releaseChannel: "gwl_release",
 
     /** Replaces this session's rows in the holder registry with the locks it holds now. */
     writeHolders: `with gone as (
@@ -139,7 +156,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     parkJob: `select p.id::text as id, p.run_at from ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint,
       $4::float8 * interval '1 millisecond', $5::timestamptz) p`,
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
-    sweepWaiters: `select ${s}.sweep_waiters()::int as removed`,
+    sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 
     heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,
         application_name, since, session_started_at
