@@ -374,7 +374,11 @@ export class LockSession {
    * Waits, up to the job's `releaseWaitMs`, for the hold of `key` to pass it the key when it is released
    * (release); resolves a local conflict (the job parks again) when the wait runs out.
    */
-  private awaitHandover(key: string, slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+  private awaitHandover(
+    key: string,
+    slots: readonly bigint[],
+    info: HoldInfo,
+  ): Promise<AcquireResult> {
     return new Promise<AcquireResult>((resolve, reject) => {
       const timer = setTimeout(() => {
         if (this.handovers.get(key)?.timer !== timer) return;
@@ -483,7 +487,10 @@ export class LockSession {
         hold.settle(OK);
         this.handoffs.handedOver++;
         // The next job was woken from a line, so it is taken to have one behind it.
-        next.request.resolve({ acquired: true, hold: this.grant(next.request, key, hold.generation, true) });
+        next.request.resolve({
+          acquired: true,
+          hold: this.grant(next.request, key, hold.generation, true),
+        });
         return;
       }
     }

@@ -837,6 +837,184 @@ describe("reschedule hand-off", () => {
     expect(after[0]!.run_at.getTime()).toBeLessThanOrEqual(Date.now() + 1000);
     expect((await db.pool().query("select * from graphile_worker_locks.waiters")).rows).toEqual([]);
   });
+
+  /**
+   * A `reschedule` task on one key that records its runs; `slow` payloads run `slowMs` instead of `ms`, and
+   * `gated` ones until `gate` resolves.
+   */
+  function lineTask(
+    locks: Locks,
+    identifier: string,
+    ms: number,
+    slowMs = ms,
+    gate?: Promise<void>,
+  ) {
+    const ran: number[] = [];
+    const spans: Array<{ start: number; end: number }> = [];
+    const task = locks.exclusive(
+      identifier,
+      async (p: { n: number; slow?: boolean; gated?: boolean }) => {
+        const start = performance.now();
+        ran.push(p.n);
+        if (p.gated) await gate;
+        await new Promise((resolve) => setTimeout(resolve, p.slow ? slowMs : ms));
+        spans.push({ start, end: performance.now() });
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    return { task, ran, spans };
+  }
+  const parkedCount = async () =>
+    Number(
+      (await db.pool().query("select count(*) from graphile_worker_locks.waiters")).rows[0].count,
+    );
+
+  it("in one process the next job, woken early, takes the key from its holder without an unlock, in line order", async () => {
+    const locks = newLocks();
+    const { task, ran, spans } = lineTask(locks, "early_local", 15);
+    const rescheduled = countEvents(locks, ["job:rescheduled"]);
+    for (let n = 0; n < 24; n++) await task.addJob({ n }, { preemptive: false });
+    await runner({ connectionString: db.url, concurrency: 4, taskList: { early_local: task } });
+    await waitFor(async () => spans.length === 24, { message: "every job to run" });
+    expect([...ran].sort((a, b) => a - b)).toEqual(Array.from({ length: 24 }, (_, n) => n));
+    expect(highestConcurrency(spans)).toBe(1);
+    // The line decides from the first wait on: only the first fetches may race for the key.
+    const outOfOrder = ran.filter((n, i) => i > 0 && n < ran[i - 1]!).length;
+    expect(outOfOrder).toBeLessThanOrEqual(1);
+    const { handoffs } = locks.status();
+    expect(handoffs.prewakes).toBeGreaterThan(0);
+    expect(handoffs.handedOver).toBeGreaterThan(0);
+    // A job woken early waits for the key instead of parking again: about one park per job, not two.
+    expect(rescheduled["job:rescheduled"]).toBeLessThan(24 + 4);
+    await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+    await waitFor(async () => locks.status().held.length === 0, {
+      message: "the key to be released",
+    });
+  });
+
+  it("across two sessions the job woken early waits for the other session's release, told by a notification", async () => {
+    const lines = [newLocks(), newLocks()].map((locks) => ({
+      locks,
+      ...lineTask(locks, "early_remote", 15),
+    }));
+    for (let n = 0; n < 30; n++) await lines[n % 2]!.task.addJob({ n }, { preemptive: false });
+    for (const { task } of lines) {
+      await runner({ connectionString: db.url, concurrency: 3, taskList: { early_remote: task } });
+    }
+    await waitFor(async () => lines[0]!.spans.length + lines[1]!.spans.length === 30, {
+      message: "every job to run",
+    });
+    const ran = [...lines[0]!.ran, ...lines[1]!.ran];
+    expect(ran.sort((a, b) => a - b)).toEqual(Array.from({ length: 30 }, (_, n) => n));
+    // (both sessions are in this process, so one clock serves)
+    expect(highestConcurrency([...lines[0]!.spans, ...lines[1]!.spans])).toBe(1);
+    const afterRelease = lines.reduce((sum, l) => sum + l.locks.status().handoffs.afterRelease, 0);
+    expect(afterRelease).toBeGreaterThan(0);
+    await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+  });
+
+  it("a holder that overruns: the job woken early stops waiting, parks again in its place, and runs next", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const { task, ran, spans } = lineTask(locks, "early_overrun", 5, 700, gate.promise);
+    const parks = new Map<number, number>();
+    locks.events.on("job:rescheduled", ({ job }) => {
+      const { n } = job.payload as { n: number };
+      parks.set(n, (parks.get(n) ?? 0) + 1);
+    });
+    // Five short jobs teach the task its usual hold.
+    for (let n = 0; n < 5; n++) await task.addJob({ n }, { preemptive: false });
+    await runner({
+      connectionString: db.url,
+      concurrency: 3,
+      taskList: { early_overrun: task },
+    });
+    await waitFor(async () => spans.length === 5, { message: "the short jobs to run" });
+    // While another job holds the key, 6 (which will overrun), 7 and 8 park: a line.
+    await task.addJob({ n: 5, gated: true }, { preemptive: false });
+    await waitFor(async () => !(await task.lockAvailable({ n: 0 })), {
+      message: "the gate job to hold",
+    });
+    await task.addJob({ n: 6, slow: true }, { preemptive: false });
+    for (let n = 7; n < 9; n++) await task.addJob({ n }, { preemptive: false });
+    await waitFor(async () => (await parkedCount()) === 3, { message: "6, 7 and 8 to park" });
+    gate.resolve();
+    await waitFor(async () => spans.length === 9, { message: "every job to run" });
+    expect(ran.slice(5)).toEqual([5, 6, 7, 8]);
+    expect(highestConcurrency(spans)).toBe(1);
+    // 6 took the key with a line behind it and woke 7 early; 7 waited, gave up while 6 overran, parked
+    // again in its place and was woken by 6's release.
+    expect(locks.status().handoffs.prewakes).toBeGreaterThan(0);
+    expect(parks.get(7)).toBe(2);
+    expect(parks.get(8)).toBe(1);
+  });
+
+  it("a release wakes nobody else while the job woken early is on its way, and wakes the line once it parked again", async () => {
+    const locks = newLocks();
+    await locks.migrate();
+    const key = lockKey("pw", "k").toString();
+    const later = new Date(Date.now() + 3_600_000).toISOString();
+    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
+    const lockJob = (id: string) =>
+      q(
+        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+        [id],
+      );
+    const park = async (id: string) => {
+      await lockJob(id);
+      const { rows } = await q(
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        [id, later, key],
+      );
+      await q("delete from graphile_worker._private_jobs where id = $1", [id]);
+      return (rows[0] as { id: string }).id;
+    };
+    const ids: string[] = [];
+    for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pw", { n })).job!.id);
+    const holder = ids[0]!;
+    await lockJob(holder);
+    const waitingA = await park(ids[1]!);
+    const waitingB = await park(ids[2]!);
+    const listener = new pg.Client({ connectionString: db.url });
+    await listener.connect();
+    cleanups.push(() => listener.end());
+    const notices: string[] = [];
+    listener.on("notification", (m) => notices.push(`${m.channel}:${m.payload}`));
+    await listener.query("listen gwl_release");
+
+    // The holder wakes the first in line early.
+    const { rows: early } = await q(
+      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      [[key]],
+    );
+    expect(early).toEqual([{ i: 1, job_id: waitingA }]);
+    const wokenAt = async (id: string) =>
+      (await q("select run_at from graphile_worker._private_jobs where id = $1", [id])).rows[0]
+        .run_at as Date;
+    expect((await wokenAt(waitingA)).getTime()).toBeLessThan(Date.now() + 1000);
+    // It is fetched (running) when the holder releases: nobody else is woken, its session is told.
+    await lockJob(waitingA);
+    const release = (jobId: string) =>
+      q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
+    expect((await release(holder)).rows[0].woken).toBe(0);
+    await waitFor(async () => notices.length > 0, { message: "the notification" });
+    expect(notices).toEqual([`gwl_release:${key}`]);
+    expect((await wokenAt(waitingB)).getTime()).toBeGreaterThan(Date.now() + 60_000);
+
+    // Next time the early-woken job gave up waiting and parked again (under a new id, in its place): the
+    // release wakes the first in line, which is that job.
+    await q("select i from graphile_worker_locks.prewake($1)", [[key]]);
+    const { rows: again } = await q(
+      "select job_id::text as job_id from graphile_worker_locks.prewakes where lock_key = $1",
+      [key],
+    );
+    expect(again).toEqual([{ job_id: waitingB }]);
+    const reparked = await park(waitingB);
+    expect((await release(waitingA)).rows[0].woken).toBe(1);
+    expect((await wokenAt(reparked)).getTime()).toBeLessThan(Date.now() + 1000);
+    expect(notices).toHaveLength(1);
+  });
 });
 
 describe("lock-ahead with graphile-worker's local queue", () => {
