@@ -53,8 +53,12 @@ class HoldTime {
   }
 }
 
-/** How long before a hold's usual end the next job in line is woken (about a wake, a fetch and a lock). */
-const PREWAKE_LEAD_MS = 10;
+/**
+ * How long before a hold's usual end the next job in line is woken: a wake, a fetch and a lock take a few
+ * milliseconds on a busy server, and a job that arrives early only waits (measured: 4 ms made hand-offs slower
+ * than 10, and 10 slower than 20).
+ */
+const PREWAKE_LEAD_MS = 20;
 /** Tasks whose holds usually last longer than this wake their line at the release only. */
 const PREWAKE_MAX_HOLD_MS = 1000;
 

@@ -24,6 +24,10 @@
  *   releases everything) rather than reused.
  * - While the session is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE: no job
  *   ever runs unlocked.
+ * - A key passes without an unlock only from a finished hold to the job that hold woke early (`prewoken`,
+ *   waiting in `handovers`): the old hold is settled before the new one is made, and PostgreSQL sees the key
+ *   held throughout. A job woken early by another session waits in `awaitingRelease`, its key still
+ *   `pending`, for the release's notification or its time limit, then tries the key again.
  */
 import pg from "pg";
 import type { ClientConfig } from "pg";
