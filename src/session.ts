@@ -543,7 +543,10 @@ export class LockSession {
       // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
       // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
       // parked job's safety net. So its hand-offs do not pay a disk flush.
-      await client.query("set synchronous_commit = off");
+      // Its statements are the lock batch, prepared once, whose branches are switched on and off by their
+      // parameters: a generic plan skips the unused ones at run time, while PostgreSQL's default would keep
+      // re-planning it for each call (measured: 3× the cost of a lock and unlock).
+      await client.query("set synchronous_commit = off; set plan_cache_mode = force_generic_plan");
       await client.query(this.options.sql.cleanHolders);
       client.on("notification", (message) => {
         if (message.channel === this.options.sql.releaseChannel && message.payload)
