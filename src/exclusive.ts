@@ -47,9 +47,12 @@ class HoldTime {
     if (this.samples < 3 || this.average > PREWAKE_MAX_HOLD_MS) return null;
     return Math.max(0, Math.round(this.average - PREWAKE_LEAD_MS));
   }
-  /** How long a job woken early waits for the release before it parks again: twice a usual hold, 100 ms at least. */
+  /**
+   * How long a job woken early waits for the release before it parks again: twice a usual hold, 100 ms at
+   * least, a second at most.
+   */
   releaseWaitMs(): number {
-    return Math.max(100, Math.round(2 * this.average));
+    return Math.min(1000, Math.max(100, Math.round(2 * this.average)));
   }
 }
 

@@ -25,6 +25,7 @@ export {
 } from "./key.js";
 export { migrate } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
+export type { HandoffCounts } from "./session.js";
 export {
   ErrorCodes,
   LocksError,

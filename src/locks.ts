@@ -31,7 +31,7 @@ import {
   type ResolvedExclusiveOptions,
 } from "./options.js";
 import { Prefetcher } from "./prefetch.js";
-import { LockSession } from "./session.js";
+import { LockSession, type HandoffCounts } from "./session.js";
 import { makeSql } from "./sql.js";
 import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
@@ -115,7 +115,7 @@ export interface Locks {
      * Hand-offs of `reschedule` keys so far: early wakes of the next job in line, keys passed to the next job
      * in this process without an unlock, and keys taken after waiting for another process's release.
      */
-    handoffs: { prewakes: number; handedOver: number; afterRelease: number };
+    handoffs: HandoffCounts;
   };
   /**
    * Lock-ahead for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each

@@ -135,9 +135,12 @@ class HoldImpl implements Hold {
   get sessionSignal(): AbortSignal {
     return this.lost ? this.signal : this.session.lossSignal();
   }
-  markLost(reason: Error): void {
+  cancelPrewake(): void {
     if (this.prewakeTimer) clearTimeout(this.prewakeTimer);
     this.prewakeTimer = undefined;
+  }
+  markLost(reason: Error): void {
+    this.cancelPrewake();
     this.lost = true;
     this.lostReason = reason;
     this.controller?.abort(reason);
@@ -188,11 +191,9 @@ export interface HandoffCounts {
   afterRelease: number;
 }
 
-/** How long a job woken early waits at most for a release, whatever the task's hold time. */
-const RELEASE_WAIT_CAP_MS = 1000;
-
+/** How long a job woken early waits for its key (every such job is a `reschedule` job, whose info sets it). */
 function releaseWaitMs(info: HoldInfo): number {
-  return Math.min(RELEASE_WAIT_CAP_MS, info.releaseWaitMs ?? 100);
+  return info.releaseWaitMs ?? 100;
 }
 
 export class LockSession {
@@ -327,18 +328,14 @@ export class LockSession {
         // The job a hold of this process woke early waits for that hold to pass it the key. It may come
         // before the early wake's answer (a worker fetching at that moment): then wait for the answer first.
         const key = keys[0]!;
-        const waking = info.wakeKey !== null ? this.holds.get(key)?.prewaking : null;
-        if (waking) {
-          await waking;
-          continue;
-        }
-        if (
-          keys.length === 1 &&
-          info.jobId !== null &&
-          this.prewoken.get(key) === info.jobId &&
-          !this.handovers.has(key)
-        ) {
-          return this.awaitHandover(key, slots, info);
+        if (keys.length === 1 && info.wakeKey !== null && info.jobId !== null) {
+          const waking = this.holds.get(key)?.prewaking;
+          if (waking) {
+            await waking;
+            continue;
+          }
+          if (this.prewoken.get(key) === info.jobId && !this.handovers.has(key))
+            return this.awaitHandover(key, slots, info);
         }
         return { acquired: false, local: true };
       }
@@ -384,14 +381,26 @@ export class LockSession {
     info: HoldInfo,
   ): Promise<AcquireResult> {
     return new Promise<AcquireResult>((resolve, reject) => {
-      const timer = setTimeout(() => {
-        if (this.handovers.get(key)?.timer !== timer) return;
-        this.handovers.delete(key);
-        resolve({ acquired: false, local: true });
-      }, releaseWaitMs(info));
       const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
-      this.handovers.set(key, { request, timer });
+      this.waitIn(this.handovers, request, () => resolve({ acquired: false, local: true }));
     });
+  }
+
+  /** Parks `request` in `waiting` under its key for its `releaseWaitMs`, then takes it out and calls `onTimeout`. */
+  private waitIn(waiting: Map<string, Waiting>, request: LockRequest, onTimeout: () => void): void {
+    const key = request.slots[0]!;
+    const timer = setTimeout(() => {
+      if (waiting.get(key)?.timer !== timer) return;
+      waiting.delete(key);
+      onTimeout();
+    }, releaseWaitMs(request.info));
+    waiting.set(key, { request, timer });
+  }
+
+  /** Sends `request` with the next lock statement again. */
+  private retryLock(request: LockRequest): void {
+    this.lockQueue.push(request);
+    this.scheduleFlush();
   }
 
   /**
@@ -400,20 +409,9 @@ export class LockSession {
    * came while its statement was on its way means the key is already free: it tries again at once.
    */
   private awaitRelease(request: LockRequest, noticesAtSend: number): void {
-    const key = request.slots[0]!;
     request.waits = (request.waits ?? 0) + 1;
-    if ((this.releaseNotices.get(key) ?? 0) > noticesAtSend) {
-      this.lockQueue.push(request);
-      this.scheduleFlush();
-      return;
-    }
-    const timer = setTimeout(() => {
-      if (this.awaitingRelease.get(key)?.timer !== timer) return;
-      this.awaitingRelease.delete(key);
-      this.lockQueue.push(request);
-      this.scheduleFlush();
-    }, releaseWaitMs(request.info));
-    this.awaitingRelease.set(key, { request, timer });
+    if ((this.releaseNotices.get(request.slots[0]!) ?? 0) > noticesAtSend) this.retryLock(request);
+    else this.waitIn(this.awaitingRelease, request, () => this.retryLock(request));
   }
 
   /** A release notification: a key that a job woken early may be waiting for is free. */
@@ -424,8 +422,7 @@ export class LockSession {
     if (!waiting) return;
     clearTimeout(waiting.timer);
     this.awaitingRelease.delete(key);
-    this.lockQueue.push(waiting.request);
-    this.scheduleFlush();
+    this.retryLock(waiting.request);
   }
 
   /** Starts the timer of `hold`'s early wake of the next job in line, if its task has one. */
@@ -472,10 +469,7 @@ export class LockSession {
    * throughout, and the finished job's hold ends before the next job's begins.
    */
   release(hold: HoldImpl): void {
-    if (hold.prewakeTimer) {
-      clearTimeout(hold.prewakeTimer);
-      hold.prewakeTimer = undefined;
-    }
+    hold.cancelPrewake();
     if (hold.lost || hold.generation !== this.generation || this.state !== "ready") {
       hold.settle(LOST);
       return;
