@@ -80,6 +80,20 @@ async function jobRows() {
   return rows;
 }
 
+/** Marks a job as fetched by a worker, as graphile-worker's fetch would (for SQL-level tests). */
+const markFetched = (id: string) =>
+  db
+    .pool()
+    .query(
+      "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
+      [id],
+    );
+/** How many parked jobs wait for a key. */
+const parkedCount = async () =>
+  Number(
+    (await db.pool().query("select count(*) from graphile_worker_locks.waiters")).rows[0].count,
+  );
+
 describe("one process, one pool", () => {
   it("concurrency 16 on one shared pool, same key: never two at once (the que-locks failure)", async () => {
     const pool = new pg.Pool({ connectionString: db.url, max: 18 });
@@ -672,14 +686,7 @@ describe("reschedule hand-off", () => {
       message: "job 0 to hold the key",
     });
     for (let n = 1; n <= 8; n++) await tasks[n % 2]!.addJob({ n }, { preemptive: false });
-    await waitFor(
-      async () =>
-        Number(
-          (await db.pool().query("select count(*) from graphile_worker_locks.waiters")).rows[0]
-            .count,
-        ) === 8,
-      { message: "jobs 1-8 to park" },
-    );
+    await waitFor(async () => (await parkedCount()) === 8, { message: "jobs 1-8 to park" });
     gate.resolve();
     // Enqueued while the line moves: they go to the back, they do not take a key that frees in between.
     for (let n = 9; n <= 13; n++) {
@@ -745,12 +752,7 @@ describe("reschedule hand-off", () => {
     const runAts: number[] = [];
     for (let n = 0; n < 5; n++) {
       const { job } = await locks.addJob("line", { n });
-      await db
-        .pool()
-        .query(
-          "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
-          [job!.id],
-        );
+      await markFetched(job!.id);
       const { rows } = await db
         .pool()
         .query<{ run_at: Date }>(
@@ -770,10 +772,7 @@ describe("reschedule hand-off", () => {
     const q = (text: string, values: unknown[]) => db.pool().query(text, values);
     const fetchAndPark = async (n: number) => {
       const { job } = await locks.addJob("sw", { n });
-      await q(
-        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
-        [job!.id],
-      );
+      await markFetched(job!.id);
       const { rows } = await q(
         "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
         [job!.id, later, key.toString()],
@@ -804,12 +803,7 @@ describe("reschedule hand-off", () => {
     await locks.migrate();
     const key = lockKey("lw", { id: 1 });
     const { job } = await locks.addJob("lw", { id: 1 });
-    await db
-      .pool()
-      .query(
-        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
-        [job!.id],
-      );
+    await markFetched(job!.id);
     const external = await holdExternally(key);
     const later = new Date(Date.now() + 3_600_000).toISOString();
     const { rows } = await db
@@ -864,10 +858,6 @@ describe("reschedule hand-off", () => {
     );
     return { task, ran, spans };
   }
-  const parkedCount = async () =>
-    Number(
-      (await db.pool().query("select count(*) from graphile_worker_locks.waiters")).rows[0].count,
-    );
 
   it("in one process the next job, woken early, takes the key from its holder without an unlock, in line order", async () => {
     const locks = newLocks();
@@ -956,13 +946,8 @@ describe("reschedule hand-off", () => {
     const key = lockKey("pw", "k").toString();
     const later = new Date(Date.now() + 3_600_000).toISOString();
     const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
-    const lockJob = (id: string) =>
-      q(
-        "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
-        [id],
-      );
     const park = async (id: string) => {
-      await lockJob(id);
+      await markFetched(id);
       const { rows } = await q(
         "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
         [id, later, key],
@@ -973,7 +958,7 @@ describe("reschedule hand-off", () => {
     const ids: string[] = [];
     for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pw", { n })).job!.id);
     const holder = ids[0]!;
-    await lockJob(holder);
+    await markFetched(holder);
     const waitingA = await park(ids[1]!);
     const waitingB = await park(ids[2]!);
     const listener = new pg.Client({ connectionString: db.url });
@@ -994,7 +979,7 @@ describe("reschedule hand-off", () => {
         .run_at as Date;
     expect((await wokenAt(waitingA)).getTime()).toBeLessThan(Date.now() + 1000);
     // It is fetched (running) when the holder releases: nobody else is woken, its session is told.
-    await lockJob(waitingA);
+    await markFetched(waitingA);
     const release = (jobId: string) =>
       q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
     expect((await release(holder)).rows[0].woken).toBe(0);
