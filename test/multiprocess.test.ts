@@ -81,6 +81,46 @@ describe("exclusive execution across processes", () => {
     expect(conflicts.length).toBe(dropped.length);
   });
 
+  it("reschedule, 3 processes x concurrency 4, 300 jobs over 3 keys: early wakes pass keys within and across processes, no overlap, every job runs once", async () => {
+    await reset();
+    const workers: WorkerProcess[] = [];
+    try {
+      for (const name of ["r1", "r2", "r3"]) {
+        workers.push(
+          await startWorkerProcess(db.url, { name, concurrency: 4, strategy: "reschedule" }),
+        );
+      }
+      const added = await utils.addJobs(
+        Array.from({ length: 300 }, (_, i) => ({
+          identifier: "exec",
+          payload: { k: `line-${i % 3}`, ms: 10 },
+        })),
+      );
+      expect(added).toHaveLength(300);
+      await drained();
+    } finally {
+      await Promise.all(workers.map((w) => w.stop()));
+    }
+
+    const executions = await readExecutions(db.pool());
+    const perKey = maxConcurrencyPerKey(executions);
+    expect(perKey.size).toBe(3);
+    expect(Math.max(...perKey.values())).toBe(1);
+    // Parked jobs run under a new id: every job ran exactly once, and none was left behind.
+    expect(executions).toHaveLength(300);
+    expect(executions.every((e) => e.end !== null)).toBe(true);
+    expect((await readEvents(db.pool(), "job:rescheduled")).length).toBeGreaterThan(0);
+    const handoffs = (await readEvents(db.pool(), "handoffs")).map(
+      (e) => e.detail as { prewakes: number; handedOver: number; afterRelease: number },
+    );
+    expect(handoffs).toHaveLength(3);
+    const sum = (field: "prewakes" | "handedOver" | "afterRelease") =>
+      handoffs.reduce((total, h) => total + h[field], 0);
+    expect(sum("prewakes")).toBeGreaterThan(0);
+    expect(sum("handedOver")).toBeGreaterThan(0);
+    expect(sum("afterRelease")).toBeGreaterThan(0);
+  });
+
   it("kill -9 of a worker mid-job: another process acquires the key at once", async () => {
     await reset();
     const victim = await startWorkerProcess(db.url, { name: "victim", concurrency: 2 });
