@@ -191,6 +191,8 @@ async function main(): Promise<void> {
   events.on("worker:getJob:empty", () => count("*", "emptyFetches"));
 
   await locks.connect();
+  // The runner's events, given to the library: early wakes go to this process's idle workers.
+  locks.attach({ events });
   const start = () =>
     run({
       connectionString: url,

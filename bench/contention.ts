@@ -344,6 +344,17 @@ export interface RunFigures {
     /** Fetch of execution n+1 → its start (lock taken, for the exclusive variants). */
     fetchToStartMs: Quantiles;
   };
+  /**
+   * Hand-offs (end → next started) by where the next execution ran (the same worker process as the one before
+   * it, or another) and by when (before every job had been fetched once, while first fetches park the jobs
+   * of held keys, or after).
+   */
+  handoffWhere: {
+    sameProcess: Quantiles;
+    otherProcess: Quantiles;
+    firstPass: Quantiles;
+    afterFirstPass: Quantiles;
+  };
   /** What brought the job of each execution after the first of its key. */
   nextBy: Record<FetchCause, number>;
   /** Hand-off quantiles by what brought the next job. */
@@ -524,7 +535,15 @@ function analyse(
   rankOf: Map<number, number>,
 ): RunFigures {
   const task = variant.task;
-  const executions = records.flatMap((r) => r.executions).filter((e) => e.task === task);
+  const executions: ExecutionRecord[] = [];
+  const processOf = new Map<ExecutionRecord, string>();
+  for (const r of records) {
+    for (const e of r.executions) {
+      if (e.task !== task) continue;
+      executions.push(e);
+      processOf.set(e, r.name);
+    }
+  }
   const fetches = records.flatMap((r) => r.fetches).filter((f) => f.task === task);
   const releases = new Map(records.flatMap((r) => r.releases));
   const parked = new Map(records.flatMap((r) => r.parked));
@@ -554,10 +573,14 @@ function analyse(
     list.push(e);
     byKey.set(e.k, list);
   }
+  const allFetchedOnceAt =
+    firstFetchOf.size === jobs ? Math.max(...firstFetchOf.values()) : Number.POSITIVE_INFINITY;
   let busiest: ExecutionRecord[] = [];
   for (const list of byKey.values()) if (list.length > busiest.length) busiest = list;
 
   const handoffs: number[] = [];
+  const where = { sameProcess: [] as number[], otherProcess: [] as number[] };
+  const when = { firstPass: [] as number[], afterFirstPass: [] as number[] };
   const unlock: number[] = [];
   const nextFetch: number[] = [];
   const fetchToStart: number[] = [];
@@ -611,6 +634,10 @@ function analyse(
       const next = list[i]!;
       const gap = next.start - previous.end;
       handoffs.push(gap);
+      where[processOf.get(next) === processOf.get(previous) ? "sameProcess" : "otherProcess"].push(
+        gap,
+      );
+      when[next.start <= allFetchedOnceAt ? "firstPass" : "afterFirstPass"].push(gap);
       const released = releases.get(previous.jobId);
       if (released !== undefined) unlock.push(released - previous.end);
       const fetch = fetchOf.get(`${next.jobId}/${next.attempts}`);
@@ -664,6 +691,12 @@ function analyse(
       unlockMs: quantiles(unlock),
       nextFetchMs: quantiles(nextFetch),
       fetchToStartMs: quantiles(fetchToStart),
+    },
+    handoffWhere: {
+      sameProcess: quantiles(where.sameProcess),
+      otherProcess: quantiles(where.otherProcess),
+      firstPass: quantiles(when.firstPass),
+      afterFirstPass: quantiles(when.afterFirstPass),
     },
     nextBy,
     handoffByCause: Object.fromEntries([...handoffsBy].map(([c, v]) => [c, quantiles(v)])),
@@ -930,6 +963,7 @@ function tables(
     return [...mine].sort((a, b) => a.makespanMs - b.makespanMs)[(mine.length - 1) >> 1];
   };
   const q = (x: Quantiles) => `${ms(x.p50)} / ${ms(x.p99)}`;
+  const nMean = (x: Quantiles) => (x.n > 0 ? `${fmtInt(x.n)}, ${ms(x.mean)}` : "0");
   const picked = VARIANT_IDS.flatMap((variant) => {
     const r = pick(variant);
     return r ? [r] : [];
@@ -946,6 +980,8 @@ function tables(
       { header: "end → next started", align: "right" },
       { header: "> 100 ms (total s)", align: "right" },
       { header: "by what brought the next job: n, p50 / p99", align: "left" },
+      { header: "same process / other: n, mean", align: "right" },
+      { header: "first pass / after: n, mean", align: "right" },
     ],
     rows: picked.map((r) => [
       r.variant,
@@ -958,12 +994,16 @@ function tables(
       CAUSES.filter((c) => r.handoffByCause[c])
         .map((c) => `${CAUSE_LABEL[c]} ${r.handoffByCause[c]!.n}, ${q(r.handoffByCause[c]!)}`)
         .join("; "),
+      `${nMean(r.handoffWhere.sameProcess)} / ${nMean(r.handoffWhere.otherProcess)}`,
+      `${nMean(r.handoffWhere.firstPass)} / ${nMean(r.handoffWhere.afterFirstPass)}`,
     ]),
     notes: [
       "end: the task body returned (execution n); unlock answered: its lock statement (unlock + wake of the key's oldest",
       "waiter + NOTIFY) came back; next fetched: a worker locked the row of execution n+1's job; started: it took the lock.",
       "What brought the next job: wake = a parked job woken by a release; safety net = a parked job fetched when its delay",
       "expired; first fetch = a job fetched for the first time; retry = a failed attempt retried by graphile-worker.",
+      "same process / other: where execution n+1 ran against execution n; first pass: execution n+1 started before every",
+      "job had been fetched once (while first fetches park the jobs of held keys); means in ms.",
     ],
   };
 

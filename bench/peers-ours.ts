@@ -67,6 +67,9 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
       reported = true;
       ctx.log(`peers: ours: a job failed (graphile-worker retries it): ${String(error)}`);
     });
+    // Early wakes go to this runner's idle workers.
+    const detach = locks.attach({ events });
+    events.once("stop", detach);
     return run({
       connectionString: ctx.url,
       concurrency,
@@ -84,7 +87,7 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
   return {
     id: "ours",
     settings: [
-      "graphile-worker run({ concurrency, forbiddenFlags: locks.forbiddenFlags }), defaults otherwise (LISTEN/NOTIFY, pollInterval 2 s, no local queue)",
+      "graphile-worker run({ concurrency, forbiddenFlags: locks.forbiddenFlags }), defaults otherwise (LISTEN/NOTIFY, pollInterval 2 s, no local queue), its events given to locks.attach",
       'locks.exclusive(..., { onConflict: "reschedule", key: (p) => p.key }); makeLocks() defaults (pool of 10)',
     ],
 

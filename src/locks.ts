@@ -30,6 +30,7 @@ import {
   type LocksOptions,
   type ResolvedExclusiveOptions,
 } from "./options.js";
+import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
 import { LockSession, type HandoffCounts } from "./session.js";
 import { makeSql } from "./sql.js";
@@ -118,9 +119,14 @@ export interface Locks {
     handoffs: HandoffCounts;
   };
   /**
-   * Lock-ahead for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
-   * fetched batch are taken in one statement as the batch arrives, so jobs start without waiting for
-   * theirs. Returns a function that detaches (also done when the runner stops).
+   * Follows a runner of this process:
+   * - Lock-ahead, for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
+   *   fetched batch are taken in one statement as the batch arrives, so jobs start without waiting for
+   *   theirs.
+   * - Early wakes here, for a runner without one: the next `reschedule` job in line for a key this process
+   *   holds is fetched by an idle worker of this runner, so that the key passes to it in memory.
+   *
+   * Returns a function that detaches (also done when the runner stops).
    */
   attach(runner: { events: WorkerEvents }): () => void;
   /**
@@ -192,8 +198,10 @@ export function makeLocks(options: LocksOptions): Locks {
     };
   };
 
+  const idleWorkers = new IdleWorkers();
   const session = new LockSession({
     sql,
+    idleWorkers,
     client: lockClientConfig(),
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
@@ -478,7 +486,12 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     attach(runner) {
       assertOpen();
-      return prefetcher.attach(runner.events);
+      const detachPrefetcher = prefetcher.attach(runner.events);
+      const detachIdle = idleWorkers.attach(runner.events);
+      return () => {
+        detachIdle();
+        detachPrefetcher();
+      };
     },
     status() {
       return {

@@ -33,6 +33,7 @@ import pg from "pg";
 import type { ClientConfig } from "pg";
 import { lockLost, lockSessionUnavailable } from "./errors.js";
 import { lockFlag } from "./key.js";
+import type { IdleWorkers } from "./idle.js";
 import type { Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed";
@@ -81,6 +82,8 @@ export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; 
 
 export interface LockSessionOptions {
   sql: Sql;
+  /** Idle workers of this process's attached runners, which fetch a job woken early here. */
+  idleWorkers?: IdleWorkers;
   client: ClientConfig;
   /** Ensures the library's schema exists; called before the first connection. */
   prepare(): Promise<void>;
@@ -189,6 +192,8 @@ export interface HandoffCounts {
   handedOver: number;
   /** Keys taken by a job woken early after waiting for another session's release. */
   afterRelease: number;
+  /** Early wakes left to an idle worker of this process to fetch (a runner given to `locks.attach`). */
+  wokenHere: number;
 }
 
 /** How long a job woken early waits for its key (every such job is a `reschedule` job, whose info sets it). */
@@ -229,7 +234,7 @@ export class LockSession {
   /** For keys being acquired: the number of the last release notification seen for each. */
   private readonly releaseNotices = new Map<string, number>();
   private notices = 0;
-  readonly handoffs: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0 };
+  readonly handoffs: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0, wokenHere: 0 };
   private registryDirty = false;
   private readonly timers: NodeJS.Timeout[] = [];
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
@@ -757,6 +762,10 @@ export class LockSession {
       .splice(0)
       .filter((hold) => this.holds.get(hold.keyText) === hold && !hold.releaseRequested);
     const waking = unlocks.filter((hold) => hold.info.wakeKey !== null);
+    // Jobs woken early are fetched by idle workers of this process when there are enough of them (nudged
+    // when the wakes are answered); otherwise every worker hears of them.
+    const idle = this.options.idleWorkers;
+    const wakeHere = prewakes.length > 0 && idle !== undefined && idle.count >= prewakes.length;
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
       const prewaking = new Promise<void>((resolve) => (answered = resolve));
@@ -781,6 +790,7 @@ export class LockSession {
           singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
           prewakes.map((hold) => hold.keyText),
           waking.map((hold) => hold.info.jobId),
+          !wakeHere,
         ],
       })
       .then(
@@ -806,6 +816,8 @@ export class LockSession {
               if (this.holds.get(hold.keyText) === hold && !hold.releaseRequested)
                 this.prewoken.set(hold.keyText, row.key!);
               this.handoffs.prewakes++;
+              // (should no worker be idle any more, the release announces the job if it is still unfetched)
+              if (wakeHere && idle.nudge()) this.handoffs.wokenHere++;
             }
           }
           unlocks.forEach((hold, index) => this.settleUnlock(hold, !failedUnlocks.has(index + 1)));

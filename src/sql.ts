@@ -58,10 +58,12 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), with $7 the
      * job ids that released them (sql/000006.sql), which runs after the unlocks; $5: for each single key
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
-     * ahead of it (sql/000004.sql), or null; $6: held keys whose first waiter to wake early (prewake).
+     * ahead of it (sql/000004.sql), or null; $6: held keys whose first waiter to wake early (prewake), with
+     * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
+     * sql/000007.sql).
      */
     lockBatch: {
-      name: `gwl_lock_batch_v5`,
+      name: `gwl_lock_batch_v6`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
       // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
       // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
@@ -91,7 +93,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       union all
       select 3, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
       union all
-      select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[]) p where cardinality($6::bigint[]) > 0`,
+      select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
     },
 
     /** The channel on which a release tells the session of a job woken early that its key is free. */

@@ -900,6 +900,35 @@ describe("reschedule hand-off", () => {
     expect(highestConcurrency([...lines[0]!.spans, ...lines[1]!.spans])).toBe(1);
     const afterRelease = lines.reduce((sum, l) => sum + l.locks.status().handoffs.afterRelease, 0);
     expect(afterRelease).toBeGreaterThan(0);
+    // Without attach, no session knows an idle worker of its own: every early wake is announced to all.
+    expect(lines.map((l) => l.locks.status().handoffs.wokenHere)).toEqual([0, 0]);
+    await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+  });
+
+  it("with runners attached, an early wake goes to an idle worker of the holder's process, and the key passes in memory", async () => {
+    const lines = [newLocks(), newLocks()].map((locks) => ({
+      locks,
+      ...lineTask(locks, "early_attached", 15),
+    }));
+    for (let n = 0; n < 30; n++) await lines[n % 2]!.task.addJob({ n }, { preemptive: false });
+    for (const { locks, task } of lines) {
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 3,
+        taskList: { early_attached: task },
+      });
+      locks.attach(r);
+    }
+    await waitFor(async () => lines[0]!.spans.length + lines[1]!.spans.length === 30, {
+      message: "every job to run",
+    });
+    const ran = [...lines[0]!.ran, ...lines[1]!.ran];
+    expect(ran.sort((a, b) => a - b)).toEqual(Array.from({ length: 30 }, (_, n) => n));
+    expect(highestConcurrency([...lines[0]!.spans, ...lines[1]!.spans])).toBe(1);
+    const total = (what: "wokenHere" | "handedOver") =>
+      lines.reduce((sum, l) => sum + l.locks.status().handoffs[what], 0);
+    expect(total("wokenHere")).toBeGreaterThan(0);
+    expect(total("handedOver")).toBeGreaterThan(0);
     await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
   });
 
@@ -999,6 +1028,83 @@ describe("reschedule hand-off", () => {
     expect((await release(waitingA)).rows[0].woken).toBe(1);
     expect((await wokenAt(reparked)).getTime()).toBeLessThan(Date.now() + 1000);
     expect(notices).toHaveLength(1);
+  });
+
+  it("an early wake left to the holder's process is not announced; its release announces it if still unfetched", async () => {
+    const locks = newLocks();
+    await locks.migrate();
+    const key = lockKey("pq", "k").toString();
+    const later = new Date(Date.now() + 3_600_000).toISOString();
+    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
+    const ids: string[] = [];
+    for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pq", { n })).job!.id);
+    const holder = ids[0]!;
+    await markFetched(holder);
+    const waiting: string[] = [];
+    for (const id of ids.slice(1)) {
+      await markFetched(id);
+      const { rows } = await q(
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        [id, later, key],
+      );
+      await q("delete from graphile_worker._private_jobs where id = $1", [id]);
+      waiting.push((rows[0] as { id: string }).id);
+    }
+    const listener = new pg.Client({ connectionString: db.url });
+    await listener.connect();
+    cleanups.push(() => listener.end());
+    const notices: string[] = [];
+    listener.on("notification", (m) =>
+      notices.push(
+        m.channel === "jobs:insert"
+          ? `jobs:insert:${JSON.parse(m.payload!).count ?? m.payload}`
+          : `${m.channel}:${m.payload}`,
+      ),
+    );
+    await listener.query('listen "jobs:insert"; listen gwl_release');
+    // Notifications arrive in commit order: once a marker sent afterwards arrived, whatever came before did.
+    let markers = 0;
+    const settle = async () => {
+      const marker = `marker${++markers}`;
+      await q("select pg_notify('gwl_release', $1)", [marker]);
+      await waitFor(async () => notices.includes(`gwl_release:${marker}`), {
+        message: "the marker notification",
+      });
+      return notices.splice(0).filter((n) => !n.endsWith(marker));
+    };
+
+    // Quiet: the first in line is woken (runnable now) and nobody is told.
+    const { rows: early } = await q(
+      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1, false)",
+      [[key]],
+    );
+    expect(early).toEqual([{ i: 1, job_id: waiting[0] }]);
+    const { rows: runnable } = await q(
+      "select run_at <= now() as runnable from graphile_worker._private_jobs where id = $1",
+      [waiting[0]],
+    );
+    expect(runnable).toEqual([{ runnable: true }]);
+    expect(await settle()).toEqual([]);
+
+    // Nobody fetched it by the release: the release tells its session (should it be fetched meanwhile) and
+    // announces it to every worker; it still wakes nobody else.
+    const release = (jobId: string) =>
+      q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
+    expect((await release(holder)).rows[0].woken).toBe(0);
+    expect((await settle()).sort()).toEqual([`gwl_release:${key}`, "jobs:insert:1"]);
+
+    // The one-argument prewake (older versions of this library) announces, as it did.
+    await markFetched(waiting[0]!);
+    const { rows: announced } = await q(
+      "select job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      [[key]],
+    );
+    expect(announced).toEqual([{ job_id: waiting[1] }]);
+    expect(await settle()).toEqual(["jobs:insert:1"]);
+    // Fetched by the release: only its session is told.
+    await markFetched(waiting[1]!);
+    expect((await release(waiting[0]!)).rows[0].woken).toBe(0);
+    expect(await settle()).toEqual([`gwl_release:${key}`]);
   });
 });
 

@@ -3,7 +3,7 @@
  */
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { lockKey, makeLocks, type Locks } from "../src/index.js";
+import { lockKey, makeLocks, type HandoffCounts, type Locks } from "../src/index.js";
 import { useTestDatabase, waitFor } from "./support/db.js";
 import { maxConcurrencyPerKey, readEvents, readExecutions } from "./support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
@@ -87,7 +87,13 @@ describe("exclusive execution across processes", () => {
     try {
       for (const name of ["r1", "r2", "r3"]) {
         workers.push(
-          await startWorkerProcess(db.url, { name, concurrency: 4, strategy: "reschedule" }),
+          // Two of the three give their runner to locks.attach: their early wakes go to their own workers.
+          await startWorkerProcess(db.url, {
+            name,
+            concurrency: 4,
+            strategy: "reschedule",
+            attach: name !== "r3",
+          }),
         );
       }
       const added = await utils.addJobs(
@@ -110,15 +116,18 @@ describe("exclusive execution across processes", () => {
     expect(executions).toHaveLength(300);
     expect(executions.every((e) => e.end !== null)).toBe(true);
     expect((await readEvents(db.pool(), "job:rescheduled")).length).toBeGreaterThan(0);
-    const handoffs = (await readEvents(db.pool(), "handoffs")).map(
-      (e) => e.detail as { prewakes: number; handedOver: number; afterRelease: number },
-    );
+    const handoffs = (await readEvents(db.pool(), "handoffs")).map((e) => ({
+      worker: e.worker,
+      ...(e.detail as HandoffCounts),
+    }));
     expect(handoffs).toHaveLength(3);
-    const sum = (field: "prewakes" | "handedOver" | "afterRelease") =>
-      handoffs.reduce((total, h) => total + h[field], 0);
+    const sum = (field: keyof HandoffCounts) => handoffs.reduce((total, h) => total + h[field], 0);
     expect(sum("prewakes")).toBeGreaterThan(0);
     expect(sum("handedOver")).toBeGreaterThan(0);
     expect(sum("afterRelease")).toBeGreaterThan(0);
+    const wokenHere = (worker: string) => handoffs.find((h) => h.worker === worker)!.wokenHere;
+    expect(wokenHere("r1") + wokenHere("r2")).toBeGreaterThan(0);
+    expect(wokenHere("r3")).toBe(0);
   });
 
   it("kill -9 of a worker mid-job: another process acquires the key at once", async () => {

@@ -9,6 +9,8 @@ export interface WorkerProcessOptions {
   strategy?: "drop" | "reschedule" | "raise";
   limit?: number;
   localQueue?: boolean;
+  /** Gives the runner to `locks.attach`. */
+  attach?: boolean;
 }
 
 export interface WorkerProcess {
@@ -36,6 +38,7 @@ export async function startWorkerProcess(
       STRATEGY: options.strategy ?? "drop",
       LIMIT: String(options.limit ?? 1),
       LOCAL_QUEUE: options.localQueue ? "1" : "0",
+      ATTACH: options.attach ? "1" : "0",
     },
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });
