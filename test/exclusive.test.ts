@@ -11,6 +11,7 @@ import {
   LockConflictError,
   lockKey,
   makeLocks,
+  type HandoffCounts,
   type Locks,
 } from "../src/index.js";
 import { deferred, useTestDatabase, waitFor } from "./support/db.js";
@@ -88,6 +89,21 @@ const markFetched = (id: string) =>
       "update graphile_worker._private_jobs set locked_at = now(), locked_by = 'w', attempts = 1 where id = $1",
       [id],
     );
+/**
+ * Parks job `id` behind `key` as a worker's `reschedule` would (fetched, copied with its safety net at
+ * `runAt`, the original completed); resolves the copy's id.
+ */
+const parkFetched = async (id: string, key: string, runAt: string): Promise<string> => {
+  await markFetched(id);
+  const { rows } = await db
+    .pool()
+    .query<{ id: string }>(
+      "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+      [id, runAt, key],
+    );
+  await db.pool().query("delete from graphile_worker._private_jobs where id = $1", [id]);
+  return rows[0]!.id;
+};
 /** How many parked jobs wait for a key. */
 const parkedCount = async () =>
   Number(
@@ -882,14 +898,23 @@ describe("reschedule hand-off", () => {
     });
   });
 
-  it("across two sessions the job woken early waits for the other session's release, told by a notification", async () => {
+  /**
+   * 30 jobs of one key over two lock sessions, each with a runner of concurrency 3 (given to `attach` if
+   * asked): asserts that every job ran once and never two at once, and resolves each session's hand-offs.
+   */
+  async function twoSessionLine(identifier: string, attach: boolean) {
     const lines = [newLocks(), newLocks()].map((locks) => ({
       locks,
-      ...lineTask(locks, "early_remote", 15),
+      ...lineTask(locks, identifier, 15),
     }));
     for (let n = 0; n < 30; n++) await lines[n % 2]!.task.addJob({ n }, { preemptive: false });
-    for (const { task } of lines) {
-      await runner({ connectionString: db.url, concurrency: 3, taskList: { early_remote: task } });
+    for (const { locks, task } of lines) {
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 3,
+        taskList: { [identifier]: task },
+      });
+      if (attach) locks.attach(r);
     }
     await waitFor(async () => lines[0]!.spans.length + lines[1]!.spans.length === 30, {
       message: "every job to run",
@@ -898,38 +923,23 @@ describe("reschedule hand-off", () => {
     expect(ran.sort((a, b) => a - b)).toEqual(Array.from({ length: 30 }, (_, n) => n));
     // (both sessions are in this process, so one clock serves)
     expect(highestConcurrency([...lines[0]!.spans, ...lines[1]!.spans])).toBe(1);
-    const afterRelease = lines.reduce((sum, l) => sum + l.locks.status().handoffs.afterRelease, 0);
-    expect(afterRelease).toBeGreaterThan(0);
-    // Without attach, no session knows an idle worker of its own: every early wake is announced to all.
-    expect(lines.map((l) => l.locks.status().handoffs.wokenHere)).toEqual([0, 0]);
     await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+    return lines.map((l) => l.locks.status().handoffs);
+  }
+  const total = (handoffs: HandoffCounts[], what: keyof HandoffCounts) =>
+    handoffs.reduce((sum, h) => sum + h[what], 0);
+
+  it("across two sessions the job woken early waits for the other session's release, told by a notification", async () => {
+    const handoffs = await twoSessionLine("early_remote", false);
+    expect(total(handoffs, "afterRelease")).toBeGreaterThan(0);
+    // Without attach, no session knows an idle worker of its own: every early wake is announced to all.
+    expect(handoffs.map((h) => h.wokenHere)).toEqual([0, 0]);
   });
 
   it("with runners attached, an early wake goes to an idle worker of the holder's process, and the key passes in memory", async () => {
-    const lines = [newLocks(), newLocks()].map((locks) => ({
-      locks,
-      ...lineTask(locks, "early_attached", 15),
-    }));
-    for (let n = 0; n < 30; n++) await lines[n % 2]!.task.addJob({ n }, { preemptive: false });
-    for (const { locks, task } of lines) {
-      const r = await runner({
-        connectionString: db.url,
-        concurrency: 3,
-        taskList: { early_attached: task },
-      });
-      locks.attach(r);
-    }
-    await waitFor(async () => lines[0]!.spans.length + lines[1]!.spans.length === 30, {
-      message: "every job to run",
-    });
-    const ran = [...lines[0]!.ran, ...lines[1]!.ran];
-    expect(ran.sort((a, b) => a - b)).toEqual(Array.from({ length: 30 }, (_, n) => n));
-    expect(highestConcurrency([...lines[0]!.spans, ...lines[1]!.spans])).toBe(1);
-    const total = (what: "wokenHere" | "handedOver") =>
-      lines.reduce((sum, l) => sum + l.locks.status().handoffs[what], 0);
-    expect(total("wokenHere")).toBeGreaterThan(0);
-    expect(total("handedOver")).toBeGreaterThan(0);
-    await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+    const handoffs = await twoSessionLine("early_attached", true);
+    expect(total(handoffs, "wokenHere")).toBeGreaterThan(0);
+    expect(total(handoffs, "handedOver")).toBeGreaterThan(0);
   });
 
   it("a holder that overruns: the job woken early stops waiting, parks again in its place, and runs next", async () => {
@@ -975,15 +985,7 @@ describe("reschedule hand-off", () => {
     const key = lockKey("pw", "k").toString();
     const later = new Date(Date.now() + 3_600_000).toISOString();
     const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
-    const park = async (id: string) => {
-      await markFetched(id);
-      const { rows } = await q(
-        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
-        [id, later, key],
-      );
-      await q("delete from graphile_worker._private_jobs where id = $1", [id]);
-      return (rows[0] as { id: string }).id;
-    };
+    const park = (id: string) => parkFetched(id, key, later);
     const ids: string[] = [];
     for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pw", { n })).job!.id);
     const holder = ids[0]!;
@@ -1041,15 +1043,7 @@ describe("reschedule hand-off", () => {
     const holder = ids[0]!;
     await markFetched(holder);
     const waiting: string[] = [];
-    for (const id of ids.slice(1)) {
-      await markFetched(id);
-      const { rows } = await q(
-        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
-        [id, later, key],
-      );
-      await q("delete from graphile_worker._private_jobs where id = $1", [id]);
-      waiting.push((rows[0] as { id: string }).id);
-    }
+    for (const id of ids.slice(1)) waiting.push(await parkFetched(id, key, later));
     const listener = new pg.Client({ connectionString: db.url });
     await listener.connect();
     cleanups.push(() => listener.end());
