@@ -67,9 +67,8 @@ export async function openOurs(ctx: BenchContext): Promise<Peer> {
       reported = true;
       ctx.log(`peers: ours: a job failed (graphile-worker retries it): ${String(error)}`);
     });
-    // Early wakes go to this runner's idle workers.
-    const detach = locks.attach({ events });
-    events.once("stop", detach);
+    // Early wakes go to this runner's idle workers (detached when it stops).
+    locks.attach({ events });
     return run({
       connectionString: ctx.url,
       concurrency,

@@ -488,10 +488,16 @@ export function makeLocks(options: LocksOptions): Locks {
       assertOpen();
       const detachPrefetcher = prefetcher.attach(runner.events);
       const detachIdle = idleWorkers.attach(runner.events);
-      return () => {
+      let attached = true;
+      const detach = () => {
+        if (!attached) return;
+        attached = false;
+        runner.events.off("stop", detach);
         detachIdle();
         detachPrefetcher();
       };
+      runner.events.once("stop", detach);
+      return detach;
     },
     status() {
       return {

@@ -84,14 +84,11 @@ export class Prefetcher {
   attach(events: WorkerEvents): () => void {
     const onFetched = ({ jobs }: { jobs: Job[] }) => this.fetched(jobs);
     const onReturned = ({ jobs }: { jobs: Job[] }) => this.returned(jobs);
-    const onStop = () => this.releaseAll();
     events.on("localQueue:getJobs:complete", onFetched);
     events.on("localQueue:returnJobs", onReturned);
-    events.on("stop", onStop);
     return () => {
       events.off("localQueue:getJobs:complete", onFetched);
       events.off("localQueue:returnJobs", onReturned);
-      events.off("stop", onStop);
       this.releaseAll();
     };
   }
