@@ -4,7 +4,7 @@
  * Runs the throughput section's configurations with more variants and more instruments:
  * - nolock: the real wrapper (`makeExclusiveTask`) on a fake lock session that grants every key at once,
  *   without PostgreSQL: the wrapper's JavaScript cost alone (key derivation, abort plumbing, promises).
- * - every lock statement (`gwl_lock_batch_*`) is observed by patching `pg.Client.prototype.query`:
+ * - every lock statement (`gwl_lock_batch_*`, `gwl_lock_plain_*`) is observed by patching `pg.Client.prototype.query`:
  *   how many unlock and lock requests each carried, how long it took, and how long the session sat idle
  *   between statements while jobs were waiting.
  * - per job (wrapped): time from the wrapper's call to the task's start (acquire) and from the task's end
@@ -60,7 +60,11 @@ let lastEnd = Number.NaN;
 const originalQuery = pg.Client.prototype.query;
 pg.Client.prototype.query = function patchedQuery(this: pg.Client, ...args: unknown[]) {
   const config = args[0] as { name?: string; values?: unknown[][] } | undefined;
-  if (config && typeof config === "object" && config.name?.startsWith("gwl_lock_batch")) {
+  if (
+    config &&
+    typeof config === "object" &&
+    (config.name?.startsWith("gwl_lock_batch") || config.name?.startsWith("gwl_lock_plain"))
+  ) {
     const start = now();
     if (Number.isFinite(lastEnd)) stats.gapMs.push(start - lastEnd);
     stats.count++;

@@ -16,7 +16,7 @@
  *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
  *   round trip, never a re-entrant "success".
  * - Requests are coalesced: while one statement is in flight, every lock and unlock request queues up, and
- *   the next statement carries all of them (`gwl_lock_batch_v1`). One statement is in flight at a time.
+ *   the next statement carries all of them (`lockBatch` in sql.ts, or `lockBatchPlain` when it has nothing else). One statement is in flight at a time.
  * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
@@ -775,24 +775,39 @@ export class LockSession {
     const multis: LockRequest[] = [];
     for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
 
+    const { lockBatch, lockBatchPlain } = this.options.sql;
+    const plain =
+      multis.length === 0 &&
+      waking.length === 0 &&
+      prewakes.length === 0 &&
+      singles.every((r) => r.info.wakeKey === null);
+
     this.statements++;
     this.inFlightSince = performance.now();
     this.inFlight = client
-      .query<{ op: number; i: number; key: string | null }>({
-        name: this.options.sql.lockBatch.name,
-        text: this.options.sql.lockBatch.text,
-        values: [
-          unlocks.map((hold) => hold.keyText),
-          singles.map((r) => r.slots[0]),
-          multis.map((r) => r.slots.join(",")),
-          waking.map((hold) => hold.info.wakeKey!.toString()),
-          // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
-          singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
-          prewakes.map((hold) => hold.keyText),
-          waking.map((hold) => hold.info.jobId),
-          !wakeHere,
-        ],
-      })
+      .query<{ op: number; i: number; key: string | null }>(
+        plain
+          ? {
+              name: lockBatchPlain.name,
+              text: lockBatchPlain.text,
+              values: [unlocks.map((hold) => hold.keyText), singles.map((r) => r.slots[0])],
+            }
+          : {
+              name: lockBatch.name,
+              text: lockBatch.text,
+              values: [
+                unlocks.map((hold) => hold.keyText),
+                singles.map((r) => r.slots[0]),
+                multis.map((r) => r.slots.join(",")),
+                waking.map((hold) => hold.info.wakeKey!.toString()),
+                // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
+                singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
+                prewakes.map((hold) => hold.keyText),
+                waking.map((hold) => hold.info.jobId),
+                !wakeHere,
+              ],
+            },
+      )
       .then(
         ({ rows }) => {
           if (generation !== this.generation) {

@@ -96,6 +96,22 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
     },
 
+    /**
+     * `lockBatch` for the common batch: unlocks of holds without a line and single keys without a job
+     * waiting its turn, nothing else. The same answers (op 0, op 1), from a statement PostgreSQL runs in about
+     * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
+     */
+    lockBatchPlain: {
+      name: `gwl_lock_plain_v1`,
+      text: `select 0 as op, t.i::int as i, null::text as key
+        from unnest($1::bigint[]) with ordinality as t(k, i)
+        where not pg_catalog.pg_advisory_unlock(t.k)
+      union all
+      select 1, t.i::int, null
+        from unnest($2::bigint[]) with ordinality as t(k, i)
+        where not pg_catalog.pg_try_advisory_lock(t.k)`,
+    },
+
     /** The channel on which a release tells the session of a job woken early that its key is free. */
     releaseChannel: "gwl_release",
 
