@@ -9,7 +9,7 @@ import { InvalidArgumentError } from "./errors.js";
 import { advisoryParts } from "./key.js";
 import type { AddJobSpec } from "./options.js";
 import type { Sql } from "./sql.js";
-import type { ResolvedUnique } from "./unique.js";
+import type { ResolvedUnique, UniqueScope } from "./unique.js";
 
 export interface AddJobResult {
   /** The job added, or for a duplicate the existing job (null if a `uniqueFor` window outlived it). */
@@ -68,17 +68,26 @@ function uniqueFlags(
   flags: readonly string[] | undefined,
   unique: ResolvedUnique | null,
 ): Record<string, true> | null {
-  if (!unique?.scope && !flags?.length) return null;
+  if (!flags?.length) return unique?.scope ? SCOPE_FLAGS[unique.scope] : null;
   const object: Record<string, true> = {};
   for (const flag of flags ?? []) object[flag] = true;
   if (unique?.scope) object[`gwl:unique:${unique.scope}`] = true;
   return object;
 }
 
+/** The flags object of a unique job without flags of the caller's, one per scope (only ever serialized). */
+const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>> = {
+  queued: { "gwl:unique:queued": true },
+  active: { "gwl:unique:active": true },
+  exists: { "gwl:unique:exists": true },
+};
+
 function toJob(row: JobRow, taskIdentifier: string): Job | null {
   const { outcome: _outcome, ord: _ord, ...job } = row;
   if (job.id === null) return null;
-  return { ...job, task_identifier: job.task_identifier ?? taskIdentifier };
+  // (a row the library added has no task identifier of its own: it is the item's)
+  job.task_identifier ??= taskIdentifier;
+  return job;
 }
 
 function commonValues(plan: EnqueuePlan) {
@@ -158,19 +167,21 @@ export async function addJobs(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
-    const { spec } = plan;
+    const { spec, unique } = plan;
+    // Fields left undefined are left out of the JSON, and the database reads them as null: a batch is
+    // smaller to write and to parse.
     return {
       identifier: plan.taskIdentifier,
       payload: plan.payload ?? {},
-      queue_name: spec?.queueName ?? null,
-      run_at: spec?.runAt ? spec.runAt.toISOString() : null,
-      max_attempts: spec?.maxAttempts ?? null,
-      priority: spec?.priority ?? null,
-      flags: uniqueFlags(spec?.flags, plan.unique),
-      unique_key: plan.unique?.key ?? null,
-      scope: plan.unique?.scope ?? null,
-      window_seconds: plan.unique?.windowSeconds ?? null,
-      on_duplicate: plan.unique?.onDuplicate ?? null,
+      queue_name: spec?.queueName ?? undefined,
+      run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
+      max_attempts: spec?.maxAttempts ?? undefined,
+      priority: spec?.priority ?? undefined,
+      flags: uniqueFlags(spec?.flags, unique) ?? undefined,
+      unique_key: unique?.key ?? null,
+      scope: unique?.scope ?? null,
+      window_seconds: unique?.windowSeconds ?? undefined,
+      on_duplicate: unique?.onDuplicate,
       first: false,
     };
   });
@@ -190,7 +201,7 @@ export async function addJobs(
       specs.length,
       firsts,
       [...new Set(specs.map((s) => s.identifier))],
-      [...new Set(specs.flatMap((s) => (s.queue_name === null ? [] : [s.queue_name])))],
+      [...new Set(specs.flatMap((s) => (s.queue_name === undefined ? [] : [s.queue_name])))],
     ]),
   );
   // Rows inserted set-based come back without a position: each is the first item of its key.

@@ -370,6 +370,72 @@ describe("bulk", () => {
     expect(await jobCount()).toBe(5);
   });
 
+  it("carries every spec field of a bulk item, set or left out, to the job it adds", async () => {
+    const runAt = new Date(Date.now() + 3_600_000);
+    const results = await locks.addJobs([
+      {
+        identifier: "bf",
+        payload: { k: 1 },
+        unique: "active",
+        queueName: "bf-queue",
+        runAt,
+        priority: 3,
+        maxAttempts: 4,
+        flags: ["mine"],
+      },
+      { identifier: "bf2", payload: { k: 2 }, uniqueFor: 60, queueName: "bf-queue" },
+      { identifier: "bf", payload: { k: 3 } },
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual(["added", "added", "added"]);
+    expect(results.map((r) => r.job!.task_identifier)).toEqual(["bf", "bf2", "bf"]);
+    const { rows: found } = await db.pool().query<{
+      id: string;
+      task_identifier: string;
+      queue_name: string | null;
+      run_at: Date;
+      priority: number;
+      max_attempts: number;
+      flags: Record<string, unknown> | null;
+      key: string | null;
+    }>(
+      `select id::text, task_identifier, queue_name, run_at, priority, max_attempts, flags, key
+       from graphile_worker.jobs where id = any($1::bigint[])`,
+      [results.map((r) => r.job!.id)],
+    );
+    const rows = results.map((r) => found.find((row) => row.id === r.job!.id)!);
+    expect(rows[0]).toMatchObject({
+      task_identifier: "bf",
+      queue_name: "bf-queue",
+      priority: 3,
+      max_attempts: 4,
+      flags: { mine: true, "gwl:unique:active": true },
+    });
+    expect(rows[0]!.run_at.getTime()).toBe(runAt.getTime());
+    expect(rows[0]!.key).toMatch(/^gwl:u:[0-9a-f]{64}$/);
+    // A window alone: no scope flag and no job key; the window is a row of its own, ending a minute from now.
+    expect(rows[1]).toMatchObject({ task_identifier: "bf2", queue_name: "bf-queue", priority: 0 });
+    expect(Object.keys(rows[1]!.flags ?? {}).filter((f) => f.startsWith("gwl:"))).toEqual([]);
+    expect(rows[1]!.key).toBeNull();
+    const windows = await db.pool().query<{ seconds: number }>(
+      `select extract(epoch from expires_at - now())::float8 as seconds
+         from graphile_worker_locks.unique_windows where job_id = $1::bigint`,
+      [results[1]!.job!.id],
+    );
+    expect(windows.rows).toHaveLength(1);
+    expect(windows.rows[0]!.seconds).toBeGreaterThan(50);
+    expect(windows.rows[0]!.seconds).toBeLessThanOrEqual(60);
+    // Nothing set: graphile-worker's defaults, no key, no flags.
+    expect(rows[2]).toMatchObject({
+      task_identifier: "bf",
+      queue_name: null,
+      priority: 0,
+      max_attempts: 25,
+      flags: null,
+      key: null,
+    });
+    expect(Math.abs(rows[2]!.run_at.getTime() - Date.now())).toBeLessThan(60_000);
+  });
+
   it("a holder out of its scope gives up its key to the batch; one in scope answers for every duplicate", async () => {
     const started = await locks.addJob("bs", { k: "started" }, { unique: "queued" });
     const waiting = await locks.addJob("bs", { k: "waiting" }, { unique: "queued" });
