@@ -31,6 +31,19 @@ describe("lockKey", () => {
     const material = lockKeyMaterial("x", { n: [1, 2] });
     const digest = createHash("sha256").update(material).digest();
     expect(lockKey("x", { n: [1, 2] })).toBe(digest.readBigInt64BE(0));
+    // Over many payloads (non-ASCII ones among them), negative and positive keys alike, with slots.
+    let negative = 0;
+    for (let i = 0; i < 2_000; i++) {
+      const payload = { i, s: ["plain", "é", "名前", "🙂", "\u0000"][i % 5]!.repeat(i % 7) };
+      const keyMaterial = lockKeyMaterial("x", payload);
+      const expected = createHash("sha256").update(keyMaterial, "utf8").digest().readBigInt64BE(0);
+      expect(lockKey("x", payload)).toBe(expected);
+      const slot = createHash("sha256").update(`${keyMaterial}#slot:1`).digest().readBigInt64BE(0);
+      expect(slotKeys("x", payload, 2)).toEqual([expected, slot]);
+      if (expected < 0n) negative++;
+    }
+    expect(negative).toBeGreaterThan(800);
+    expect(negative).toBeLessThan(1_200);
   });
 
   it("ignores key order, distinguishes tasks and values", () => {

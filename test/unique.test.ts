@@ -2,6 +2,7 @@
  * Unique jobs against real PostgreSQL: scopes, windows, keys, duplicate strategies, races on separate
  * connections, callers' transactions, bulk, bounded state, and a scope x outcome matrix with real runners.
  */
+import { createHash } from "node:crypto";
 import { makeWorkerUtils, type Job, type Runner, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
@@ -73,6 +74,12 @@ describe("keys", () => {
     expect(uniqueJobKey("send_email", { to: "a@b.c", template: "welcome" }, null)).toBe(
       "gwl:u:d7414e1aecd63397729622092c78df88ec136e9d2a81ba5a2215bfd9da75fc28",
     );
+    for (const payload of [{ a: 1 }, { name: "名前 🙂" }, null]) {
+      const hex = createHash("sha256")
+        .update(uniqueKeyMaterial("t", payload, null), "utf8")
+        .digest("hex");
+      expect(uniqueJobKey("t", payload, null)).toBe(`gwl:u:${hex}`);
+    }
     expect(uniqueJobKey("t", { a: 1, b: 2 }, null)).toBe(uniqueJobKey("t", { b: 2, a: 1 }, null));
     expect(uniqueJobKey("t", { a: 1 }, "q1")).not.toBe(uniqueJobKey("t", { a: 1 }, null));
   });
