@@ -2,7 +2,7 @@
  * Exclusive execution in one process: re-entrancy, conflict strategies, semaphores, introspection.
  * Real PostgreSQL, real graphile-worker runners, separate connections.
  */
-import { makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
+import { Logger, makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
 import net from "node:net";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
@@ -419,6 +419,49 @@ describe("lockAvailable and the preemptive check", () => {
       InvalidArgumentError,
     );
     expect(await jobRows()).toEqual([]);
+  });
+});
+
+describe("release", () => {
+  it("an unlock PostgreSQL answers false is reported: lock:released with outcome unverified, and a warning", async () => {
+    const warnings: string[] = [];
+    const logger = new Logger(() => (level, message) => {
+      if (level === "warning") warnings.push(message);
+    });
+    const locks = newLocks({ logger });
+    // The lock session's connection: the client that sends the lock statements.
+    const sessionClients = new Set<pg.Client>();
+    const original = pg.Client.prototype.query;
+    const restore = async () => {
+      pg.Client.prototype.query = original;
+    };
+    cleanups.push(restore);
+    pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
+      const config = args[0] as { name?: string } | undefined;
+      if (typeof config === "object" && config?.name?.startsWith("gwl_lock_"))
+        sessionClients.add(this);
+      return (original as (...a: unknown[]) => unknown).apply(this, args);
+    } as typeof original;
+    let ran = 0;
+    const task = locks.exclusive("unverified", async (_p: { k: number }) => {
+      ran++;
+      // Something else on that connection lets every key go behind the library's back.
+      const [sessionClient] = sessionClients;
+      await sessionClient!.query("select pg_advisory_unlock_all()");
+    });
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { unverified: task } });
+    const released = nextEvent(locks, "lock:released");
+    await task.addJob({ k: 1 });
+    const event = await released;
+    await restore();
+    expect(ran).toBe(1);
+    expect(sessionClients.size).toBe(1);
+    expect(event.outcome).toBe("unverified");
+    expect(event.lockKey).toBe(task.lockKey({ k: 1 }));
+    expect(
+      warnings.filter((w) => /pg_advisory_unlock\(-?\d+\) returned false/.test(w)),
+    ).toHaveLength(1);
+    expect(locks.status().held).toEqual([]);
   });
 });
 
