@@ -13,7 +13,7 @@
  *   meaningful for a local server).
  *
  * PROFILE_JOBS overrides the job count (default: the throughput section's), PROFILE_ROUNDS the rounds
- * (default 2), PROFILE_VARIANTS (comma-separated, default plain,nolock,wrapped,naive) the variants. Run under
+ * (default 2), PROFILE_VARIANTS (comma-separated, default plain,nolock,wrapped,naive; naiveConn too) the variants. Run under
  * `node --cpu-prof --cpu-prof-dir=<dir> --import tsx bench/profile.ts B` for a CPU profile.
  */
 import { readdirSync, readFileSync } from "node:fs";

@@ -16,6 +16,9 @@
  * - naive: what you would write without the library: per job, `pg_try_advisory_lock` and then
  *   `pg_advisory_unlock` on one dedicated connection (two round trips, same key derivation), which shows
  *   what coalescing buys.
+ * - naive, connection per job ("naiveConn"): the same two statements on a connection of the running job's
+ *   own, from a pool of one connection per worker (que-locks' design, a session per worker): no queueing
+ *   behind other jobs' statements, at the price of a connection per worker.
  *
  * Configurations A3 and B3 are A and B run by 3 worker processes (bench/throughput-worker.ts, same
  * per-process concurrency and options), each with one runner and, wrapped, one Locks instance with
@@ -157,7 +160,7 @@ const MAIN_PROCESS = "main";
 const SAMPLE_INTERVAL_MS = 250;
 
 /** `nolock` exists in bench/profile.ts only. */
-export type VariantId = "plain" | "wrapped" | "naive" | "nolock";
+export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn" | "nolock";
 
 export interface Variant {
   id: VariantId;
@@ -172,7 +175,7 @@ export interface Variant {
   session?(): { held: number };
 }
 
-/** The three variants, with what they need (a Locks instance, the naive variant's connection). */
+/** The four variants, with what they need (a Locks instance, the naive variants' connections). */
 export async function openVariants(
   ctx: BenchContext,
 ): Promise<{ variants: Variant[]; close(): Promise<void> }> {
@@ -190,6 +193,14 @@ export async function openVariants(
     throw error;
   }
   const naive = makeNaive(naiveClient);
+  // One connection per worker of the busiest configuration, opened as jobs need them.
+  const naivePool = new pg.Pool({
+    connectionString: ctx.url,
+    application_name: "gwl-bench-naive-conn",
+    max: Math.max(...CONFIGS.map((c) => c.concurrency)),
+  });
+  naivePool.on("error", () => undefined);
+  const naiveConn = makeNaiveConn(naivePool);
   return {
     variants: [
       { id: "plain", task: noop, statements: () => 0, conflicts: () => 0 },
@@ -203,10 +214,12 @@ export async function openVariants(
         session: () => ({ held: locks.status().held.length }),
       },
       { id: "naive", task: naive.task, statements: naive.statements, conflicts: naive.conflicts },
+      { id: "naiveConn", ...naiveConn },
     ],
     async close() {
       await locks.release();
       await naiveClient.end().catch(() => undefined);
+      await naivePool.end().catch(() => undefined);
     },
   };
 }
@@ -283,6 +296,42 @@ function makeNaive(client: pg.Client): { task: Task; statements(): number; confl
       await noop(payload, helpers);
     } finally {
       await call("bench_naive_unlock", "pg_advisory_unlock", key);
+    }
+  };
+  return { task, statements: () => statements, conflicts: () => conflicts };
+}
+
+/**
+ * Per job: a connection of its own from `pool` (one per worker), try_lock, the task, unlock, each a round
+ * trip of that connection; the connection goes back to the pool after the unlock.
+ */
+function makeNaiveConn(pool: pg.Pool): { task: Task; statements(): number; conflicts(): number } {
+  let statements = 0;
+  let conflicts = 0;
+  const call = async (client: pg.PoolClient, name: string, fn: string, key: string) => {
+    statements++;
+    const { rows } = await client.query<{ ok: boolean }>({
+      name,
+      text: `select ${fn}($1::bigint) as ok`,
+      values: [key],
+    });
+    return rows[0]!.ok;
+  };
+  const task: Task = async (payload, helpers) => {
+    const key = library.lockKey(TASK, payload).toString();
+    const client = await pool.connect();
+    try {
+      if (!(await call(client, "bench_naive_try_lock", "pg_try_advisory_lock", key))) {
+        conflicts++;
+        return;
+      }
+      try {
+        await noop(payload, helpers);
+      } finally {
+        await call(client, "bench_naive_unlock", "pg_advisory_unlock", key);
+      }
+    } finally {
+      client.release();
     }
   };
   return { task, statements: () => statements, conflicts: () => conflicts };
@@ -427,10 +476,16 @@ export interface ConfigFigures {
   worker: WorkerPreset;
   rounds: number;
   /** No naive variant with several processes. */
-  variants: { plain: VariantFigures; wrapped: VariantFigures; naive?: VariantFigures };
+  variants: {
+    plain: VariantFigures;
+    wrapped: VariantFigures;
+    naive?: VariantFigures;
+    naiveConn?: VariantFigures;
+  };
   /** Ratio of the medians. */
   wrappedOverPlain: number;
   naiveOverPlain: number | null;
+  naiveConnOverPlain: number | null;
   goal: number;
   goalMet: boolean;
   runs: RunFigures[];
@@ -954,7 +1009,11 @@ async function runInProcess(
   variants: Variant[],
 ): Promise<ConfigFigures> {
   const jobsOf = (variant: Variant) =>
-    ctx.quick ? config.quickJobs : variant.id === "naive" ? config.naiveJobs : config.jobs;
+    ctx.quick
+      ? config.quickJobs
+      : variant.id === "naive" || variant.id === "naiveConn"
+        ? config.naiveJobs
+        : config.jobs;
   const runs = await alternate(ctx, config, variants, jobsOf, (variant, jobs, r) =>
     measureInProcess(ctx, config, variant, jobs, r),
   );
@@ -1032,6 +1091,9 @@ function summarise(
   const plain = per("plain")!;
   const wrapped = per("wrapped")!;
   const naive = per("naive");
+  const naiveConn = per("naiveConn");
+  const over = (v: VariantFigures | undefined) =>
+    v ? round(v.medianJobsPerSecond / plain.medianJobsPerSecond, 3) : null;
   const wrappedOverPlain = round(wrapped.medianJobsPerSecond / plain.medianJobsPerSecond, 3);
   return {
     id: config.id,
@@ -1040,9 +1102,15 @@ function summarise(
     concurrency: config.concurrency,
     worker: config.worker,
     rounds: ROUNDS,
-    variants: naive ? { plain, wrapped, naive } : { plain, wrapped },
+    variants: {
+      plain,
+      wrapped,
+      ...(naive ? { naive } : {}),
+      ...(naiveConn ? { naiveConn } : {}),
+    },
     wrappedOverPlain,
-    naiveOverPlain: naive ? round(naive.medianJobsPerSecond / plain.medianJobsPerSecond, 3) : null,
+    naiveOverPlain: over(naive),
+    naiveConnOverPlain: over(naiveConn),
     goal: config.goal,
     goalMet: wrappedOverPlain >= config.goal,
     runs,
@@ -1067,7 +1135,9 @@ function tables(results: ConfigFigures[]): Table[] {
       { header: "lock stmts/job", align: "right" },
       { header: "naive", align: "right" },
       { header: "naive/plain", align: "right" },
-      { header: "node CPU µs/job p/w/n", align: "right" },
+      { header: "naive, conn/job", align: "right" },
+      { header: "its /plain", align: "right" },
+      { header: "node CPU µs/job p/w/n/c", align: "right" },
     ],
     rows: results.map((c) => [
       `${c.id}: ${c.label}`,
@@ -1082,15 +1152,20 @@ function tables(results: ConfigFigures[]): Table[] {
         ? `${fmtInt(c.variants.naive.medianJobsPerSecond)} ±${fmtPercent(c.variants.naive.spread)}`
         : "–",
       c.naiveOverPlain === null ? "–" : fmtFixed(c.naiveOverPlain, 2),
-      [c.variants.plain, c.variants.wrapped, c.variants.naive]
+      c.variants.naiveConn
+        ? `${fmtInt(c.variants.naiveConn.medianJobsPerSecond)} ±${fmtPercent(c.variants.naiveConn.spread)}`
+        : "–",
+      c.naiveConnOverPlain === null ? "–" : fmtFixed(c.naiveConnOverPlain, 2),
+      [c.variants.plain, c.variants.wrapped, c.variants.naive, c.variants.naiveConn]
         .map((v) => (v ? fmtInt(v.medianNodeCpuUsPerJob) : "–"))
         .join(" / "),
     ]),
     notes: [
       "plain: graphile-worker alone; wrapped: locks.exclusive() with a distinct key per job;",
-      "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job).",
+      "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job);",
+      "naive, conn/job: the same on a connection of the job's own, from a pool of one per worker (que-locks' design).",
       "lock stmts/job: statements on the lock session per job (< 1: lock/unlock requests coalesced).",
-      "node CPU µs/job: CPU time (user + system) of this Node.js process per job, plain / wrapped / naive.",
+      "node CPU µs/job: CPU time (user + system) of this Node.js process per job, plain / wrapped / naive / conn/job.",
       `${PROCESS_CONFIGS.map((c) => c.id).join(", ")}: ${PROCESSES} worker processes, each with the concurrency and options of ` +
         `${CONFIGS.map((c) => c.id).join(", ")} and its own runner`,
       "(and Locks instance, with attach()); clock from the start signal to an empty table; lock stmts/job and",
