@@ -21,6 +21,11 @@ function heldCount(classids: string, objids: string): string {
         and l.database = ${THIS_DATABASE})`;
 }
 
+/** The first branch of both lock batches: the unlocks of $1 that PostgreSQL answered false (op 0). */
+const FAILED_UNLOCKS = `select 0 as op, t.i::int as i, null::text as key
+        from unnest($1::bigint[]) with ordinality as t(k, i)
+        where not pg_catalog.pg_advisory_unlock(t.k)`;
+
 const ADD_JOB_ARGS = `identifier => $1::text,
     payload => $2::json,
     queue_name => $3::text,
@@ -69,9 +74,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
       // should wait for the release. Semaphore requests answer with the slot they took; op 6 names the
       // job each early wake woke.
-      text: `select 0 as op, t.i::int as i, null::text as key
-        from unnest($1::bigint[]) with ordinality as t(k, i)
-        where not pg_catalog.pg_advisory_unlock(t.k)
+      text: `${FAILED_UNLOCKS}
       union all
       select case
           when r.got then 5
@@ -103,9 +106,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     lockBatchPlain: {
       name: `gwl_lock_plain_v1`,
-      text: `select 0 as op, t.i::int as i, null::text as key
-        from unnest($1::bigint[]) with ordinality as t(k, i)
-        where not pg_catalog.pg_advisory_unlock(t.k)
+      text: `${FAILED_UNLOCKS}
       union all
       select 1, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
