@@ -39,6 +39,12 @@ export interface EnqueuePlan {
   /** The lock's slot keys when the preemptive check applies. */
   lockKeys: readonly bigint[] | null;
   unique: ResolvedUnique | null;
+  /**
+   * A job of a `reschedule` task (one slot, not unique, no `runAt`): its key, and how long it may wait in
+   * line before its safety net fetches it (the task's `reschedule.maxDelay`). In a bulk enqueue, such a job
+   * after the first of its key is added waiting in line (sql/000008.sql).
+   */
+  line?: { key: bigint; safetyNetMs: number } | null;
 }
 
 /** pg_locks coordinates of keys, as the `lockAvailable` statement takes them. */
@@ -195,6 +201,14 @@ export async function addJobs(
     }
   });
   if (specs.length === 0) return [];
+  // Lines only where two jobs of a batch share a key: nothing to send otherwise.
+  const lineKeys = new Set<bigint>();
+  let lines = false;
+  for (const plan of plans) {
+    if (!plan.line) continue;
+    if (lineKeys.has(plan.line.key)) lines = true;
+    else lineKeys.add(plan.line.key);
+  }
   const { rows } = await db.query<JobRow>(
     sql.statement("add_unique_bulk", sql.addUniqueJobs, [
       JSON.stringify(specs),
@@ -202,6 +216,8 @@ export async function addJobs(
       firsts,
       [...new Set(specs.map((s) => s.identifier))],
       [...new Set(specs.flatMap((s) => (s.queue_name === undefined ? [] : [s.queue_name])))],
+      lines ? plans.map((p) => p.line?.key.toString() ?? null) : null,
+      lines ? plans.map((p) => p.line?.safetyNetMs ?? null) : null,
     ]),
   );
   // Rows inserted set-based come back without a position: each is the first item of its key.

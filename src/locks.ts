@@ -274,11 +274,13 @@ export function makeLocks(options: LocksOptions): Locks {
     const lockKeys = preemptive ? keysOf(taskIdentifier, payload) : null;
     const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
     // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
+    let line: EnqueuePlan["line"] = null;
     if (exclusive?.onConflict === "reschedule" && exclusive.limit === 1) {
-      const flag = lockFlag((lockKeys ?? keysOf(taskIdentifier, payload))[0]!);
-      spec = { ...spec, flags: [...(spec?.flags ?? []), flag] };
+      const key = (lockKeys ?? keysOf(taskIdentifier, payload))[0]!;
+      if (!unique && !spec?.runAt) line = { key, safetyNetMs: exclusive.reschedule.maxDelay };
+      spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
-    return { taskIdentifier, payload, spec, lockKeys, unique };
+    return { taskIdentifier, payload, spec, lockKeys, unique, line };
   };
 
   const report = (result: AddJobResult, p: EnqueuePlan) => {

@@ -161,9 +161,13 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       left join ${w}._private_tasks t on t.id = (r.job).task_id
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
-    /** A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec, $2 its length, $3 how many are `first`. */
+    /**
+     * A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec, $2 its length, $3 how many
+     * are `first`; $6, $7: for each item, the lock key of a `reschedule` job that may be added waiting in line
+     * behind the batch's first job of that key, and its safety net in ms (sql/000008.sql), or nulls.
+     */
     addUniqueJobs: `select r.ord, r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[]) r
+      from ${s}.add_unique_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::bigint[], $7::float8[]) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,

@@ -1145,6 +1145,151 @@ describe("reschedule hand-off", () => {
   });
 });
 
+describe("bulk enqueue of a reschedule task: the line at once", () => {
+  type Item = { k: string; n: number };
+  /**
+   * A `reschedule` task keyed by `k` that records, per key, the order its jobs ran in and their spans; a job
+   * with a negative `n` holds its key until `gate` resolves.
+   */
+  function keyedLine(locks: Locks, identifier: string, maxDelay = 30_000, gate?: Promise<void>) {
+    const order = new Map<string, number[]>();
+    const spans: Array<{ start: number; end: number; k: string }> = [];
+    const task = locks.exclusive(
+      identifier,
+      async (p: Item) => {
+        const start = performance.now();
+        order.set(p.k, [...(order.get(p.k) ?? []), p.n]);
+        if (p.n < 0) await gate;
+        await new Promise((resolve) => setTimeout(resolve, 10));
+        spans.push({ start, end: performance.now(), k: p.k });
+      },
+      { key: (p) => p.k, onConflict: "reschedule", reschedule: { minDelay: 50, maxDelay } },
+    );
+    return { task, order, spans };
+  }
+  const items = (identifier: string, k: string, ns: number[]) =>
+    ns.map((n) => ({ identifier, payload: { k, n } }));
+
+  it("adds the jobs after the first of their key waiting in line, each at its own place, with its safety net as run_at", async () => {
+    const locks = newLocks();
+    const { task } = keyedLine(locks, "bulk_line");
+    const later = new Date(Date.now() + 3_600_000);
+    const before = Date.now();
+    const results = await locks.addJobs([
+      ...items("bulk_line", "a", [0, 1]),
+      ...items("bulk_line", "b", [0, 1]),
+      ...items("bulk_line", "a", [2, 3]),
+      { identifier: "bulk_line", payload: { k: "c", n: 0 } },
+      // Not in line: a job of its own time, and a unique one.
+      { identifier: "bulk_line", payload: { k: "a", n: 4 }, runAt: later },
+      { identifier: "bulk_line", payload: { k: "a", n: 5 }, unique: "queued" },
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual(Array(9).fill("added"));
+    const id = (i: number) => results[i]!.job!.id;
+    const { rows: waiters } = await db
+      .pool()
+      .query<{ lock_key: string; job_id: string; pos: string }>(
+        "select lock_key::text, job_id::text, pos::text from graphile_worker_locks.waiters order by pos",
+      );
+    const keyOf = (k: string) => task.lockKey({ k, n: 0 }).toString();
+    expect(waiters).toEqual(
+      [1, 3, 4, 5].map((i) => ({
+        lock_key: keyOf(i === 3 ? "b" : "a"),
+        job_id: id(i),
+        pos: id(i),
+      })),
+    );
+    const runAt = (i: number) => results[i]!.job!.run_at.getTime();
+    // The fronts (a0, b0), the lone c and the unique job run now; a4 at its own time.
+    for (const i of [0, 2, 6, 8]) expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 1_000);
+    expect(runAt(7)).toBe(later.getTime());
+    for (const i of [1, 3, 4, 5]) {
+      expect(runAt(i)).toBeGreaterThanOrEqual(before + 29_000);
+      expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 31_000);
+    }
+    // The function a process of the previous version calls still adds jobs, none in line.
+    const { rows } = await db
+      .pool()
+      .query(
+        `select r.outcome from graphile_worker_locks.add_unique_jobs($1::json, 2, 0, '{bulk_line}', '{}') r`,
+        [
+          JSON.stringify(
+            [0, 1].map((n) => ({ identifier: "bulk_line", payload: { k: "d", n }, first: false })),
+          ),
+        ],
+      );
+    expect(rows.map((r) => r.outcome)).toEqual(["added", "added"]);
+    expect(await parkedCount()).toBe(4);
+  });
+
+  it("a runner then runs every key's jobs once each, in enqueue order, never two at once, fetching each about once", async () => {
+    const locks = newLocks();
+    const { task, order, spans } = keyedLine(locks, "bulk_run");
+    const rescheduled = countEvents(locks, ["job:rescheduled"]);
+    await locks.addJobs(
+      Array.from({ length: 24 }, (_, i) => ({
+        identifier: "bulk_run",
+        payload: { k: i % 2 ? "odd" : "even", n: i },
+      })),
+    );
+    expect(await parkedCount()).toBe(22);
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { bulk_run: task },
+    });
+    locks.attach(r);
+    let fetches = 0;
+    r.events.on("job:start", () => fetches++);
+    await waitFor(async () => spans.length === 24, { message: "every job to run" });
+    expect(order.get("even")).toEqual(Array.from({ length: 12 }, (_, i) => 2 * i));
+    expect(order.get("odd")).toEqual(Array.from({ length: 12 }, (_, i) => 2 * i + 1));
+    for (const k of ["even", "odd"])
+      expect(highestConcurrency(spans.filter((span) => span.k === k))).toBe(1);
+    // Nothing was fetched only to find its key held and park: the normal path parks about once per job.
+    expect(rescheduled["job:rescheduled"]).toBeLessThan(5);
+    expect(fetches).toBeLessThan(24 + 5);
+    await waitFor(async () => (await parkedCount()) === 0, { message: "no waiter left" });
+  });
+
+  it("a front that finds its key held parks ahead of the jobs behind it, and the line runs in order once the key frees", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const { task, order, spans } = keyedLine(locks, "bulk_held", 30_000, gate.promise);
+    await runner({ connectionString: db.url, concurrency: 3, taskList: { bulk_held: task } });
+    // A job of the key holds it (n = -1 waits for the gate) when the batch comes in.
+    const holding = nextEvent(locks, "lock:acquired");
+    await task.addJob({ k: "h", n: -1 });
+    await holding;
+    const parked = nextEvent(locks, "job:rescheduled");
+    await locks.addJobs(items("bulk_held", "h", [0, 1, 2, 3]));
+    const { job } = await parked;
+    expect((job.payload as Item).n).toBe(0);
+    expect(spans).toEqual([]);
+    gate.resolve();
+    await waitFor(async () => spans.length === 5, { message: "the line to run" });
+    expect(order.get("h")).toEqual([-1, 0, 1, 2, 3]);
+    expect(highestConcurrency(spans)).toBe(1);
+  });
+
+  it("should the front never run, the jobs behind it are fetched by their safety net, in line order", async () => {
+    const locks = newLocks();
+    const { task, order, spans } = keyedLine(locks, "bulk_net", 600);
+    const results = await locks.addJobs(items("bulk_net", "s", [0, 1, 2]));
+    await db
+      .pool()
+      .query("delete from graphile_worker._private_jobs where id = $1", [results[0]!.job!.id]);
+    const started = performance.now();
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { bulk_net: task } });
+    await waitFor(async () => spans.length === 2, { message: "the jobs behind the front to run" });
+    expect(order.get("s")).toEqual([1, 2]);
+    // Not before their safety net (600 ms from the enqueue): nobody woke them.
+    expect(spans[0]!.start - started).toBeGreaterThan(300);
+    expect(highestConcurrency(spans)).toBe(1);
+  });
+});
+
 describe("lock-ahead with graphile-worker's local queue", () => {
   const localQueue = { worker: { localQueue: { size: 20 }, completeJobBatchDelay: 0 } };
 
