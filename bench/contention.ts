@@ -41,6 +41,7 @@
 import { fork, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { highestConcurrency } from "../scripts/overlap.js";
+import type { Locks, RescheduleOptions } from "../src/index.js";
 import { library } from "./library.js";
 import {
   countJobs,
@@ -48,6 +49,7 @@ import {
   fmtInt,
   fmtPercent,
   median,
+  quietLogger,
   resetJobs,
   round,
   sleep,
@@ -64,6 +66,7 @@ import {
   TASK_MS,
   clock,
   type ChildMessage,
+  type ContentionPayload,
   type ExecutionRecord,
   type FetchRecord,
   type ParentMessage,
@@ -88,10 +91,18 @@ const SIZES = {
   quick: { jobs: 200, warmJobs: 50, raiseLimitMs: 6_000 },
 };
 
-type VariantId = "drop" | "reschedule" | "rescheduleSkip" | "raise" | "queueName" | "queueName100";
+type VariantId =
+  | "drop"
+  | "reschedule"
+  | "rescheduleLine"
+  | "rescheduleSkip"
+  | "raise"
+  | "queueName"
+  | "queueName100";
 const VARIANT_IDS: VariantId[] = [
   "drop",
   "reschedule",
+  "rescheduleLine",
   "rescheduleSkip",
   "raise",
   "queueName",
@@ -111,6 +122,11 @@ interface Variant {
    * (`forbiddenFlags: locks.forbiddenFlags`; the runners are restarted when it changes).
    */
   skipHeld?: boolean;
+  /**
+   * Enqueued with `locks.addJobs` (a Locks instance of the bench's, the task defined as the workers define
+   * it) instead of graphile-worker's `add_jobs`: the jobs after each key's first are added waiting in line.
+   */
+  viaLocks?: boolean;
 }
 
 const VARIANTS: Record<VariantId, Variant> = {
@@ -127,6 +143,14 @@ const VARIANTS: Record<VariantId, Variant> = {
     task: STRATEGY_TASKS.reschedule,
     queues: false,
     pollInterval: POLL_INTERVAL_MS,
+  },
+  rescheduleLine: {
+    id: "rescheduleLine",
+    label: "reschedule, enqueued with locks.addJobs",
+    task: STRATEGY_TASKS.reschedule,
+    queues: false,
+    pollInterval: POLL_INTERVAL_MS,
+    viaLocks: true,
   },
   rescheduleSkip: {
     id: "rescheduleSkip",
@@ -438,6 +462,32 @@ function longestIncreasing(values: readonly number[]): number {
   return tails.length;
 }
 
+/** The bench's own Locks instance, for the variants enqueued through it (one per run of the section). */
+let enqueuers: { ctx: BenchContext; locks: Locks; tasks: Set<string> } | null = null;
+
+function enqueuer(ctx: BenchContext, task: string): Locks {
+  if (enqueuers?.ctx !== ctx) {
+    enqueuers = {
+      ctx,
+      locks: library.makeLocks({ connectionString: ctx.url, logger: quietLogger }),
+      tasks: new Set(),
+    };
+  }
+  const { locks, tasks } = enqueuers;
+  if (!tasks.has(task)) {
+    // As the workers define it (contention-worker.ts): the definition is what addJobs reads.
+    locks.exclusive<ContentionPayload>(task, async () => undefined, {
+      onConflict: "reschedule",
+      key: (p) => p.k,
+      ...(process.env.BENCH_RESCHEDULE
+        ? { reschedule: JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions }
+        : {}),
+    });
+    tasks.add(task);
+  }
+  return locks;
+}
+
 /**
  * Inserts the jobs in one statement; resolves each job's rank in the enqueue order (job id order) by its
  * payload's `seq` (a parked copy has a new id but the same payload).
@@ -447,6 +497,19 @@ async function insertContentionJobs(
   variant: Variant,
   jobs: number,
 ): Promise<Map<number, number>> {
+  if (variant.viaLocks) {
+    const locks = enqueuer(ctx, variant.task);
+    const results = await locks.addJobs(
+      Array.from({ length: jobs }, (_, index) => ({
+        identifier: variant.task,
+        payload: { k: `k${index % KEYS}`, seq: index + 1 },
+      })),
+    );
+    const ranked = results
+      .map((r, index) => ({ id: BigInt(r.job!.id), seq: index + 1 }))
+      .sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+    return new Map(ranked.map((r, index) => [r.seq, index + 1]));
+  }
   // Round-robin over the keys: job i (1-based) has key k((i − 1) mod KEYS) and seq i. add_jobs does not
   // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks. With
   // skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
@@ -825,6 +888,7 @@ export const contention: Section = {
       const alternating = [
         "drop",
         "reschedule",
+        "rescheduleLine",
         "rescheduleSkip",
         "queueName",
         "queueName100",
@@ -852,6 +916,8 @@ export const contention: Section = {
       if (wanted.includes("raise")) await one("raise", size.jobs, 1, size.raiseLimitMs);
     } finally {
       await Promise.all(workers.map((w) => w.stop()));
+      await enqueuers?.locks.release();
+      enqueuers = null;
     }
 
     const summaries = wanted.map((v) => summarise(v, runs));
@@ -1153,7 +1219,12 @@ function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
   };
   return [
     ...summaries
-      .filter((v) => v.variant === "reschedule" || v.variant === "rescheduleSkip")
+      .filter(
+        (v) =>
+          v.variant === "reschedule" ||
+          v.variant === "rescheduleLine" ||
+          v.variant === "rescheduleSkip",
+      )
       .flatMap(rescheduleGoals),
     goal(
       "no overlap per key (every run, every variant)",

@@ -101,22 +101,29 @@ begin
       insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
         (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
       select q.id, t.id, coalesce(f.payload, '{}'::json),
-        case when v_plain_parked[f.n::int] then now() + p_park_ms[f.ord] * interval '1 millisecond'
+        case when f.parked then now() + p_park_ms[f.ordinality::int] * interval '1 millisecond'
              else coalesce(f.run_at, now()) end,
         coalesce(f.max_attempts, 25), null, coalesce(f.priority, 0), f.flags
-      from unnest(v_plain_ords) with ordinality as p(ord, n)
-      cross join lateral (select (v_specs[p.ord]).*, p.ord, p.n) f
+      from (
+        -- (as v_plain_parked above)
+        select s.*,
+          p_park_keys[s.ordinality::int] is not null
+            and row_number() over (partition by p_park_keys[s.ordinality::int] order by s.ordinality) > 1
+            as parked
+        from unnest(v_specs) with ordinality as s
+        where s.unique_key is null
+      ) f
       join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.identifier = f.identifier
       left join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = f.queue_name
-      order by p.n
+      order by f.ordinality
       returning j.*
     )
     select coalesce(array_agg(i), '{}') into v_plain_jobs from inserted i;
     -- each parked job waits at its own place: its id, the enqueue order
     insert into :GWL_SCHEMA.waiters (lock_key, job_id, run_at, pos)
-      select p_park_keys[v_plain_ords[n]], (v_plain_jobs[n]).id, now(), (v_plain_jobs[n]).id
-      from generate_subscripts(v_plain_jobs, 1) as n
-      where v_plain_parked[n];
+      select p_park_keys[v_plain_ords[x.ordinality::int]], x.id, now(), x.id
+      from unnest(v_plain_jobs) with ordinality as x
+      where v_plain_parked[x.ordinality::int];
     get diagnostics v_parked = row_count;
     return query select v_plain_ords[n], 'added'::text, v_plain_jobs[n] from generate_subscripts(v_plain_jobs, 1) as n;
     v_added := v_added + cardinality(v_plain_jobs);
