@@ -277,7 +277,9 @@ export function makeLocks(options: LocksOptions): Locks {
     let line: EnqueuePlan["line"] = null;
     if (exclusive?.onConflict === "reschedule" && exclusive.limit === 1) {
       const key = (lockKeys ?? keysOf(taskIdentifier, payload))[0]!;
-      if (!unique && !spec?.runAt) line = { key, safetyNetMs: exclusive.reschedule.maxDelay };
+      // (with no safety net to speak of, a job added parked would be fetched at once: no line then)
+      const safetyNetMs = exclusive.reschedule.maxDelay;
+      if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
     return { taskIdentifier, payload, spec, lockKeys, unique, line };
