@@ -120,9 +120,9 @@ const oneShotHash = (
 ).hash;
 
 /**
- * SHA-256 of `material` (as UTF-8), as a string: hex, or "binary" (latin1: one character per byte). Strings, not a
- * Buffer: a Buffer's memory is allocated outside the JavaScript heap, which made the digest cost three times as
- * much and gave the garbage collector more to do, on every job.
+ * SHA-256 of `material` (as UTF-8), as a string: hex, or "binary" (latin1: one character per byte).
+ * Strings, not a Buffer: a Buffer's memory is allocated outside the JavaScript heap, which made the digest
+ * cost three times as much and gave the garbage collector more to do, on every job.
  */
 function sha256(material: string, encoding: "binary" | "hex"): string {
   return oneShotHash

@@ -16,7 +16,8 @@
  *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
  *   round trip, never a re-entrant "success".
  * - Requests are coalesced: while one statement is in flight, every lock and unlock request queues up, and
- *   the next statement carries all of them (`lockBatch` in sql.ts, or `lockBatchPlain` when it has nothing else). One statement is in flight at a time.
+ *   the next statement carries all of them (`lockBatch` in sql.ts, or `lockBatchPlain` when they are only
+ *   plain locks and unlocks). One statement is in flight at a time.
  * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
