@@ -20,7 +20,8 @@
 --   place (its own id, ahead of the jobs parked behind it), then checks the key once its park committed
 --   (wake_if_free). So a line that was already there, or a holder that released while this statement ran,
 --   cannot leave the new waiters stranded: the front looks at the key after they are visible.
--- - Should the front never run (removed), the others are fetched by their safety net and go in line order.
+-- - Should the front never run (removed), the others are fetched by their safety net (all due at once: free
+--   workers race for the key as first fetches do, and the rest park again in their places).
 
 create function :GWL_SCHEMA.add_unique_jobs(p_specs json, p_count int, p_first int, p_tasks text[], p_queues text[],
   p_park_keys bigint[], p_park_ms float8[])
