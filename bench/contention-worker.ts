@@ -191,10 +191,11 @@ async function main(): Promise<void> {
   events.on("worker:getJob:empty", () => count("*", "emptyFetches"));
 
   await locks.connect();
-  // The runner's events, given to the library: early wakes go to this process's idle workers.
-  locks.attach({ events });
-  const start = () =>
-    run({
+  // The runner's events, given to the library: early wakes go to this process's idle workers. `attach`
+  // detaches itself when the runner stops, so each runner started on these events is attached anew.
+  const start = () => {
+    locks.attach({ events });
+    return run({
       connectionString: url,
       concurrency,
       taskList: taskList as never,
@@ -204,6 +205,7 @@ async function main(): Promise<void> {
       events,
       ...(skipHeld ? { forbiddenFlags: locks.forbiddenFlags } : {}),
     });
+  };
   let runner = await start();
 
   const send = (message: ChildMessage, then?: () => void) =>
