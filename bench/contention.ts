@@ -555,7 +555,8 @@ async function measure(
   // it, the third round of `reschedule` here has taken 10–12 s instead of 4.7 s (see bench/README.md).
   if (process.env.BENCH_VACUUM === "1") {
     await ctx.pool.query(
-      process.env.BENCH_VACUUM_SQL ?? "vacuum analyze graphile_worker_locks.waiters, graphile_worker_locks.wakes, graphile_worker_locks.prewakes, graphile_worker_locks.lock_holders",
+      process.env.BENCH_VACUUM_SQL ??
+        "vacuum analyze graphile_worker_locks.waiters, graphile_worker_locks.wakes, graphile_worker_locks.prewakes, graphile_worker_locks.lock_holders",
     );
   }
   await Promise.all(workers.map((w) => w.request({ type: "reset" })));
