@@ -1146,6 +1146,60 @@ describe("reschedule hand-off", () => {
   });
 });
 
+describe("is_next with a long line analyzed", () => {
+  it("is planned to read its key's waiters by position, not to join every waiter with every job", async () => {
+    const client = new pg.Client({ connectionString: db.url });
+    await client.connect();
+    cleanups.push(() => client.end());
+    // 4,000 jobs, half of them parked over 10 keys, the tables analyzed with the line in them (as autovacuum
+    // does in the middle of a burst), and the generic plans the lock session uses.
+    await client.query("begin");
+    await client.query("set local plan_cache_mode = force_generic_plan");
+    await client.query(
+      `select graphile_worker.add_jobs(array(
+         select row('long_line', json_build_object('n', g), null, null, null, null, null, null)::graphile_worker.job_spec
+         from generate_series(1, 4000) g))`,
+    );
+    await client.query(
+      `insert into graphile_worker_locks.waiters (lock_key, job_id, run_at, pos)
+       select id % 10, id, now(), id from graphile_worker._private_jobs
+       where task_id = (select id from graphile_worker._private_tasks where identifier = 'long_line') and id % 2 = 0`,
+    );
+    await client.query("analyze graphile_worker_locks.waiters, graphile_worker._private_jobs");
+    const { rows: last } = await client.query<{ key: string; id: string }>(
+      `select (lock_key)::text as key, max(job_id)::text as id from graphile_worker_locks.waiters
+       group by lock_key order by lock_key`,
+    );
+    for (const { key, id } of last) {
+      const { rows } = await client.query<{ next: boolean }>(
+        "select graphile_worker_locks.is_next($1::bigint, $2::bigint + 1) as next",
+        [key, id],
+      );
+      // Every key has a line ahead of a job enqueued after it.
+      expect(rows[0]!.next).toBe(false);
+    }
+    // The function's own body, planned as the lock session plans it (generic, the statistics above): the
+    // waiters are read by key and position, never joined with the jobs over the whole of both tables.
+    const { rows: source } = await client.query<{ src: string }>(
+      `select prosrc as src from pg_catalog.pg_proc
+       where proname = 'is_next' and pronamespace = 'graphile_worker_locks'::regnamespace`,
+    );
+    expect(source).toHaveLength(1);
+    const body = source[0]!.src
+      .replaceAll("p_key", "$1::bigint")
+      .replaceAll("p_job_id", "$2::bigint");
+    const { key, id } = last[0]!;
+    await client.query({ name: "is_next_body", text: body, values: [key, id] });
+    const { rows: plan } = await client.query<{ "QUERY PLAN": string }>(
+      `explain (costs off) execute is_next_body(${BigInt(key)}, ${BigInt(id) + 1n})`,
+    );
+    const text = plan.map((row) => row["QUERY PLAN"]).join("\n");
+    expect(text).toContain("waiters_lock_key_pos");
+    expect(text).not.toMatch(/Merge Join|Hash Join|Seq Scan on _private_jobs/);
+    await client.query("rollback");
+  });
+});
+
 describe("bulk enqueue of a reschedule task: the line at once", () => {
   type Item = { k: string; n: number };
   /**
