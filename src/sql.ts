@@ -68,7 +68,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * sql/000007.sql).
      */
     lockBatch: {
-      name: `gwl_lock_batch_v6`,
+      name: `gwl_lock_batch_v7`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
       // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
       // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
@@ -89,7 +89,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
           from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
           offset 0
         ) r
-        where not r.got or (r.job is not null and exists (select 1 from ${s}.waiters w where w.lock_key = r.k))
+        where not r.got or (r.job is not null and (
+          -- (the first in line by the (lock_key, pos) index: a plain exists() here turns into a scan of the whole
+          -- table once statistics were taken with a long line in it)
+          select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
+        ) is not null)
       union all
       select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
