@@ -27,7 +27,7 @@ import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
 import { Logger, run, type Job, type JobHelpers, type WorkerEvents } from "graphile-worker";
-import type { RescheduleOptions } from "../src/index.js";
+import type { ExclusiveOptions, RescheduleOptions } from "../src/index.js";
 import { library } from "./library.js";
 
 export const TASK_MS = 20;
@@ -43,6 +43,23 @@ export const ALL_TASKS = [...Object.values(STRATEGY_TASKS), QUEUE_TASK];
 export interface ContentionPayload {
   k: string;
   seq: number;
+}
+
+/**
+ * How every process defines the task of `strategy` (the workers to run it, the bench to enqueue it with
+ * `locks.addJobs`, which reads the definition). For experiments only: BENCH_RESCHEDULE='{"minDelay":10000}'
+ * overrides the library's default backoff.
+ */
+export function strategyOptions(
+  strategy: keyof typeof STRATEGY_TASKS,
+): ExclusiveOptions<ContentionPayload> {
+  return {
+    onConflict: strategy,
+    key: (p) => p.k,
+    ...(strategy === "reschedule" && process.env.BENCH_RESCHEDULE
+      ? { reschedule: JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions }
+      : {}),
+  };
 }
 
 /** The common clock: milliseconds since the epoch, with sub-millisecond resolution. */
@@ -104,10 +121,6 @@ async function main(): Promise<void> {
   /** Whether the runner skips jobs of the keys this process holds (`forbiddenFlags: locks.forbiddenFlags`). */
   let skipHeld = false;
   const quiet = new Logger(() => () => undefined);
-  // For experiments only: BENCH_RESCHEDULE='{"minDelay":10000}' overrides the library's default backoff.
-  const rescheduleOptions = process.env.BENCH_RESCHEDULE
-    ? (JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions)
-    : undefined;
 
   let executions: ExecutionRecord[] = [];
   let fetches: FetchRecord[] = [];
@@ -160,13 +173,7 @@ async function main(): Promise<void> {
         const task = STRATEGY_TASKS[strategy];
         return [
           task,
-          locks.exclusive<ContentionPayload>(task, body(task), {
-            onConflict: strategy,
-            key: (p) => p.k,
-            ...(strategy === "reschedule" && rescheduleOptions
-              ? { reschedule: rescheduleOptions }
-              : {}),
-          }),
+          locks.exclusive<ContentionPayload>(task, body(task), strategyOptions(strategy)),
         ];
       }),
     ),

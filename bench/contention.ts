@@ -41,7 +41,7 @@
 import { fork, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { highestConcurrency } from "../scripts/overlap.js";
-import type { Locks, RescheduleOptions } from "../src/index.js";
+import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
 import {
   countJobs,
@@ -65,6 +65,7 @@ import {
   STRATEGY_TASKS,
   TASK_MS,
   clock,
+  strategyOptions,
   type ChildMessage,
   type ContentionPayload,
   type ExecutionRecord,
@@ -465,7 +466,8 @@ function longestIncreasing(values: readonly number[]): number {
 /** The bench's own Locks instance, for the variants enqueued through it (one per run of the section). */
 let enqueuers: { ctx: BenchContext; locks: Locks; tasks: Set<string> } | null = null;
 
-function enqueuer(ctx: BenchContext, task: string): Locks {
+function enqueuer(ctx: BenchContext, strategy: keyof typeof STRATEGY_TASKS): Locks {
+  const task = STRATEGY_TASKS[strategy];
   if (enqueuers?.ctx !== ctx) {
     enqueuers = {
       ctx,
@@ -475,14 +477,8 @@ function enqueuer(ctx: BenchContext, task: string): Locks {
   }
   const { locks, tasks } = enqueuers;
   if (!tasks.has(task)) {
-    // As the workers define it (contention-worker.ts): the definition is what addJobs reads.
-    locks.exclusive<ContentionPayload>(task, async () => undefined, {
-      onConflict: "reschedule",
-      key: (p) => p.k,
-      ...(process.env.BENCH_RESCHEDULE
-        ? { reschedule: JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions }
-        : {}),
-    });
+    // As the workers define it: the definition is what addJobs reads.
+    locks.exclusive<ContentionPayload>(task, async () => undefined, strategyOptions(strategy));
     tasks.add(task);
   }
   return locks;
@@ -498,7 +494,8 @@ async function insertContentionJobs(
   jobs: number,
 ): Promise<Map<number, number>> {
   if (variant.viaLocks) {
-    const locks = enqueuer(ctx, variant.task);
+    // (only `reschedule` jobs are added waiting in line: the variants enqueued this way are of that task)
+    const locks = enqueuer(ctx, "reschedule");
     const results = await locks.addJobs(
       Array.from({ length: jobs }, (_, index) => ({
         identifier: variant.task,
@@ -1227,12 +1224,7 @@ function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
   };
   return [
     ...summaries
-      .filter(
-        (v) =>
-          v.variant === "reschedule" ||
-          v.variant === "rescheduleLine" ||
-          v.variant === "rescheduleSkip",
-      )
+      .filter((v) => VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule)
       .flatMap(rescheduleGoals),
     goal(
       "no overlap per key (every run, every variant)",

@@ -265,40 +265,66 @@ function countConflicts(locks: Locks): () => number {
   return () => conflicts;
 }
 
+/** One lock function call (`pg_try_advisory_lock` or `pg_advisory_unlock`) of a naive variant's job. */
+type NaiveCall = (name: string, fn: string, key: string) => Promise<boolean>;
+
+/**
+ * A naive variant: per job, try_lock, the task, unlock, each a round trip of the connection that
+ * `withCalls` gives the job for its duration.
+ */
+function naiveVariant(withCalls: (job: (call: NaiveCall) => Promise<void>) => Promise<void>): {
+  task: Task;
+  statements(): number;
+  conflicts(): number;
+} {
+  let statements = 0;
+  let conflicts = 0;
+  const task: Task = async (payload, helpers) => {
+    const key = library.lockKey(TASK, payload).toString();
+    await withCalls(async (call) => {
+      statements++;
+      if (!(await call("bench_naive_try_lock", "pg_try_advisory_lock", key))) {
+        conflicts++;
+        return;
+      }
+      try {
+        await noop(payload, helpers);
+      } finally {
+        statements++;
+        await call("bench_naive_unlock", "pg_advisory_unlock", key);
+      }
+    });
+  };
+  return { task, statements: () => statements, conflicts: () => conflicts };
+}
+
+async function lockCall(
+  client: pg.Client | pg.PoolClient,
+  name: string,
+  fn: string,
+  key: string,
+): Promise<boolean> {
+  const { rows } = await client.query<{ ok: boolean }>({
+    name,
+    text: `select ${fn}($1::bigint) as ok`,
+    values: [key],
+  });
+  return rows[0]!.ok;
+}
+
 /**
  * Per job: try_lock, the task, unlock, each lock call a round trip on one shared connection. Calls are
  * queued here, one at a time (what node-postgres does itself, but without its deprecation warning for
  * queries issued while another runs).
  */
 function makeNaive(client: pg.Client): { task: Task; statements(): number; conflicts(): number } {
-  let statements = 0;
-  let conflicts = 0;
   let tail: Promise<unknown> = Promise.resolve();
-  const call = (name: string, fn: string, key: string): Promise<boolean> => {
-    statements++;
-    const result = tail.then(() =>
-      client.query<{ ok: boolean }>({
-        name,
-        text: `select ${fn}($1::bigint) as ok`,
-        values: [key],
-      }),
-    );
+  const call: NaiveCall = (name, fn, key) => {
+    const result = tail.then(() => lockCall(client, name, fn, key));
     tail = result.catch(() => undefined);
-    return result.then(({ rows }) => rows[0]!.ok);
+    return result;
   };
-  const task: Task = async (payload, helpers) => {
-    const key = library.lockKey(TASK, payload).toString();
-    if (!(await call("bench_naive_try_lock", "pg_try_advisory_lock", key))) {
-      conflicts++;
-      return;
-    }
-    try {
-      await noop(payload, helpers);
-    } finally {
-      await call("bench_naive_unlock", "pg_advisory_unlock", key);
-    }
-  };
-  return { task, statements: () => statements, conflicts: () => conflicts };
+  return naiveVariant((job) => job(call));
 }
 
 /**
@@ -306,35 +332,14 @@ function makeNaive(client: pg.Client): { task: Task; statements(): number; confl
  * trip of that connection; the connection goes back to the pool after the unlock.
  */
 function makeNaiveConn(pool: pg.Pool): { task: Task; statements(): number; conflicts(): number } {
-  let statements = 0;
-  let conflicts = 0;
-  const call = async (client: pg.PoolClient, name: string, fn: string, key: string) => {
-    statements++;
-    const { rows } = await client.query<{ ok: boolean }>({
-      name,
-      text: `select ${fn}($1::bigint) as ok`,
-      values: [key],
-    });
-    return rows[0]!.ok;
-  };
-  const task: Task = async (payload, helpers) => {
-    const key = library.lockKey(TASK, payload).toString();
+  return naiveVariant(async (job) => {
     const client = await pool.connect();
     try {
-      if (!(await call(client, "bench_naive_try_lock", "pg_try_advisory_lock", key))) {
-        conflicts++;
-        return;
-      }
-      try {
-        await noop(payload, helpers);
-      } finally {
-        await call(client, "bench_naive_unlock", "pg_advisory_unlock", key);
-      }
+      await job((name, fn, key) => lockCall(client, name, fn, key));
     } finally {
       client.release();
     }
-  };
-  return { task, statements: () => statements, conflicts: () => conflicts };
+  });
 }
 
 function timeout(ms: number, message: string): { promise: Promise<never>; clear(): void } {
