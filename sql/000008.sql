@@ -102,15 +102,12 @@ begin
       insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
         (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
       select q.id, t.id, coalesce(f.payload, '{}'::json),
-        case when f.parked then now() + p_park_ms[f.ordinality::int] * interval '1 millisecond'
+        case when v_plain_parked[f.n::int] then now() + p_park_ms[f.ordinality::int] * interval '1 millisecond'
              else coalesce(f.run_at, now()) end,
         coalesce(f.max_attempts, 25), null, coalesce(f.priority, 0), f.flags
       from (
-        -- (as v_plain_parked above)
-        select s.*,
-          p_park_keys[s.ordinality::int] is not null
-            and row_number() over (partition by p_park_keys[s.ordinality::int] order by s.ordinality) > 1
-            as parked
+        -- (n: the item's place among those without uniqueness, as in v_plain_ords and v_plain_parked)
+        select s.*, row_number() over (order by s.ordinality) as n
         from unnest(v_specs) with ordinality as s
         where s.unique_key is null
       ) f

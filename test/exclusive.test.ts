@@ -1231,6 +1231,8 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
     const later = new Date(Date.now() + 3_600_000);
     const before = Date.now();
     const results = await locks.addJobs([
+      // A unique item first: the items in line are not at their place among all items.
+      { identifier: "bulk_line", payload: { k: "u", n: 0 }, unique: "queued" },
       ...items("bulk_line", "a", [0, 1]),
       ...items("bulk_line", "b", [0, 1]),
       ...items("bulk_line", "a", [2, 3]),
@@ -1239,7 +1241,7 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
       { identifier: "bulk_line", payload: { k: "a", n: 4 }, runAt: later },
       { identifier: "bulk_line", payload: { k: "a", n: 5 }, unique: "queued" },
     ]);
-    expect(results.map((r) => r.outcome)).toEqual(Array(9).fill("added"));
+    expect(results.map((r) => r.outcome)).toEqual(Array(10).fill("added"));
     const id = (i: number) => results[i]!.job!.id;
     const { rows: waiters } = await db
       .pool()
@@ -1248,17 +1250,17 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
       );
     const keyOf = (k: string) => task.lockKey({ k, n: 0 }).toString();
     expect(waiters).toEqual(
-      [1, 3, 4, 5].map((i) => ({
-        lock_key: keyOf(i === 3 ? "b" : "a"),
+      [2, 4, 5, 6].map((i) => ({
+        lock_key: keyOf(i === 4 ? "b" : "a"),
         job_id: id(i),
         pos: id(i),
       })),
     );
     const runAt = (i: number) => results[i]!.job!.run_at.getTime();
-    // The fronts (a0, b0), the lone c and the unique job run now; a4 at its own time.
-    for (const i of [0, 2, 6, 8]) expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 1_000);
-    expect(runAt(7)).toBe(later.getTime());
-    for (const i of [1, 3, 4, 5]) {
+    // The fronts (a0, b0), the lone c and the unique jobs run now; a4 at its own time.
+    for (const i of [0, 1, 3, 7, 9]) expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 1_000);
+    expect(runAt(8)).toBe(later.getTime());
+    for (const i of [2, 4, 5, 6]) {
       expect(runAt(i)).toBeGreaterThanOrEqual(before + 29_000);
       expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 31_000);
     }
