@@ -130,6 +130,62 @@ describe("exclusive execution across processes", () => {
     expect(wokenHere("r3")).toBe(0);
   });
 
+  it("reschedule enqueued with locks.addJobs, 3 processes x concurrency 4, 300 jobs over 3 keys in line from the start: no overlap, every job runs once, in enqueue order", async () => {
+    await reset();
+    await db.pool().query("delete from graphile_worker_locks.waiters");
+    // The enqueuing process defines the task as the workers do (same key); its safety net, 10 s, outlasts the run.
+    locks.exclusive("exec", async () => undefined, {
+      key: (p: { k: string }) => ({ k: p.k }),
+      onConflict: "reschedule",
+      reschedule: { minDelay: 20, maxDelay: 10_000 },
+    });
+    const added = await locks.addJobs(
+      Array.from({ length: 300 }, (_, i) => ({
+        identifier: "exec",
+        payload: { k: `queued-${i % 3}`, ms: 10, n: i },
+      })),
+    );
+    expect(added.map((r) => r.outcome)).toEqual(Array(300).fill("added"));
+    const { rows } = await db
+      .pool()
+      .query<{ n: number }>("select count(*)::int as n from graphile_worker_locks.waiters");
+    expect(rows[0]!.n).toBe(297);
+    const workers: WorkerProcess[] = [];
+    try {
+      for (const name of ["q1", "q2", "q3"]) {
+        workers.push(
+          await startWorkerProcess(db.url, {
+            name,
+            concurrency: 4,
+            strategy: "reschedule",
+            attach: true,
+          }),
+        );
+      }
+      await drained();
+    } finally {
+      await Promise.all(workers.map((w) => w.stop()));
+    }
+
+    const executions = await readExecutions(db.pool());
+    const perKey = maxConcurrencyPerKey(executions);
+    expect(perKey.size).toBe(3);
+    expect(Math.max(...perKey.values())).toBe(1);
+    expect(executions).toHaveLength(300);
+    expect(executions.every((e) => e.end !== null)).toBe(true);
+    // Each key's jobs ran in enqueue order (the database's clock orders the starts across processes).
+    const idOrder = new Map(added.map((r, i) => [r.job!.id, i]));
+    for (const key of perKey.keys()) {
+      const order = executions
+        .filter((e) => e.lockKey === key)
+        .sort((a, b) => (a.start < b.start ? -1 : 1))
+        .map((e) => idOrder.get(e.jobId)!);
+      expect(order).toEqual([...order].sort((a, b) => a - b));
+    }
+    // Nothing was fetched only to park: the jobs waited in line from their enqueue.
+    expect((await readEvents(db.pool(), "job:rescheduled")).length).toBeLessThan(10);
+  });
+
   it("kill -9 of a worker mid-job: another process acquires the key at once", async () => {
     await reset();
     const victim = await startWorkerProcess(db.url, { name: "victim", concurrency: 2 });
