@@ -14,6 +14,7 @@ import {
   type HandoffCounts,
   type Locks,
 } from "../src/index.js";
+import { makeSql } from "../src/sql.js";
 import { deferred, useTestDatabase, waitFor } from "./support/db.js";
 import { highestConcurrency } from "../scripts/overlap.js";
 import { countEvents, nextEvent, quietLogger, startRunner, Timeline } from "./support/runner.js";
@@ -1146,8 +1147,8 @@ describe("reschedule hand-off", () => {
   });
 });
 
-describe("is_next with a long line analyzed", () => {
-  it("is planned to read its key's waiters by position, not to join every waiter with every job", async () => {
+describe("plans with a long line analyzed", () => {
+  it("is_next and the lock statement read a key's waiters by position, never every waiter or every job", async () => {
     const client = new pg.Client({ connectionString: db.url });
     await client.connect();
     cleanups.push(() => client.end());
@@ -1196,6 +1197,21 @@ describe("is_next with a long line analyzed", () => {
     const text = plan.map((row) => row["QUERY PLAN"]).join("\n");
     expect(text).toContain("waiters_lock_key_pos");
     expect(text).not.toMatch(/Merge Join|Hash Join|Seq Scan on _private_jobs/);
+
+    // The lock statement's own question, whether anyone waits in line for the key a `reschedule` job just
+    // took, is read by key and position as well, never by scanning every waiter.
+    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
+    await client.query({
+      name: "lock_batch",
+      text: lockBatch.text,
+      values: [[], [key], [], [], [id], [], [], true],
+    });
+    const { rows: batchPlan } = await client.query<{ "QUERY PLAN": string }>(
+      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true)`,
+    );
+    const batchText = batchPlan.map((row) => row["QUERY PLAN"]).join("\n");
+    expect(batchText).toContain("waiters_lock_key_pos");
+    expect(batchText).not.toMatch(/Seq Scan on waiters|Merge Join|Hash Join/);
     await client.query("rollback");
   });
 });
