@@ -1,4 +1,8 @@
+import { execFile } from "node:child_process";
+import * as crypto from "node:crypto";
 import { createHash } from "node:crypto";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import {
@@ -7,7 +11,19 @@ import {
   lockKey,
   lockKeyMaterial,
   slotKeys,
+  uniqueJobKey,
 } from "../src/index.js";
+
+/** Keys of many payloads (non-ASCII ones among them): lock keys with a second slot, and unique job keys. */
+const KEYS_SCRIPT = `
+  const { slotKeys, uniqueJobKey } = await import(process.env.GWL_INDEX);
+  const keys = [];
+  for (let i = 0; i < 500; i++) {
+    const payload = { i, s: ["plain", "é", "名前", "🙂", "\\u0000"][i % 5].repeat(i % 7) };
+    keys.push(...slotKeys("x", payload, 2).map(String), uniqueJobKey("x", payload, null));
+  }
+  const crypto = await import("node:crypto");
+  console.log(JSON.stringify({ oneShot: typeof crypto.hash, keys }));`;
 
 describe("lockKey", () => {
   it("is pinned: a change of derivation must be deliberate (and bump KEY_VERSION)", () => {
@@ -105,6 +121,40 @@ describe("lockKey", () => {
     expect(advisoryParts(-1n)).toEqual({ classid: 0xffffffff, objid: 0xffffffff });
     expect(advisoryParts(-(2n ** 63n))).toEqual({ classid: 0x80000000, objid: 0 });
     expect(advisoryParts(0x1234567890abcdefn)).toEqual({ classid: 0x12345678, objid: 0x90abcdef });
+  });
+});
+
+describe("lockKey without crypto.hash", () => {
+  it("is the same where node:crypto has no one-shot hash (Node.js before 20.12)", async () => {
+    // A process whose node:crypto lacks `hash` from the start, as older Node.js versions do, so that the
+    // library takes its createHash path.
+    const hide = `data:text/javascript,${encodeURIComponent(
+      'import crypto from "node:crypto"; import { syncBuiltinESMExports } from "node:module";' +
+        " delete crypto.hash; syncBuiltinESMExports();",
+    )}`;
+    const { stdout } = await promisify(execFile)(
+      process.execPath,
+      ["--import", hide, "--import", "tsx", "--input-type=module", "-e", KEYS_SCRIPT],
+      {
+        env: {
+          ...process.env,
+          GWL_INDEX: fileURLToPath(new URL("../src/index.ts", import.meta.url)),
+        },
+      },
+    );
+    const other = JSON.parse(stdout) as { oneShot: string; keys: string[] };
+    expect(other.oneShot).toBe("undefined");
+    const keys: string[] = [];
+    for (let i = 0; i < 500; i++) {
+      const payload = { i, s: ["plain", "é", "名前", "🙂", "\u0000"][i % 5]!.repeat(i % 7) };
+      keys.push(...slotKeys("x", payload, 2).map(String), uniqueJobKey("x", payload, null));
+    }
+    expect(other.keys).toHaveLength(1_500);
+    expect(other.keys).toEqual(keys);
+    // This process takes the one-shot path on Node.js 20.12 and later (CI runs 20 and 24), so both paths ran.
+    const [major, minor] = process.versions.node.split(".").map(Number) as [number, number];
+    if (major > 20 || minor >= 12)
+      expect(typeof (crypto as { hash?: unknown }).hash).toBe("function");
   });
 });
 
