@@ -377,6 +377,32 @@ describe("bulk", () => {
     expect(await jobCount()).toBe(5);
   });
 
+  it("adds a small batch in the order given: ids ascend with the items, each result its own job", async () => {
+    // (graphile-worker 0.18's add_jobs, planned as a hash join with no order, inserts a batch this small
+    // last item first, and its addJobs then labels the jobs of a mixed batch with each other's tasks)
+    const items = Array.from({ length: 6 }, (_, i) => ({
+      identifier: i % 2 ? "ord_x" : "ord_y",
+      payload: { i },
+      ...(i === 4 ? { unique: "queued" as const } : {}),
+    }));
+    const results = await locks.addJobs(items);
+    expect(results.map((r) => r.outcome)).toEqual(Array(6).fill("added"));
+    const ids = results.map((r) => BigInt(r.job!.id));
+    for (let i = 1; i < ids.length; i++) expect(ids[i]! > ids[i - 1]!).toBe(true);
+    expect(results.map((r) => (r.job!.payload as { i: number }).i)).toEqual([0, 1, 2, 3, 4, 5]);
+    expect(results.map((r) => r.job!.task_identifier)).toEqual(
+      items.map((item) => item.identifier),
+    );
+    const { rows } = await db.pool().query<{ id: string; task_identifier: string; i: number }>(
+      `select j.id::text, t.identifier as task_identifier, (j.payload->>'i')::int as i
+       from graphile_worker._private_jobs j join graphile_worker._private_tasks t on t.id = j.task_id
+       where j.id = any($1::bigint[]) order by j.id`,
+      [ids.map(String)],
+    );
+    expect(rows.map((row) => row.i)).toEqual([0, 1, 2, 3, 4, 5]);
+    expect(rows.map((row) => row.task_identifier)).toEqual(items.map((item) => item.identifier));
+  });
+
   it("carries every spec field of a bulk item, set or left out, to the job it adds", async () => {
     const runAt = new Date(Date.now() + 3_600_000);
     const results = await locks.addJobs([
