@@ -92,9 +92,12 @@ begin
       from generate_subscripts(v_plain_ids, 1) as n
       where v_plain_parked[n];
     get diagnostics v_parked = row_count;
-    return query select v_plain_ords[n], 'added'::text, j
-      from generate_subscripts(v_plain_ids, 1) as n
-      join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = v_plain_ids[n];
+    -- (each row by its primary key: a join could hash the whole job table, which only grows)
+    return query select u.ord, 'added'::text, x.j
+      from unnest(v_plain_ids, v_plain_ords) as u(id, ord)
+      cross join lateral (
+        select j from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = u.id
+      ) x;
   end if;
 
   v_added := cardinality(v_ids) + cardinality(v_plain_ids);
