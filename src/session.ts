@@ -197,6 +197,22 @@ export interface HandoffCounts {
   wokenHere: number;
 }
 
+/**
+ * A PostgreSQL array literal of integers (keys, job ids; null as NULL). node-postgres would quote every
+ * element and run two regular expressions over it: measured alone, with batches of 126 locks and 126 unlocks,
+ * this saves about 0.3 µs of Node.js CPU per key. Every element is an integer by construction (a bigint, or
+ * the decimal text of one: graphile-worker's job ids, a key's text).
+ */
+function integerArray(values: ReadonlyArray<bigint | string | null>): string {
+  let literal = "{";
+  for (let i = 0; i < values.length; i++) {
+    if (i > 0) literal += ",";
+    const value = values[i];
+    literal += value === null ? "NULL" : String(value);
+  }
+  return literal + "}";
+}
+
 /** How long a job woken early waits for its key (every such job is a `reschedule` job, whose info sets it). */
 function releaseWaitMs(info: HoldInfo): number {
   return info.releaseWaitMs ?? 100;
@@ -791,20 +807,23 @@ export class LockSession {
           ? {
               name: lockBatchPlain.name,
               text: lockBatchPlain.text,
-              values: [unlocks.map((hold) => hold.keyText), singles.map((r) => r.slots[0])],
+              values: [
+                integerArray(unlocks.map((hold) => hold.keyText)),
+                integerArray(singles.map((r) => r.slots[0]!)),
+              ],
             }
           : {
               name: lockBatch.name,
               text: lockBatch.text,
               values: [
-                unlocks.map((hold) => hold.keyText),
-                singles.map((r) => r.slots[0]),
+                integerArray(unlocks.map((hold) => hold.keyText)),
+                integerArray(singles.map((r) => r.slots[0]!)),
                 multis.map((r) => r.slots.join(",")),
-                waking.map((hold) => hold.info.wakeKey!.toString()),
+                integerArray(waking.map((hold) => hold.info.wakeKey!)),
                 // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
-                singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId)),
-                prewakes.map((hold) => hold.keyText),
-                waking.map((hold) => hold.info.jobId),
+                integerArray(singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId))),
+                integerArray(prewakes.map((hold) => hold.keyText)),
+                integerArray(waking.map((hold) => hold.info.jobId)),
                 !wakeHere,
               ],
             },
