@@ -57,9 +57,16 @@ const statementStats = (): StatementStats => ({
 let stats = statementStats();
 let lastEnd = Number.NaN;
 
+/** Elements of a statement's array parameter: a JavaScript array, or an integer array literal (`{1,2,3}`). */
+function elements(value: unknown[] | string | undefined): number {
+  if (value === undefined) return 0;
+  if (typeof value !== "string") return value.length;
+  return value === "{}" ? 0 : value.split(",").length;
+}
+
 const originalQuery = pg.Client.prototype.query;
 pg.Client.prototype.query = function patchedQuery(this: pg.Client, ...args: unknown[]) {
-  const config = args[0] as { name?: string; values?: unknown[][] } | undefined;
+  const config = args[0] as { name?: string; values?: Array<unknown[] | string> } | undefined;
   if (
     config &&
     typeof config === "object" &&
@@ -68,8 +75,8 @@ pg.Client.prototype.query = function patchedQuery(this: pg.Client, ...args: unkn
     const start = now();
     if (Number.isFinite(lastEnd)) stats.gapMs.push(start - lastEnd);
     stats.count++;
-    stats.unlocks.push(config.values?.[0]?.length ?? 0);
-    stats.locks.push((config.values?.[1]?.length ?? 0) + (config.values?.[2]?.length ?? 0));
+    stats.unlocks.push(elements(config.values?.[0]));
+    stats.locks.push(elements(config.values?.[1]) + elements(config.values?.[2]));
     const result = (originalQuery as (...a: unknown[]) => Promise<unknown>).apply(this, args);
     const done = () => {
       lastEnd = now();
