@@ -403,6 +403,50 @@ describe("bulk", () => {
     expect(rows.map((row) => row.task_identifier)).toEqual(items.map((item) => item.identifier));
   });
 
+  it("reads no more of the job table than the batch, however full the table is", async () => {
+    // 20,000 jobs, analyzed. With them PostgreSQL once planned the read-back of a batch's rows as a hash join
+    // or a merge join over the whole table. Every statement of the bulk function, as PostgreSQL ran it (rows
+    // counted), goes to auto_explain; no scan of the job table may return more rows than the batch has.
+    await db.pool().query(
+      `select count(*) from graphile_worker.add_jobs(array(
+         select row('bulk_full', json_build_object('n', g), null, null, null, null, null, null)::graphile_worker.job_spec
+         from generate_series(1, 20000) g))`,
+    );
+    await db.pool().query("analyze graphile_worker._private_jobs");
+    const session = await client();
+    const plans: string[] = [];
+    session.on("notice", (notice) => plans.push(notice.message ?? ""));
+    await session.query(
+      `load 'auto_explain'; set auto_explain.log_min_duration = 0; set auto_explain.log_analyze = on;
+       set auto_explain.log_timing = off; set auto_explain.log_nested_statements = on;
+       set auto_explain.log_level = notice`,
+    );
+    const size = 1000;
+    const plain = Array.from({ length: size }, (_, i) => ({
+      identifier: "bulk_full",
+      payload: { i },
+    }));
+    const unique = plain.map((item) => ({
+      ...item,
+      payload: { u: item.payload.i },
+      unique: "active" as const,
+    }));
+    for (const batch of [plain, unique, [...plain.slice(0, 500), ...unique.slice(0, 500)]]) {
+      const results = await locks.addJobs(batch, { pgClient: session });
+      expect(results).toHaveLength(batch.length);
+    }
+    await session.query("set auto_explain.log_min_duration = -1");
+    const scans = plans.flatMap((plan) =>
+      [
+        ...plan.matchAll(
+          /(?:Seq Scan|Index Scan|Index Only Scan|Bitmap Heap Scan)(?: using \S+)? on _private_jobs\b.*?actual rows=([\d.]+)/g,
+        ),
+      ].map((m) => Number(m[1])),
+    );
+    expect(scans.length).toBeGreaterThan(0);
+    expect(scans.filter((rows) => rows > size)).toEqual([]);
+  });
+
   it("carries every spec field of a bulk item, set or left out, to the job it adds", async () => {
     const runAt = new Date(Date.now() + 3_600_000);
     const results = await locks.addJobs([
