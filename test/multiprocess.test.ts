@@ -6,7 +6,11 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { lockKey, makeLocks, type HandoffCounts, type Locks } from "../src/index.js";
 import { useTestDatabase, waitFor } from "./support/db.js";
 import { maxConcurrencyPerKey, readEvents, readExecutions } from "./support/executions.js";
-import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
+import {
+  startWorkerProcess,
+  type WorkerProcess,
+  type WorkerProcessOptions,
+} from "./support/processes.js";
 
 const db = useTestDatabase();
 let utils: WorkerUtils;
@@ -39,25 +43,52 @@ async function drained(): Promise<void> {
   );
 }
 
+/**
+ * Starts one worker process per options, then runs `enqueue` (if any), waits until every job is gone, and
+ * stops them all, whatever happened.
+ */
+async function runWorkers(
+  processes: WorkerProcessOptions[],
+  enqueue?: () => Promise<void>,
+): Promise<void> {
+  const workers: WorkerProcess[] = [];
+  try {
+    for (const options of processes) workers.push(await startWorkerProcess(db.url, options));
+    await enqueue?.();
+    await drained();
+  } finally {
+    await Promise.all(workers.map((w) => w.stop()));
+  }
+}
+
+/** Every one of `jobs` jobs over `keys` keys ran to its end, once, and no key ran twice at once. */
+async function expectEachRanOnceAlone(keys: number, jobs: number) {
+  const executions = await readExecutions(db.pool());
+  const perKey = maxConcurrencyPerKey(executions);
+  expect(perKey.size).toBe(keys);
+  expect(Math.max(...perKey.values())).toBe(1);
+  // (a parked job runs under a new id: none may be left behind or run twice)
+  expect(executions).toHaveLength(jobs);
+  expect(executions.every((e) => e.end !== null)).toBe(true);
+  return { executions, perKey };
+}
+
 describe("exclusive execution across processes", () => {
   it("3 processes x concurrency 8, 2,000 jobs over 20 keys: no overlap per key, every job accounted for", async () => {
     await reset();
-    const workers: WorkerProcess[] = [];
-    try {
-      for (const name of ["p1", "p2", "p3"]) {
-        workers.push(await startWorkerProcess(db.url, { name, concurrency: 8, strategy: "drop" }));
-      }
-      // Bulk-added without the preemptive check, so that duplicates really meet at run time.
-      const specs = Array.from({ length: 2000 }, (_, i) => ({
-        identifier: "exec",
-        payload: { k: `key-${i % 20}`, ms: 5 + (i % 16) },
-      }));
-      const added = await utils.addJobs(specs);
-      expect(added).toHaveLength(2000);
-      await drained();
-    } finally {
-      await Promise.all(workers.map((w) => w.stop()));
-    }
+    const names = ["p1", "p2", "p3"];
+    await runWorkers(
+      names.map((name) => ({ name, concurrency: 8, strategy: "drop" })),
+      async () => {
+        // Bulk-added without the preemptive check, so that duplicates really meet at run time.
+        const specs = Array.from({ length: 2000 }, (_, i) => ({
+          identifier: "exec",
+          payload: { k: `key-${i % 20}`, ms: 5 + (i % 16) },
+        }));
+        const added = await utils.addJobs(specs);
+        expect(added).toHaveLength(2000);
+      },
+    );
 
     const executions = await readExecutions(db.pool());
     const dropped = await readEvents(db.pool(), "job:dropped");
@@ -83,38 +114,25 @@ describe("exclusive execution across processes", () => {
 
   it("reschedule, 3 processes x concurrency 4, 300 jobs over 3 keys: early wakes pass keys within and across processes, no overlap, every job runs once", async () => {
     await reset();
-    const workers: WorkerProcess[] = [];
-    try {
-      for (const name of ["r1", "r2", "r3"]) {
-        workers.push(
-          // Two of the three give their runner to locks.attach: their early wakes go to their own workers.
-          await startWorkerProcess(db.url, {
-            name,
-            concurrency: 4,
-            strategy: "reschedule",
-            attach: name !== "r3",
-          }),
+    // Two of the three give their runner to locks.attach: their early wakes go to their own workers.
+    await runWorkers(
+      ["r1", "r2", "r3"].map((name) => ({
+        name,
+        concurrency: 4,
+        strategy: "reschedule",
+        attach: name !== "r3",
+      })),
+      async () => {
+        const added = await utils.addJobs(
+          Array.from({ length: 300 }, (_, i) => ({
+            identifier: "exec",
+            payload: { k: `line-${i % 3}`, ms: 10 },
+          })),
         );
-      }
-      const added = await utils.addJobs(
-        Array.from({ length: 300 }, (_, i) => ({
-          identifier: "exec",
-          payload: { k: `line-${i % 3}`, ms: 10 },
-        })),
-      );
-      expect(added).toHaveLength(300);
-      await drained();
-    } finally {
-      await Promise.all(workers.map((w) => w.stop()));
-    }
-
-    const executions = await readExecutions(db.pool());
-    const perKey = maxConcurrencyPerKey(executions);
-    expect(perKey.size).toBe(3);
-    expect(Math.max(...perKey.values())).toBe(1);
-    // Parked jobs run under a new id: every job ran exactly once, and none was left behind.
-    expect(executions).toHaveLength(300);
-    expect(executions.every((e) => e.end !== null)).toBe(true);
+        expect(added).toHaveLength(300);
+      },
+    );
+    await expectEachRanOnceAlone(3, 300);
     expect((await readEvents(db.pool(), "job:rescheduled")).length).toBeGreaterThan(0);
     const handoffs = (await readEvents(db.pool(), "handoffs")).map((e) => ({
       worker: e.worker,
@@ -150,29 +168,15 @@ describe("exclusive execution across processes", () => {
       .pool()
       .query<{ n: number }>("select count(*)::int as n from graphile_worker_locks.waiters");
     expect(rows[0]!.n).toBe(297);
-    const workers: WorkerProcess[] = [];
-    try {
-      for (const name of ["q1", "q2", "q3"]) {
-        workers.push(
-          await startWorkerProcess(db.url, {
-            name,
-            concurrency: 4,
-            strategy: "reschedule",
-            attach: true,
-          }),
-        );
-      }
-      await drained();
-    } finally {
-      await Promise.all(workers.map((w) => w.stop()));
-    }
-
-    const executions = await readExecutions(db.pool());
-    const perKey = maxConcurrencyPerKey(executions);
-    expect(perKey.size).toBe(3);
-    expect(Math.max(...perKey.values())).toBe(1);
-    expect(executions).toHaveLength(300);
-    expect(executions.every((e) => e.end !== null)).toBe(true);
+    await runWorkers(
+      ["q1", "q2", "q3"].map((name) => ({
+        name,
+        concurrency: 4,
+        strategy: "reschedule",
+        attach: true,
+      })),
+    );
+    const { executions, perKey } = await expectEachRanOnceAlone(3, 300);
     // Each key's jobs ran in enqueue order (the database's clock orders the starts across processes).
     const idOrder = new Map(added.map((r, i) => [r.job!.id, i]));
     for (const key of perKey.keys()) {
