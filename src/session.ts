@@ -799,6 +799,10 @@ export class LockSession {
       prewakes.length === 0 &&
       singles.every((r) => r.info.wakeKey === null);
 
+    // $1 and $2 of both statements.
+    const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
+    const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
+
     this.statements++;
     this.inFlightSince = performance.now();
     this.inFlight = client
@@ -807,17 +811,14 @@ export class LockSession {
           ? {
               name: lockBatchPlain.name,
               text: lockBatchPlain.text,
-              values: [
-                integerArray(unlocks.map((hold) => hold.keyText)),
-                integerArray(singles.map((r) => r.slots[0]!)),
-              ],
+              values: [unlockKeys, singleKeys],
             }
           : {
               name: lockBatch.name,
               text: lockBatch.text,
               values: [
-                integerArray(unlocks.map((hold) => hold.keyText)),
-                integerArray(singles.map((r) => r.slots[0]!)),
+                unlockKeys,
+                singleKeys,
                 multis.map((r) => r.slots.join(",")),
                 integerArray(waking.map((hold) => hold.info.wakeKey!)),
                 // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
