@@ -17,9 +17,9 @@
  * awaited one after another (one connection busy at a time, as in a request handler); bulk ones are
  * `addJobs` calls of `BULK_BATCH` items. Afterwards every variant's rows are counted (and the outcomes
  * checked where the API reports them): a fresh variant must have added all its jobs, a duplicate one none.
- * One warm-up round with fewer enqueues (not counted), then BENCH_ROUNDS (default 5 here: a round takes about
- * 10 s, and single rounds spread by up to ±30 % on a busy machine) rounds; medians
- * reported, ratios are ratios of medians.
+ * One warm-up round with fewer enqueues (not counted), then BENCH_ROUNDS rounds (default 5 here: a round
+ * takes about 10 s, and single rounds spread by up to ±30 % on a busy machine); medians reported, ratios are
+ * ratios of medians.
  *
  * Single variants:
  * - `addJob`: graphile-worker's `workerUtils.addJob` (its `add_job`, which goes through `add_jobs()`).
@@ -32,8 +32,9 @@
  * library makes them; the same keys again, which replaces), and `locks.addJobs` with `unique: "active"`
  * (fresh keys; the same keys again) and, for reference, without uniqueness. The bench's own keys are the
  * variant's id and a counter (`bulk-gw-keys/fresh:1`, `:2`, ...), so each call's keys land next to each other
- * in graphile-worker's job key index; the library's are 70 characters of a hash, spread over the whole index. The fresh unique row is compared with
- * graphile-worker given those same keys; its goal against the short keys is reported as well.
+ * in graphile-worker's job key index; the library's are 70 characters of a hash, spread over the whole index.
+ * The fresh unique row is compared with graphile-worker given those same keys; its goal against the short
+ * keys is reported as well.
  */
 import pg from "pg";
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
@@ -151,15 +152,12 @@ const gwBulk =
   (keyed: boolean | "library") =>
   async ({ utils }: Tools, task: string, keys: string[]): Promise<string[]> => {
     await utils.addJobs(
-      keys.map((k) => ({
-        identifier: task,
-        payload: payload(k),
-        ...(keyed === "library"
-          ? { jobKey: library.uniqueJobKey(task, payload(k), null) }
-          : keyed
-            ? { jobKey: k }
-            : {}),
-      })),
+      keys.map((k) => {
+        const jobPayload = payload(k);
+        if (!keyed) return { identifier: task, payload: jobPayload };
+        const jobKey = keyed === "library" ? library.uniqueJobKey(task, jobPayload, null) : k;
+        return { identifier: task, payload: jobPayload, jobKey };
+      }),
     );
     return [];
   };
