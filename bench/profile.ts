@@ -2,6 +2,9 @@
  * `node --import tsx bench/profile.ts [A|B ...]`: where the wrapper's time goes. Not part of `npm run bench`.
  *
  * Runs the throughput section's configurations with more variants and more instruments:
+ * - async: the no-op inside one more async function, and keyonly: that plus the job's lock key derived (stable
+ *   JSON, then SHA-256), with no lock and no state: what any wrapper that awaits the task, and any that
+ *   derives this design's key, costs before it locks anything.
  * - nolock: the real wrapper (`makeExclusiveTask`) on a fake lock session that grants every key at once,
  *   without PostgreSQL: the wrapper's JavaScript cost alone (key derivation, abort plumbing, promises).
  * - every lock statement (`gwl_lock_batch_*`, `gwl_lock_plain_*`) is observed by patching `pg.Client.prototype.query`:
@@ -13,7 +16,8 @@
  *   meaningful for a local server).
  *
  * PROFILE_JOBS overrides the job count (default: the throughput section's), PROFILE_ROUNDS the rounds
- * (default 2), PROFILE_VARIANTS (comma-separated, default plain,nolock,wrapped,naive; naiveConn too) the variants. Run under
+ * (default 2), PROFILE_VARIANTS (comma-separated, default plain,nolock,wrapped,naive; async, keyonly and naiveConn
+ * too) the variants. Run under
  * `node --cpu-prof --cpu-prof-dir=<dir> --import tsx bench/profile.ts B` for a CPU profile.
  */
 import { readdirSync, readFileSync } from "node:fs";
@@ -225,7 +229,23 @@ try {
   );
   const variants: Array<{ variant: Variant; timed?: Timed }> = [];
   for (const id of wantedVariants) {
-    if (id === "nolock") {
+    if (id === "async" || id === "keyonly") {
+      // Floors for any wrapper: one more async layer around the no-op (async), and that plus the key's
+      // derivation (keyonly), with no lock and no state.
+      const inner = base.plain!.task;
+      const derive = id === "keyonly";
+      variants.push({
+        variant: {
+          id,
+          task: async (payload, helpers) => {
+            if (derive) library.lockKey(TASK, payload);
+            await inner(payload, helpers);
+          },
+          statements: () => 0,
+          conflicts: () => 0,
+        },
+      });
+    } else if (id === "nolock") {
       variants.push({
         variant: {
           id: "nolock",

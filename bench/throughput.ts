@@ -159,8 +159,9 @@ const MAIN_PROCESS = "main";
 /** How often pg_stat_activity is sampled during a multi-process run. */
 const SAMPLE_INTERVAL_MS = 250;
 
-/** `nolock` exists in bench/profile.ts only. */
-export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn" | "nolock";
+export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn" | ProfileVariantId;
+/** Variants of bench/profile.ts only. */
+export type ProfileVariantId = "nolock" | "async" | "keyonly";
 
 export interface Variant {
   id: VariantId;
@@ -1078,7 +1079,7 @@ function summarise(
   runs: RunFigures[],
 ): ConfigFigures {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: Exclude<VariantId, "nolock">): VariantFigures | undefined => {
+  const per = (variant: Exclude<VariantId, ProfileVariantId>): VariantFigures | undefined => {
     const mine = measured.filter((r) => r.variant === variant);
     if (mine.length === 0) return undefined;
     const rates = mine.map((r) => r.jobsPerSecond);
