@@ -10,16 +10,33 @@
  * the moment it is fetched.
  */
 import type { Job, WorkerEvents } from "graphile-worker";
-import type { AcquireResult, HoldInfo, LockSession } from "./session.js";
+import type { AcquireReceiver, AcquireResult, HoldInfo, LockSession } from "./session.js";
 
 /** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
 export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;
 
-/** A lock-ahead acquisition: its promise, and its result once settled (null if it failed). */
-export interface Prefetch {
-  readonly promise: Promise<AcquireResult | null>;
-  settled: boolean;
-  result: AcquireResult | null;
+/**
+ * A lock-ahead acquisition: its result once settled (null if it failed), and a promise of it, made only for a
+ * job that starts before its lock statement has answered.
+ */
+export class Prefetch implements AcquireReceiver {
+  settled = false;
+  result: AcquireResult | null = null;
+  private made: Promise<AcquireResult | null> | undefined;
+  private resolveMade: ((result: AcquireResult | null) => void) | undefined;
+
+  get promise(): Promise<AcquireResult | null> {
+    this.made ??= this.settled
+      ? Promise.resolve(this.result)
+      : new Promise((resolve) => (this.resolveMade = resolve));
+    return this.made;
+  }
+
+  settle(result: AcquireResult | null): void {
+    this.settled = true;
+    this.result = result;
+    this.resolveMade?.(result);
+  }
 }
 
 export class Prefetcher {
@@ -40,21 +57,9 @@ export class Prefetcher {
         continue; // the job itself will report the bad key when it runs
       }
       if (!plan) continue;
-      const entry: Prefetch = {
-        promise: this.session.acquire(plan.slots, plan.info).then(
-          (result) => {
-            entry.settled = true;
-            return (entry.result = result);
-          },
-          () => {
-            entry.settled = true;
-            return null;
-          },
-        ),
-        settled: false,
-        result: null,
-      };
+      const entry = new Prefetch();
       this.pending.set(job.id, entry);
+      this.session.acquireInto(plan.slots, plan.info, entry);
     }
   }
 

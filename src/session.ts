@@ -179,6 +179,58 @@ interface LockRequest {
   waits?: number;
 }
 
+/** Who takes an acquisition's outcome without a promise: null when it failed (see acquireInto). */
+export interface AcquireReceiver {
+  settle(result: AcquireResult | null): void;
+}
+
+/**
+ * A queued lock request and its outcome, which goes to its receiver, if any, and to a promise made only when
+ * someone awaits it. Lock-ahead takes it by receiver: per prefetched job, two promises, two closures and a
+ * microtask fewer than a promise and its `then` (measured with the session alone: about a quarter less memory
+ * allocated per key). Settles once; later calls are ignored, as a promise's would be.
+ */
+class Acquisition implements LockRequest {
+  waits?: number;
+  private done = false;
+  private value: AcquireResult | undefined;
+  private error: Error | undefined;
+  private made: Promise<AcquireResult> | undefined;
+  private resolveMade: ((result: AcquireResult) => void) | undefined;
+  private rejectMade: ((error: Error) => void) | undefined;
+  constructor(
+    readonly slots: string[],
+    readonly keys: bigint[],
+    readonly info: HoldInfo,
+    private readonly receiver: AcquireReceiver | undefined,
+  ) {}
+  resolve(result: AcquireResult): void {
+    if (this.done) return;
+    this.done = true;
+    this.value = result;
+    this.receiver?.settle(result);
+    this.resolveMade?.(result);
+  }
+  reject(error: Error): void {
+    if (this.done) return;
+    this.done = true;
+    this.error = error;
+    this.receiver?.settle(null);
+    this.rejectMade?.(error);
+  }
+  promise(): Promise<AcquireResult> {
+    this.made ??= !this.done
+      ? new Promise<AcquireResult>((resolve, reject) => {
+          this.resolveMade = resolve;
+          this.rejectMade = reject;
+        })
+      : this.error
+        ? Promise.reject(this.error)
+        : Promise.resolve(this.value!);
+    return this.made;
+  }
+}
+
 /** A request that waits for its key (a job woken early waits for its holder to finish). */
 interface Waiting {
   request: LockRequest;
@@ -227,7 +279,7 @@ export class LockSession {
   private reconnectTimer: NodeJS.Timeout | null = null;
   private readonly holds = new Map<string, HoldImpl>();
   /** Keys being acquired, with the acquisition (settles when its statement answered). */
-  private readonly pending = new Map<string, Promise<AcquireResult>>();
+  private readonly pending = new Map<string, Acquisition>();
   private lockQueue: LockRequest[] = [];
   private unlockQueue: HoldImpl[] = [];
   private inFlight: Promise<void> | null = null;
@@ -323,9 +375,24 @@ export class LockSession {
     // The common case, a free single key on a ready session, without the general path's async frame.
     if (this.state === "ready" && slots.length === 1) {
       const key = slots[0]!.toString();
-      if (this.isFree(key)) return this.queueLock([key], slots, info);
+      if (this.isFree(key)) return this.queueLock([key], slots, info, undefined).promise();
     }
     return this.acquireSlowly(slots, info);
+  }
+
+  /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
+  acquireInto(slots: readonly bigint[], info: HoldInfo, receiver: AcquireReceiver): void {
+    if (this.state === "ready" && slots.length === 1) {
+      const key = slots[0]!.toString();
+      if (this.isFree(key)) {
+        this.queueLock([key], slots, info, receiver);
+        return;
+      }
+    }
+    this.acquireSlowly(slots, info).then(
+      (result) => receiver.settle(result),
+      () => receiver.settle(null),
+    );
   }
 
   private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
@@ -340,7 +407,7 @@ export class LockSession {
       if (info.wakeKey !== null) {
         const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
         if (acquiring) {
-          await acquiring.catch(() => undefined);
+          await acquiring.promise().catch(() => undefined);
           continue;
         }
       }
@@ -390,7 +457,8 @@ export class LockSession {
       free,
       free.length === slots.length ? slots : free.map((k) => BigInt(k)),
       info,
-    );
+      undefined,
+    ).promise();
   }
 
   /**
@@ -476,11 +544,11 @@ export class LockSession {
     free: string[],
     keys: readonly bigint[],
     info: HoldInfo,
-  ): Promise<AcquireResult> {
-    const acquisition = new Promise<AcquireResult>((resolve, reject) => {
-      this.lockQueue.push({ slots: free, keys: keys as bigint[], info, resolve, reject });
-      this.scheduleFlush();
-    });
+    receiver: AcquireReceiver | undefined,
+  ): Acquisition {
+    const acquisition = new Acquisition(free, keys as bigint[], info, receiver);
+    this.lockQueue.push(acquisition);
+    this.scheduleFlush();
     for (const k of free) this.pending.set(k, acquisition);
     return acquisition;
   }
