@@ -249,9 +249,14 @@ export function makeExclusiveTask<TPayload>(
     return runHeld(result.hold, payload, helpers);
   };
 
-  /** Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then. */
+  /**
+   * Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then, or if
+   * the lock went with its connection while the job waited in the local queue (it never runs unlocked).
+   */
   const runPrefetched = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
-    result?.acquired ? runHeld(result.hold, payload, helpers) : acquireAndRun(payload, helpers);
+    result?.acquired && !result.hold.lost
+      ? runHeld(result.hold, payload, helpers)
+      : acquireAndRun(payload, helpers);
 
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // With lock-ahead the key was derived (and usually taken) when the job was fetched.

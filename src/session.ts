@@ -66,6 +66,8 @@ export interface Hold {
   readonly key: bigint;
   readonly info: HoldInfo;
   readonly since: Date;
+  /** Whether the connection this hold was taken on is gone, and the key with it. */
+  readonly lost: boolean;
   /** Aborts (with a GWL_LOCK_LOST error) if the session is lost while the key is held. */
   readonly signal: AbortSignal;
   /**

@@ -1406,6 +1406,69 @@ describe("lock-ahead with graphile-worker's local queue", () => {
     });
   });
 
+  it("a lock taken ahead and lost with its connection before its job starts is taken again: the job never runs unlocked", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 50, max: 100 } });
+    const gate = deferred();
+    const gateStarted = deferred();
+    // Another session tries each key the moment its job starts: it must find the key held.
+    const probe = new pg.Client({ connectionString: db.url });
+    await probe.connect();
+    cleanups.push(() => probe.end());
+    const unlocked: string[] = [];
+    const ran: string[] = [];
+    const task = locks.exclusive(
+      "ahead_lost",
+      async (p: { k: string }) => {
+        if (p.k === "gate") {
+          gateStarted.resolve();
+          return gate.promise;
+        }
+        const { rows } = await probe.query<{ got: boolean }>(
+          "select pg_try_advisory_lock($1) as got",
+          [lockKey("ahead_lost", p.k).toString()],
+        );
+        if (rows[0]!.got) {
+          unlocked.push(p.k);
+          await probe.query("select pg_advisory_unlock($1)", [
+            lockKey("ahead_lost", p.k).toString(),
+          ]);
+        }
+        ran.push(p.k);
+      },
+      { key: (p) => p.k },
+    );
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { ahead_lost: task },
+      preset: localQueue,
+    });
+    locks.attach(r);
+    const keys = ["a", "b", "c", "d", "e"];
+    // The gate job runs; the five others, fetched in the next batch, wait in the local queue behind it with
+    // their locks taken ahead.
+    await utils.addJob("ahead_lost", { k: "gate" });
+    await gateStarted.promise;
+    await utils.addJobs(keys.map((k) => ({ identifier: "ahead_lost", payload: { k } })));
+    await waitFor(
+      async () => {
+        const free = await Promise.all(keys.map((k) => task.lockAvailable({ k })));
+        return free.every((f) => !f);
+      },
+      { message: "lock-ahead of the queued jobs" },
+    );
+    // The lock session dies with every lock it held, the ones taken ahead among them; it reconnects.
+    const lost = nextEvent(locks, "lock:lost");
+    const reconnected = nextEvent(locks, "session:connected");
+    await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
+    expect((await lost).holds.length).toBeGreaterThanOrEqual(keys.length);
+    await reconnected;
+    gate.resolve();
+    await waitFor(async () => ran.length === keys.length, { message: "the five jobs to run" });
+    expect(unlocked).toEqual([]);
+    expect([...ran].sort()).toEqual(keys);
+  });
+
   it("two runners with lock-ahead, 300 jobs over 5 keys: no overlap, every job runs", async () => {
     const timeline = new Timeline();
     for (const locks of [newLocks(), newLocks()]) {
