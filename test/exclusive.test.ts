@@ -1367,7 +1367,7 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
 describe("lock-ahead with graphile-worker's local queue", () => {
   const localQueue = { worker: { localQueue: { size: 20 }, completeJobBatchDelay: 0 } };
 
-  it("takes the locks of a fetched batch before its jobs start, and gives back those of returned jobs", async () => {
+  it("takes the locks of a fetched batch before its jobs start, and holds none once the runner stopped", async () => {
     const locks = newLocks();
     const gate = deferred();
     const started: string[] = [];
@@ -1406,9 +1406,60 @@ describe("lock-ahead with graphile-worker's local queue", () => {
     });
   });
 
+  it("gives back the locks taken ahead of jobs the local queue hands back (its ttl), and takes them again when they run", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve()); // (runs before the runner's stop, should the test fail)
+    const gateStarted = deferred();
+    const ran: string[] = [];
+    const task = locks.exclusive(
+      "ahead_returned",
+      async (p: { k: string }) => {
+        if (p.k === "gate") {
+          gateStarted.resolve();
+          return gate.promise;
+        }
+        ran.push(p.k);
+      },
+      { key: (p) => p.k },
+    );
+    const returned = deferred<number>();
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { ahead_returned: task },
+      preset: { worker: { localQueue: { size: 20, ttl: 300 } } },
+    });
+    r.events.on("localQueue:returnJobs", ({ jobs }) => returned.resolve(jobs.length));
+    locks.attach(r);
+    const keys = ["a", "b", "c", "d", "e"];
+    await utils.addJob("ahead_returned", { k: "gate" });
+    await gateStarted.promise;
+    await utils.addJobs(keys.map((k) => ({ identifier: "ahead_returned", payload: { k } })));
+    const free = () => Promise.all(keys.map((k) => task.lockAvailable({ k })));
+    await waitFor(async () => (await free()).every((f) => !f), {
+      message: "lock-ahead of the queued jobs",
+    });
+    // The gate job outlives the local queue's ttl: the five are handed back to the database unrun, and
+    // their locks with them, while the runner still runs and is still attached.
+    expect(await returned.promise).toBe(keys.length);
+    await waitFor(async () => (await free()).every((f) => f), {
+      message: "the returned jobs' locks to be given back",
+    });
+    expect(ran).toEqual([]);
+    expect(locks.status().held.map((h) => h.jobId)).toHaveLength(1); // the gate job's
+    gate.resolve();
+    await waitFor(async () => ran.length === keys.length, { message: "the five jobs to run" });
+    expect([...ran].sort()).toEqual(keys);
+    await waitFor(async () => locks.status().held.length === 0, {
+      message: "every lock to be released",
+    });
+  });
+
   it("a lock taken ahead and lost with its connection before its job starts is taken again: the job never runs unlocked", async () => {
     const locks = newLocks({ reconnectDelay: { min: 50, max: 100 } });
     const gate = deferred();
+    cleanups.push(async () => gate.resolve()); // (runs before the runner's stop, should the test fail)
     const gateStarted = deferred();
     // Another session tries each key the moment its job starts: it must find the key held.
     const probe = new pg.Client({ connectionString: db.url });
