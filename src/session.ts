@@ -374,27 +374,30 @@ export class LockSession {
    * when there is no session.
    */
   acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
-    // The common case, a free single key on a ready session, without the general path's async frame.
-    if (this.state === "ready" && slots.length === 1) {
-      const key = slots[0]!.toString();
-      if (this.isFree(key)) return this.queueLock([key], slots, info, undefined).promise();
-    }
-    return this.acquireSlowly(slots, info);
+    return this.queueIfFree(slots, info, undefined)?.promise() ?? this.acquireSlowly(slots, info);
   }
 
   /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
   acquireInto(slots: readonly bigint[], info: HoldInfo, receiver: AcquireReceiver): void {
-    if (this.state === "ready" && slots.length === 1) {
-      const key = slots[0]!.toString();
-      if (this.isFree(key)) {
-        this.queueLock([key], slots, info, receiver);
-        return;
-      }
-    }
+    if (this.queueIfFree(slots, info, receiver)) return;
     this.acquireSlowly(slots, info).then(
       (result) => receiver.settle(result),
       () => receiver.settle(null),
     );
+  }
+
+  /**
+   * The common case, a free single key on a ready session, queued without the general path's async frame;
+   * null otherwise (acquireSlowly).
+   */
+  private queueIfFree(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    receiver: AcquireReceiver | undefined,
+  ): Acquisition | null {
+    if (this.state !== "ready" || slots.length !== 1) return null;
+    const key = slots[0]!.toString();
+    return this.isFree(key) ? this.queueLock([key], slots, info, receiver) : null;
   }
 
   private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
