@@ -201,33 +201,65 @@ export async function addJobs(
     }
   });
   if (specs.length === 0) return [];
-  // Lines only where two jobs of a batch share a key: nothing to send otherwise.
-  const lineKeys = new Set<bigint>();
+  // Lines only where two jobs of a batch share a key; each key's first job (its front) is not in line.
+  const fronts = new Set<bigint>();
   let lines = false;
-  for (const plan of plans) {
-    if (!plan.line) continue;
-    if (lineKeys.has(plan.line.key)) lines = true;
-    else lineKeys.add(plan.line.key);
-  }
-  const { rows } = await db.query<JobRow>(
-    sql.statement("add_unique_bulk", sql.addUniqueJobs, [
+  const parkKeys = plans.map((plan) => {
+    if (!plan.line) return null;
+    if (!fronts.has(plan.line.key)) {
+      fronts.add(plan.line.key);
+      return null;
+    }
+    lines = true;
+    return plan.line.key.toString();
+  });
+  const { rows } = await db.query<Job>(
+    sql.statement("add_unique_flat", sql.addUniqueJobs, [
       JSON.stringify(specs),
       specs.length,
       firsts,
       [...new Set(specs.map((s) => s.identifier))],
       [...new Set(specs.flatMap((s) => (s.queue_name === undefined ? [] : [s.queue_name])))],
-      lines ? plans.map((p) => p.line?.key.toString() ?? null) : null,
+      lines ? parkKeys : null,
       lines ? plans.map((p) => p.line?.safetyNetMs ?? null) : null,
     ]),
   );
-  // Rows inserted set-based come back without a position: each is the first item of its key.
   const results: AddJobResult[] = new Array(plans.length);
-  for (const row of rows) {
-    const index = row.ord == null ? firstOfKey.get(row.key!)! : row.ord - 1;
-    results[index] = {
-      job: toJob(row, plans[index]!.taskIdentifier),
-      outcome: row.outcome as AddJobResult["outcome"],
-    };
+  const trailer = rows.length > 0 && rows[rows.length - 1]!.id === null ? rows.pop()! : null;
+  if (!trailer) {
+    // Every item was added: its row, in the items' order.
+    if (rows.length !== plans.length) {
+      throw new Error(
+        `graphile-worker-locks: the bulk enqueue answered ${rows.length} rows for ${plans.length} items`,
+      );
+    }
+    for (let i = 0; i < rows.length; i++) {
+      results[i] = { job: withTask(rows[i]!, plans[i]!.taskIdentifier), outcome: "added" };
+    }
+    return results;
   }
+  // Otherwise the trailer places each row: its item (a row added set-based is its key's first item), its
+  // outcome, and its job's task.
+  const { ord, outcome, task } = trailer.payload as unknown as BulkTrailer;
+  rows.forEach((row, i) => {
+    const index = ord[i] == null ? firstOfKey.get(row.key!)! : ord[i]! - 1;
+    results[index] = {
+      job: row.id === null ? null : withTask(row, task[i] ?? plans[index]!.taskIdentifier),
+      outcome: outcome[i] as AddJobResult["outcome"],
+    };
+  });
   return results;
+}
+
+/** The last row of a bulk enqueue that did more than add every item (sql/000011.sql), one entry per row. */
+interface BulkTrailer {
+  ord: Array<number | null>;
+  outcome: string[];
+  task: Array<string | null>;
+}
+
+/** A row of graphile-worker's job table as its `Job`: the row itself, with its task's identifier. */
+function withTask(row: Job, taskIdentifier: string): Job {
+  row.task_identifier = taskIdentifier;
+  return row;
 }

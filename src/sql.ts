@@ -170,9 +170,9 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * are `first`; $6, $7: for each item, the lock key of a `reschedule` job that may be added waiting in line
      * behind the batch's first job of that key, and its safety net in ms (sql/000008.sql), or nulls.
      */
-    addUniqueJobs: `select r.ord, r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::bigint[], $7::float8[]) r
-      left join ${w}._private_tasks t on t.id = (r.job).task_id`,
+    /** Rows of graphile-worker's job table, and a trailer for outcomes other than "added" (sql/000011.sql). */
+    addUniqueJobs: `select * from ${s}.add_unique_jobs_flat($1::json, $2::int, $3::int, $4::text[], $5::text[],
+      $6::bigint[], $7::float8[])`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
 

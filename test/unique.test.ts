@@ -563,6 +563,100 @@ describe("bulk", () => {
     expect(await jobCount()).toBe(4);
   });
 
+  it("a duplicate's job is its holder, of whichever task, or null once a window outlived it", async () => {
+    const holder = await locks.addJob(
+      "bg_push",
+      { user: 1 },
+      { unique: "queued", uniqueGroup: "bg" },
+    );
+    const gone = await locks.addJob("bg_mail", { user: 2 }, { uniqueFor: 600 });
+    await utils.completeJobs([gone.job!.id]);
+    const items = [{ user: 3 }, { user: 1 }, { user: 2 }, { user: 4 }];
+    const results = await locks.addJobs([
+      { identifier: "bg_mail", payload: items[0], unique: "queued", uniqueGroup: "bg" },
+      { identifier: "bg_mail", payload: items[1], unique: "queued", uniqueGroup: "bg" },
+      { identifier: "bg_mail", payload: items[2], uniqueFor: 600 },
+      { identifier: "bg_mail", payload: items[3] },
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual(["added", "duplicate", "duplicate", "added"]);
+    expect(results[1]!.job!.id).toBe(holder.job!.id);
+    expect(results[1]!.job!.task_identifier).toBe("bg_push");
+    expect(results[1]!.job!.payload).toEqual({ user: 1 });
+    expect(results[2]!.job).toBeNull();
+    for (const i of [0, 3]) {
+      expect(results[i]!.job!.task_identifier).toBe("bg_mail");
+      expect(results[i]!.job!.payload).toEqual(items[i]);
+    }
+    // (every item added: one row each, in order, with nothing else in it)
+    const fresh = await locks.addJobs([
+      { identifier: "bg_mail", payload: { user: 5 }, unique: "queued" },
+      { identifier: "bg_mail", payload: { user: 6 } },
+    ]);
+    expect(fresh.map((r) => [r.outcome, r.job!.payload, r.job!.task_identifier])).toEqual([
+      ["added", { user: 5 }, "bg_mail"],
+      ["added", { user: 6 }, "bg_mail"],
+    ]);
+    expect(Object.keys(fresh[0]!.job!).sort()).toEqual(Object.keys(holder.job!).sort());
+  });
+
+  it("the previous version's call (add_unique_jobs) still answers each item with its place and outcome", async () => {
+    const holder = await locks.addJob("bo", { k: "held" }, { unique: "queued" });
+    const spec = (k: string, unique: boolean) => ({
+      identifier: "bo",
+      payload: { k },
+      ...(unique
+        ? {
+            unique_key: uniqueJobKey("bo", { k }, null),
+            scope: "queued",
+            on_duplicate: "reject",
+            first: true,
+          }
+        : { first: false }),
+    });
+    const call = async (specs: object[], firsts: number, parkKeys: string[] | null = null) => {
+      const { rows } = await db.pool().query<{ ord: number | null; outcome: string; job: unknown }>(
+        `select r.ord, r.outcome, (r.job).id::text as job
+         from graphile_worker_locks.add_unique_jobs($1::json, $2, $3, '{bo}', '{}', $4::bigint[], $5::float8[]) r`,
+        [
+          JSON.stringify(specs),
+          specs.length,
+          firsts,
+          parkKeys,
+          parkKeys?.map(() => 60_000) ?? null,
+        ],
+      );
+      return rows;
+    };
+    // Every item added: each at its place.
+    const added = await call([spec("a", true), spec("p", false)], 1);
+    expect(added.map((r) => [r.ord, r.outcome])).toEqual([
+      [1, "added"],
+      [2, "added"],
+    ]);
+    // A duplicate among them: the rows added as the first of their key come without a place, as before.
+    const mixed = await call([spec("b", true), spec("held", true), spec("q", false)], 2);
+    const byPlace = (a: { ord: number | null }, b: { ord: number | null }) =>
+      (a.ord ?? 0) - (b.ord ?? 0);
+    expect(mixed.sort(byPlace).map((r) => [r.ord, r.outcome])).toEqual([
+      [null, "added"],
+      [2, "duplicate"],
+      [3, "added"],
+    ]);
+    expect(mixed.find((r) => r.ord === 2)!.job).toBe(holder.job!.id);
+    // A line names every item's key, its front's included: the front stays runnable, the others wait.
+    const line = await call([spec("l1", false), spec("l2", false), spec("l3", false)], 0, [
+      "77",
+      "77",
+      "77",
+    ]);
+    const { rows } = await db
+      .pool()
+      .query<{ job_id: string }>(
+        "select job_id::text from graphile_worker_locks.waiters where lock_key = 77 order by pos",
+      );
+    expect(rows.map((r) => r.job_id)).toEqual([line[1]!.job, line[2]!.job]);
+  });
+
   it("raise on any duplicate aborts the whole batch", async () => {
     const existing = await locks.addJob("br", { k: 1 }, { unique: "active" });
     const error = await locks
