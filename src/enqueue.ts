@@ -166,62 +166,75 @@ export async function addJobs(
   sql: Sql,
   plans: readonly EnqueuePlan[],
 ): Promise<AddJobResult[]> {
+  if (plans.length === 0) return [];
+  // Tasks and queues go once each; an item names them by their place (from 1).
+  const tasks = new Map<string, number>();
+  const queues = new Map<string, number>();
+  const placeOf = (places: Map<string, number>, name: string) => {
+    let place = places.get(name);
+    if (place === undefined) places.set(name, (place = places.size + 1));
+    return place;
+  };
+  // The first scoped item of each key is tried set-based; the database answers the rest one by one.
+  const firstOfKey = new Set<string>();
   let firsts = 0;
+  // A line only where two jobs of a batch share a key: each key's first job (its front) stays runnable, the
+  // others are added waiting in line. Each names its place among the items without a unique key.
+  const fronts = new Set<bigint>();
+  let plain = 0;
+  const parkPos: number[] = [];
+  const parkKeys: string[] = [];
   const specs = plans.map((plan, index) => {
-    if (plan.spec?.jobKey !== undefined || plan.spec?.jobKeyMode !== undefined) {
+    const { spec, unique } = plan;
+    if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
-    const { spec, unique } = plan;
-    // Fields left undefined are left out of the JSON, and the database reads them as null: a batch is
-    // smaller to write and to parse.
+    let first: true | undefined;
+    if (unique?.scope && !firstOfKey.has(unique.key)) {
+      firstOfKey.add(unique.key);
+      first = true;
+      firsts++;
+    }
+    let parkMs: number | undefined;
+    if (!unique) {
+      plain++;
+      if (plan.line) {
+        if (fronts.has(plan.line.key)) {
+          parkMs = plan.line.safetyNetMs;
+          parkPos.push(plain);
+          parkKeys.push(plan.line.key.toString());
+        } else fronts.add(plan.line.key);
+      }
+    }
+    // Fields left undefined are left out of the JSON, and the database reads them as null (bulk_job_spec in
+    // sql/000011.sql): a batch is smaller to write and to parse.
     return {
-      identifier: plan.taskIdentifier,
+      task: placeOf(tasks, plan.taskIdentifier),
+      queue: spec?.queueName == null ? undefined : placeOf(queues, spec.queueName),
       payload: plan.payload ?? {},
-      queue_name: spec?.queueName ?? undefined,
       run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
       max_attempts: spec?.maxAttempts ?? undefined,
       priority: spec?.priority ?? undefined,
       flags: uniqueFlags(spec?.flags, unique) ?? undefined,
-      unique_key: unique?.key ?? null,
-      scope: unique?.scope ?? null,
+      unique_key: unique?.key,
+      scope: unique?.scope ?? undefined,
       window_seconds: unique?.windowSeconds ?? undefined,
-      on_duplicate: unique?.onDuplicate,
-      first: false,
+      on_duplicate: unique?.onDuplicate === "reject" ? undefined : unique?.onDuplicate,
+      first,
+      park_ms: parkMs,
     };
-  });
-  // The first scoped item of each key is tried set-based; the database answers the rest one by one.
-  const firstOfKey = new Map<string, number>();
-  specs.forEach((spec, index) => {
-    if (spec.unique_key !== null && spec.scope !== null && !firstOfKey.has(spec.unique_key)) {
-      firstOfKey.set(spec.unique_key, index);
-      spec.first = true;
-      firsts++;
-    }
-  });
-  if (specs.length === 0) return [];
-  // Lines only where two jobs of a batch share a key; each key's first job (its front) is not in line.
-  const fronts = new Set<bigint>();
-  let lines = false;
-  const parkKeys = plans.map((plan) => {
-    if (!plan.line) return null;
-    if (!fronts.has(plan.line.key)) {
-      fronts.add(plan.line.key);
-      return null;
-    }
-    lines = true;
-    return plan.line.key.toString();
   });
   const { rows } = await db.query<Job>(
     sql.statement("add_unique_flat", sql.addUniqueJobs, [
       JSON.stringify(specs),
       specs.length,
       firsts,
-      [...new Set(specs.map((s) => s.identifier))],
-      [...new Set(specs.flatMap((s) => (s.queue_name === undefined ? [] : [s.queue_name])))],
-      lines ? parkKeys : null,
-      lines ? plans.map((p) => p.line?.safetyNetMs ?? null) : null,
+      [...tasks.keys()],
+      [...queues.keys()],
+      parkPos.length > 0 ? parkPos : null,
+      parkPos.length > 0 ? parkKeys : null,
     ]),
   );
   const results: AddJobResult[] = new Array(plans.length);
@@ -238,11 +251,10 @@ export async function addJobs(
     }
     return results;
   }
-  // Otherwise the trailer places each row: its item (a row added set-based is its key's first item), its
-  // outcome, and its job's task.
+  // Otherwise the trailer places each row: its item, its outcome, and its job's task.
   const { ord, outcome, task } = trailer.payload as unknown as BulkTrailer;
   rows.forEach((row, i) => {
-    const index = ord[i] == null ? firstOfKey.get(row.key!)! : ord[i]! - 1;
+    const index = ord[i]! - 1;
     results[index] = {
       job: row.id === null ? null : withTask(row, task[i] ?? plans[index]!.taskIdentifier),
       outcome: outcome[i] as AddJobResult["outcome"],
@@ -253,7 +265,7 @@ export async function addJobs(
 
 /** The last row of a bulk enqueue that did more than add every item (sql/000011.sql), one entry per row. */
 interface BulkTrailer {
-  ord: Array<number | null>;
+  ord: number[];
   outcome: string[];
   task: Array<string | null>;
 }

@@ -172,7 +172,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     /** Rows of graphile-worker's job table, and a trailer for outcomes other than "added" (sql/000011.sql). */
     addUniqueJobs: `select * from ${s}.add_unique_jobs_flat($1::json, $2::int, $3::int, $4::text[], $5::text[],
-      $6::bigint[], $7::float8[])`,
+      $6::int[], $7::bigint[])`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
 
