@@ -166,11 +166,12 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
     /**
-     * A batch of enqueues in one statement; $1 is a JSON array of unique_job_spec, $2 its length, $3 how many
-     * are `first`; $6, $7: for each item, the lock key of a `reschedule` job that may be added waiting in line
-     * behind the batch's first job of that key, and its safety net in ms (sql/000008.sql), or nulls.
+     * A batch of enqueues in one statement (sql/000011.sql): $1 a JSON array of bulk_job_spec, $2 its length,
+     * $3 how many are `first`, $4 and $5 the batch's distinct task identifiers and queue names (which the items
+     * name by place), $6 and $7 for each item added waiting in line its place among the items without a
+     * unique key and its lock key, or nulls. Answers with rows of graphile-worker's job table, one per item
+     * in order, or (when not every item was added) with a trailing row that places them.
      */
-    /** Rows of graphile-worker's job table, and a trailer for outcomes other than "added" (sql/000011.sql). */
     addUniqueJobs: `select * from ${s}.add_unique_jobs_flat($1::json, $2::int, $3::int, $4::text[], $5::text[],
       $6::int[], $7::bigint[])`,
 
