@@ -587,14 +587,31 @@ describe("bulk", () => {
       expect(results[i]!.job!.task_identifier).toBe("bg_mail");
       expect(results[i]!.job!.payload).toEqual(items[i]);
     }
-    // (every item added: one row each, in order, with nothing else in it)
+    // (every item added: one row each, in order, with nothing else in it; tasks and queues are named by
+    // their place in the batch)
     const fresh = await locks.addJobs([
-      { identifier: "bg_mail", payload: { user: 5 }, unique: "queued" },
-      { identifier: "bg_mail", payload: { user: 6 } },
+      { identifier: "bg_mail", payload: { user: 5 }, unique: "queued", queueName: "q2" },
+      { identifier: "bg_push", payload: { user: 6 }, queueName: "q1" },
+      { identifier: "bg_mail", payload: { user: 7 }, queueName: "q1" },
+      { identifier: "bg_new", payload: { user: 8 } },
     ]);
     expect(fresh.map((r) => [r.outcome, r.job!.payload, r.job!.task_identifier])).toEqual([
       ["added", { user: 5 }, "bg_mail"],
-      ["added", { user: 6 }, "bg_mail"],
+      ["added", { user: 6 }, "bg_push"],
+      ["added", { user: 7 }, "bg_mail"],
+      ["added", { user: 8 }, "bg_new"],
+    ]);
+    const { rows: stored } = await db
+      .pool()
+      .query<{ task_identifier: string; queue_name: string }>(
+        `select task_identifier, queue_name from graphile_worker.jobs where id = any($1::bigint[]) order by id`,
+        [fresh.map((r) => r.job!.id)],
+      );
+    expect(stored.map((r) => [r.task_identifier, r.queue_name])).toEqual([
+      ["bg_mail", "q2"],
+      ["bg_push", "q1"],
+      ["bg_mail", "q1"],
+      ["bg_new", null],
     ]);
     expect(Object.keys(fresh[0]!.job!).sort()).toEqual(Object.keys(holder.job!).sort());
   });
