@@ -673,6 +673,18 @@ describe("bulk", () => {
     expect(rows.map((r) => r.job_id)).toEqual([line[1]!.job, line[2]!.job]);
   });
 
+  it("checks each holder inline: PostgreSQL inlines unique_job_blocks instead of calling it per row", async () => {
+    // A SQL function with a subquery in its body is not inlined; called for each of a batch's duplicates,
+    // its executor cost more than the check itself.
+    const { rows } = await db.pool().query<{ "QUERY PLAN": unknown }>(
+      `explain (verbose, format json)
+         select graphile_worker_locks.unique_job_blocks(j) from graphile_worker._private_jobs j`,
+    );
+    const plan = JSON.stringify(rows[0]!["QUERY PLAN"]);
+    expect(plan).toContain("jsonb_path_query_first");
+    expect(plan).not.toContain("unique_job_blocks");
+  });
+
   it("raise on any duplicate aborts the whole batch", async () => {
     const existing = await locks.addJob("br", { k: 1 }, { unique: "active" });
     const error = await locks
