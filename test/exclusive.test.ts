@@ -1295,6 +1295,39 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
     expect(await parkedCount()).toBe(4);
   });
 
+  it("a batch whose unique item meets a duplicate still puts its line in place and answers every item", async () => {
+    const locks = newLocks();
+    const { task } = keyedLine(locks, "bulk_line_dup");
+    const held = await locks.addJob("bulk_line_dup", { k: "u", n: 0 }, { unique: "queued" });
+    const results = await locks.addJobs([
+      // (the task's key is also its unique key: k)
+      { identifier: "bulk_line_dup", payload: { k: "v", n: 1 }, unique: "queued" },
+      ...items("bulk_line_dup", "a", [0, 1]),
+      { identifier: "bulk_line_dup", payload: { k: "u", n: 5 }, unique: "queued" },
+      ...items("bulk_line_dup", "a", [2]),
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual([
+      "added",
+      "added",
+      "added",
+      "duplicate",
+      "added",
+    ]);
+    expect(results[3]!.job!.id).toBe(held.job!.id);
+    // (the duplicate's job is the held one, n 0)
+    expect(results.map((r) => (r.job!.payload as Item).n)).toEqual([1, 0, 1, 0, 2]);
+    const { rows: waiters } = await db
+      .pool()
+      .query<{ lock_key: string; job_id: string }>(
+        "select lock_key::text, job_id::text from graphile_worker_locks.waiters order by pos",
+      );
+    const a = task.lockKey({ k: "a", n: 0 }).toString();
+    expect(waiters).toEqual([
+      { lock_key: a, job_id: results[2]!.job!.id },
+      { lock_key: a, job_id: results[4]!.job!.id },
+    ]);
+  });
+
   it("a runner then runs every key's jobs once each, in enqueue order, never two at once, fetching each about once", async () => {
     const locks = newLocks();
     const { task, order, spans } = keyedLine(locks, "bulk_run");
