@@ -87,6 +87,10 @@ const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>>
   active: { "gwl:unique:active": true },
   exists: { "gwl:unique:exists": true },
 };
+/** The same, serialized once. */
+const SCOPE_FLAGS_JSON = Object.fromEntries(
+  Object.entries(SCOPE_FLAGS).map(([scope, flags]) => [scope, JSON.stringify(flags)]),
+) as Readonly<Record<UniqueScope, string>>;
 
 function toJob(row: JobRow, taskIdentifier: string): Job | null {
   const { outcome: _outcome, ord: _ord, ...job } = row;
@@ -184,52 +188,55 @@ export async function addJobs(
   let plain = 0;
   const parkPos: number[] = [];
   const parkKeys: string[] = [];
-  const specs = plans.map((plan, index) => {
+  // The batch's JSON (an array of bulk_job_spec, sql/000011.sql), written item by item: fields left out are
+  // read as null by the database, and a unique job's flags without flags of the caller's are one of three
+  // constant texts.
+  const items = plans.map((plan, index) => {
     const { spec, unique } = plan;
     if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
-    let first: true | undefined;
-    if (unique?.scope && !firstOfKey.has(unique.key)) {
-      firstOfKey.add(unique.key);
-      first = true;
-      firsts++;
-    }
-    let parkMs: number | undefined;
-    if (!unique) {
+    let item = `{"task":${placeOf(tasks, plan.taskIdentifier)}`;
+    if (spec?.queueName != null) item += `,"queue":${placeOf(queues, spec.queueName)}`;
+    item += `,"payload":${JSON.stringify(plan.payload ?? {})}`;
+    if (spec?.runAt) item += `,"run_at":${JSON.stringify(spec.runAt.toISOString())}`;
+    if (spec?.maxAttempts != null) item += `,"max_attempts":${JSON.stringify(spec.maxAttempts)}`;
+    if (spec?.priority != null) item += `,"priority":${JSON.stringify(spec.priority)}`;
+    const flags = spec?.flags?.length
+      ? JSON.stringify(uniqueFlags(spec.flags, unique))
+      : unique?.scope
+        ? SCOPE_FLAGS_JSON[unique.scope]
+        : null;
+    if (flags !== null) item += `,"flags":${flags}`;
+    if (unique) {
+      item += `,"unique_key":${JSON.stringify(unique.key)}`;
+      if (unique.scope) item += `,"scope":"${unique.scope}"`;
+      if (unique.windowSeconds != null)
+        item += `,"window_seconds":${JSON.stringify(unique.windowSeconds)}`;
+      if (unique.onDuplicate !== "reject") item += `,"on_duplicate":"${unique.onDuplicate}"`;
+      if (unique.scope && !firstOfKey.has(unique.key)) {
+        firstOfKey.add(unique.key);
+        item += `,"first":true`;
+        firsts++;
+      }
+    } else {
       plain++;
       if (plan.line) {
         if (fronts.has(plan.line.key)) {
-          parkMs = plan.line.safetyNetMs;
+          item += `,"park_ms":${JSON.stringify(plan.line.safetyNetMs)}`;
           parkPos.push(plain);
           parkKeys.push(plan.line.key.toString());
         } else fronts.add(plan.line.key);
       }
     }
-    // Fields left undefined are left out of the JSON, and the database reads them as null (bulk_job_spec in
-    // sql/000011.sql): a batch is smaller to write and to parse.
-    return {
-      task: placeOf(tasks, plan.taskIdentifier),
-      queue: spec?.queueName == null ? undefined : placeOf(queues, spec.queueName),
-      payload: plan.payload ?? {},
-      run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
-      max_attempts: spec?.maxAttempts ?? undefined,
-      priority: spec?.priority ?? undefined,
-      flags: uniqueFlags(spec?.flags, unique) ?? undefined,
-      unique_key: unique?.key,
-      scope: unique?.scope ?? undefined,
-      window_seconds: unique?.windowSeconds ?? undefined,
-      on_duplicate: unique?.onDuplicate === "reject" ? undefined : unique?.onDuplicate,
-      first,
-      park_ms: parkMs,
-    };
+    return item + "}";
   });
   const { rows } = await db.query<Job>(
     sql.statement("add_unique_flat", sql.addUniqueJobs, [
-      JSON.stringify(specs),
-      specs.length,
+      `[${items.join(",")}]`,
+      items.length,
       firsts,
       [...tasks.keys()],
       [...queues.keys()],
