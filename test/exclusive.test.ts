@@ -114,6 +114,9 @@ const parkedCount = async () =>
 describe("one process, one pool", () => {
   it("concurrency 16 on one shared pool, same key: never two at once (the que-locks failure)", async () => {
     const pool = new pg.Pool({ connectionString: db.url, max: 18 });
+    // (as the helper pool: a backend terminated at the end of the file must not crash the test worker)
+    pool.on("error", () => undefined);
+    pool.on("connect", (client) => client.on("error", () => undefined));
     cleanups.push(() => pool.end());
     const locks = newLocks({ pgPool: pool });
     const timeline = new Timeline();

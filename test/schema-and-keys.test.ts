@@ -18,10 +18,13 @@ afterAll(async () => {
 
 describe("migrations", () => {
   it("apply once and safely when many processes start at the same time", async () => {
-    const pools = Array.from(
-      { length: 8 },
-      () => new pg.Pool({ connectionString: db.url, max: 1 }),
-    );
+    const pools = Array.from({ length: 8 }, () => {
+      const pool = new pg.Pool({ connectionString: db.url, max: 1 });
+      // (as the helper pool: a backend terminated at the end of the file must not crash the test worker)
+      pool.on("error", () => undefined);
+      pool.on("connect", (client) => client.on("error", () => undefined));
+      return pool;
+    });
     closers.push(() => Promise.all(pools.map((p) => p.end())));
     await Promise.all(pools.map((pgPool) => migrate({ pgPool, schema: "gwl_concurrent" })));
     const { rows } = await db
