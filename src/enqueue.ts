@@ -67,30 +67,26 @@ export async function lockAvailable(
 type JobRow = Job & { outcome?: string; ord?: number };
 
 /**
- * graphile-worker's flags object for a unique job: the caller's flags plus the one that records the job's
- * scope on its row (the window's end is added by the database, from its own clock).
+ * graphile-worker's flags object for a unique job, as JSON: the caller's flags plus the one that records the
+ * job's scope on its row (the window's end is added by the database, from its own clock); null for none.
  */
-function uniqueFlags(
+function uniqueFlagsJson(
   flags: readonly string[] | undefined,
   unique: ResolvedUnique | null,
-): Record<string, true> | null {
-  if (!flags?.length) return unique?.scope ? SCOPE_FLAGS[unique.scope] : null;
+): string | null {
+  if (!flags?.length) return unique?.scope ? SCOPE_FLAGS_JSON[unique.scope] : null;
   const object: Record<string, true> = {};
-  for (const flag of flags ?? []) object[flag] = true;
+  for (const flag of flags) object[flag] = true;
   if (unique?.scope) object[`gwl:unique:${unique.scope}`] = true;
-  return object;
+  return JSON.stringify(object);
 }
 
-/** The flags object of a unique job without flags of the caller's, one per scope (only ever serialized). */
-const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>> = {
-  queued: { "gwl:unique:queued": true },
-  active: { "gwl:unique:active": true },
-  exists: { "gwl:unique:exists": true },
+/** The flags of a unique job without flags of the caller's, one per scope, serialized once. */
+const SCOPE_FLAGS_JSON: Readonly<Record<UniqueScope, string>> = {
+  queued: JSON.stringify({ "gwl:unique:queued": true }),
+  active: JSON.stringify({ "gwl:unique:active": true }),
+  exists: JSON.stringify({ "gwl:unique:exists": true }),
 };
-/** The same, serialized once. */
-const SCOPE_FLAGS_JSON = Object.fromEntries(
-  Object.entries(SCOPE_FLAGS).map(([scope, flags]) => [scope, JSON.stringify(flags)]),
-) as Readonly<Record<UniqueScope, string>>;
 
 function toJob(row: JobRow, taskIdentifier: string): Job | null {
   const { outcome: _outcome, ord: _ord, ...job } = row;
@@ -130,7 +126,8 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
       v.runAt,
       v.maxAttempts,
       v.priority,
-      JSON.stringify(uniqueFlags(spec?.flags, unique)),
+      // (none: the JSON text null)
+      uniqueFlagsJson(spec?.flags, unique) ?? "null",
       unique?.key ?? null,
       unique?.scope ?? null,
       unique?.windowSeconds ?? null,
@@ -204,11 +201,7 @@ export async function addJobs(
     if (spec?.runAt) item += `,"run_at":${JSON.stringify(spec.runAt.toISOString())}`;
     if (spec?.maxAttempts != null) item += `,"max_attempts":${JSON.stringify(spec.maxAttempts)}`;
     if (spec?.priority != null) item += `,"priority":${JSON.stringify(spec.priority)}`;
-    const flags = spec?.flags?.length
-      ? JSON.stringify(uniqueFlags(spec.flags, unique))
-      : unique?.scope
-        ? SCOPE_FLAGS_JSON[unique.scope]
-        : null;
+    const flags = uniqueFlagsJson(spec?.flags, unique);
     if (flags !== null) item += `,"flags":${flags}`;
     if (unique) {
       item += `,"unique_key":${JSON.stringify(unique.key)}`;
