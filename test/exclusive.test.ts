@@ -784,10 +784,21 @@ describe("reschedule hand-off", () => {
       taskList: { skip_held: task },
       forbiddenFlags: locks.forbiddenFlags,
     });
+    // graphile-worker reads forbiddenFlags as a worker begins a fetch: a fetch begun before job 0's hold was
+    // recorded skips nothing. Fetches in flight are counted, so that jobs 1-6 are added only once every such
+    // fetch has ended.
+    const fetching = new Set<string>();
+    r.events.on("worker:getJob:start", ({ worker }) => fetching.add(worker.workerId));
+    for (const ended of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+      r.events.on(ended, ({ worker }) => fetching.delete(worker.workerId));
     const { job } = await task.addJob({ n: 0 });
     expect(Object.keys(job!.flags ?? {})).toEqual([`gwl:lock:${task.lockKey({ n: 0 })}`]);
-    await waitFor(async () => !(await task.lockAvailable({ n: 0 })), { message: "job 0 to hold" });
+    await waitFor(async () => locks.forbiddenFlags().length > 0, { message: "job 0 to hold" });
     expect(locks.forbiddenFlags()).toEqual([`gwl:lock:${task.lockKey({ n: 0 })}`]);
+    expect(await task.lockAvailable({ n: 0 })).toBe(false);
+    await waitFor(async () => fetching.size === 0, {
+      message: "fetches begun before the hold to end",
+    });
     let emptyFetches = 0;
     r.events.on("worker:getJob:empty", () => emptyFetches++);
     for (let n = 1; n <= 6; n++) await task.addJob({ n });
