@@ -817,6 +817,120 @@ describe("reschedule hand-off", () => {
     // key frees race for it: a job that loses parks and waits its turn.)
   });
 
+  describe("the line holds under load (SQL)", () => {
+    const S = "graphile_worker_locks";
+    const q = <R extends object>(text: string, values: unknown[] = []) =>
+      db.pool().query<R & pg.QueryResultRow>(text, values);
+    /** Two jobs parked behind `key` in enqueue order: the copies' ids. */
+    const lineOfTwo = async (locks: Locks, task: string, key: bigint) => {
+      const later = new Date(Date.now() + 3_600_000).toISOString();
+      const copies: string[] = [];
+      for (let n = 1; n <= 2; n++) {
+        const { job } = await locks.addJob(task, { n });
+        copies.push(await parkFetched(job!.id, key.toString(), later));
+      }
+      return copies as [string, string];
+    };
+    /** The job of a key's last wake. */
+    const wokenFor = async (key: bigint) =>
+      (
+        await q<{ job_id: string }>(`select job_id::text from ${S}.wakes where lock_key = $1`, [
+          key.toString(),
+        ])
+      ).rows.map((r) => r.job_id);
+    const isNext = async (key: bigint, job: string) =>
+      (await q<{ ok: boolean }>(`select ${S}.is_next($1, $2) as ok`, [key.toString(), job]))
+        .rows[0]!.ok;
+
+    it("a waiter fetched by its safety net holds the line while it decides: the one behind does not take the free key", async () => {
+      const locks = newLocks();
+      await locks.migrate();
+      const key = lockKey("deciding", "k");
+      const [first, second] = await lineOfTwo(locks, "deciding", key);
+      // Both safety nets ran out at once: both are fetched, the key is free, the first has not tried yet.
+      await markFetched(first);
+      await markFetched(second);
+      expect(await isNext(key, second)).toBe(false);
+      expect(await isNext(key, first)).toBe(true);
+      // A fetch whose worker died long ago (graphile-worker keeps it locked for hours) does not stop the line.
+      await q(
+        "update graphile_worker._private_jobs set locked_at = now() - interval '1 minute' where id = $1",
+        [first],
+      );
+      expect(await isNext(key, second)).toBe(true);
+    });
+
+    it("a woken job not fetched within 100 ms is still on its way: nobody behind takes the key, and no second job is woken", async () => {
+      const locks = newLocks();
+      await locks.migrate();
+      const key = lockKey("slowfetch", "k");
+      const [first, second] = await lineOfTwo(locks, "slowfetch", key);
+      await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
+      // The workers are busy: half a second later the woken job is still waiting to be fetched.
+      await q(
+        `update ${S}.wakes set at = clock_timestamp() - interval '500 milliseconds' where lock_key = $1`,
+        [key.toString()],
+      );
+      const { job } = await locks.addJob("slowfetch", { n: 3 });
+      await markFetched(job!.id);
+      await markFetched(second);
+      expect(await isNext(key, job!.id)).toBe(false);
+      expect(await isNext(key, second)).toBe(false);
+      const { rows } = await q<{ woken: number }>(`select ${S}.wake_if_free($1, $2, $3) as woken`, [
+        [key.toString()],
+        key.toString(),
+        job!.id,
+      ]);
+      expect(rows[0]!.woken).toBe(0);
+      expect(await wokenFor(key)).toEqual([first]);
+      // A wake goes stale once its job is gone (it ran, or parked again under a new id)...
+      await q("delete from graphile_worker._private_jobs where id = $1", [first]);
+      expect(await isNext(key, second)).toBe(true);
+    });
+
+    it("a woken job's wake goes stale after 2 seconds (its worker died)", async () => {
+      const locks = newLocks();
+      await locks.migrate();
+      const key = lockKey("stalewake", "k");
+      const [first, second] = await lineOfTwo(locks, "stalewake", key);
+      await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
+      await markFetched(first);
+      await markFetched(second);
+      expect(await isNext(key, second)).toBe(false);
+      await q(
+        `update ${S}.wakes set at = clock_timestamp() - interval '3 seconds' where lock_key = $1`,
+        [key.toString()],
+      );
+      await q(
+        "update graphile_worker._private_jobs set locked_at = now() - interval '3 seconds' where id = $1",
+        [first],
+      );
+      expect(await isNext(key, second)).toBe(true);
+    });
+
+    it("a holder that took its key by its safety net wakes the next in line at its release", async () => {
+      const locks = newLocks();
+      await locks.migrate();
+      const key = lockKey("selfline", "k");
+      const [first, second] = await lineOfTwo(locks, "selfline", key);
+      // The first waiter's safety net ran out; it took the key (its waiter row stays while it runs)...
+      await markFetched(first);
+      // ...and releases it, before graphile-worker completes the job.
+      const { rows } = await q<{ woken: number }>(`select ${S}.release_waiters($1, $2) as woken`, [
+        [key.toString()],
+        [first],
+      ]);
+      expect(rows[0]!.woken).toBe(1);
+      const woken = await q<{ ready: boolean }>(
+        "select run_at <= now() as ready from graphile_worker._private_jobs where id = $1",
+        [second],
+      );
+      expect(woken.rows[0]!.ready).toBe(true);
+      expect(await wokenFor(key)).toEqual([second]);
+      expect(await parkedCount()).toBe(0);
+    });
+  });
+
   it("a parked job's safety net is later the further back in line it is, and never past the latest", async () => {
     const locks = newLocks();
     await locks.migrate();
