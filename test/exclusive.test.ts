@@ -821,15 +821,19 @@ describe("reschedule hand-off", () => {
     const S = "graphile_worker_locks";
     const q = <R extends object>(text: string, values: unknown[] = []) =>
       db.pool().query<R & pg.QueryResultRow>(text, values);
-    /** Two jobs parked behind `key` in enqueue order: the copies' ids. */
-    const lineOfTwo = async (locks: Locks, task: string, key: bigint) => {
+    /** Two jobs of `task` parked behind one key in enqueue order: the key and the copies' ids. */
+    const lineOfTwo = async (task: string) => {
+      const locks = newLocks();
+      await locks.migrate();
+      const key = lockKey(task, "k");
       const later = new Date(Date.now() + 3_600_000).toISOString();
       const copies: string[] = [];
       for (let n = 1; n <= 2; n++) {
         const { job } = await locks.addJob(task, { n });
         copies.push(await parkFetched(job!.id, key.toString(), later));
       }
-      return copies as [string, string];
+      const [first, second] = copies as [string, string];
+      return { locks, key, first, second };
     };
     /** The job of a key's last wake. */
     const wokenFor = async (key: bigint) =>
@@ -841,36 +845,35 @@ describe("reschedule hand-off", () => {
     const isNext = async (key: bigint, job: string) =>
       (await q<{ ok: boolean }>(`select ${S}.is_next($1, $2) as ok`, [key.toString(), job]))
         .rows[0]!.ok;
+    /** Moves a key's last wake, or a job's fetch, back in time by `ago` (an interval). */
+    const wokenAgo = (key: bigint, ago: string) =>
+      q(`update ${S}.wakes set at = clock_timestamp() - $2::interval where lock_key = $1`, [
+        key.toString(),
+        ago,
+      ]);
+    const fetchedAgo = (job: string, ago: string) =>
+      q("update graphile_worker._private_jobs set locked_at = now() - $2::interval where id = $1", [
+        job,
+        ago,
+      ]);
 
     it("a waiter fetched by its safety net holds the line while it decides: the one behind does not take the free key", async () => {
-      const locks = newLocks();
-      await locks.migrate();
-      const key = lockKey("deciding", "k");
-      const [first, second] = await lineOfTwo(locks, "deciding", key);
+      const { key, first, second } = await lineOfTwo("deciding");
       // Both safety nets ran out at once: both are fetched, the key is free, the first has not tried yet.
       await markFetched(first);
       await markFetched(second);
       expect(await isNext(key, second)).toBe(false);
       expect(await isNext(key, first)).toBe(true);
       // A fetch whose worker died long ago (graphile-worker keeps it locked for hours) does not stop the line.
-      await q(
-        "update graphile_worker._private_jobs set locked_at = now() - interval '1 minute' where id = $1",
-        [first],
-      );
+      await fetchedAgo(first, "1 minute");
       expect(await isNext(key, second)).toBe(true);
     });
 
     it("a woken job not fetched within 100 ms is still on its way: nobody behind takes the key, and no second job is woken", async () => {
-      const locks = newLocks();
-      await locks.migrate();
-      const key = lockKey("slowfetch", "k");
-      const [first, second] = await lineOfTwo(locks, "slowfetch", key);
+      const { locks, key, first, second } = await lineOfTwo("slowfetch");
       await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
       // The workers are busy: half a second later the woken job is still waiting to be fetched.
-      await q(
-        `update ${S}.wakes set at = clock_timestamp() - interval '500 milliseconds' where lock_key = $1`,
-        [key.toString()],
-      );
+      await wokenAgo(key, "500 milliseconds");
       const { job } = await locks.addJob("slowfetch", { n: 3 });
       await markFetched(job!.id);
       await markFetched(second);
@@ -883,36 +886,24 @@ describe("reschedule hand-off", () => {
       ]);
       expect(rows[0]!.woken).toBe(0);
       expect(await wokenFor(key)).toEqual([first]);
-      // A wake goes stale once its job is gone (it ran, or parked again under a new id)...
+      // A wake is over once its job is gone (it ran, or parked again under a new id).
       await q("delete from graphile_worker._private_jobs where id = $1", [first]);
       expect(await isNext(key, second)).toBe(true);
     });
 
     it("a woken job's wake goes stale after 2 seconds (its worker died)", async () => {
-      const locks = newLocks();
-      await locks.migrate();
-      const key = lockKey("stalewake", "k");
-      const [first, second] = await lineOfTwo(locks, "stalewake", key);
+      const { key, first, second } = await lineOfTwo("stalewake");
       await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
       await markFetched(first);
       await markFetched(second);
       expect(await isNext(key, second)).toBe(false);
-      await q(
-        `update ${S}.wakes set at = clock_timestamp() - interval '3 seconds' where lock_key = $1`,
-        [key.toString()],
-      );
-      await q(
-        "update graphile_worker._private_jobs set locked_at = now() - interval '3 seconds' where id = $1",
-        [first],
-      );
+      await wokenAgo(key, "3 seconds");
+      await fetchedAgo(first, "3 seconds");
       expect(await isNext(key, second)).toBe(true);
     });
 
     it("a holder that took its key by its safety net wakes the next in line at its release", async () => {
-      const locks = newLocks();
-      await locks.migrate();
-      const key = lockKey("selfline", "k");
-      const [first, second] = await lineOfTwo(locks, "selfline", key);
+      const { key, first, second } = await lineOfTwo("selfline");
       // The first waiter's safety net ran out; it took the key (its waiter row stays while it runs)...
       await markFetched(first);
       // ...and releases it, before graphile-worker completes the job.
