@@ -13,7 +13,7 @@
  * - per job (wrapped): time from the wrapper's call to the task's start (acquire) and from the task's end
  *   to the wrapper's return (release).
  * - CPU time per job of this process and of the PostgreSQL server (all its processes, from /proc; only
- *   meaningful for a local server).
+ *   meaningful for a local server), and of that, the lock session's own backend (wrapped).
  *
  * PROFILE_TIMED=0 leaves out the per-job timing of the wrapped and nolock variants (acquire ms, release ms).
  * PROFILE_JOBS overrides the job count (default: the throughput section's), PROFILE_ROUNDS the rounds
@@ -296,6 +296,7 @@ try {
         rates: [] as number[],
         nodeCpu: [] as number[],
         serverCpu: [] as number[],
+        lockCpu: [] as number[],
       };
     });
     // Rounds alternate the variants, as in the throughput section.
@@ -305,18 +306,32 @@ try {
         lastEnd = Number.NaN;
         let pgBefore = Number.NaN;
         let pgAfter = Number.NaN;
+        // The lock session's own backend (wrapped only), to tell its share of the server's CPU apart.
+        const lockPid =
+          a.variant.id === "wrapped" && postmaster !== undefined ? locks.status().pid : null;
+        const lockTicks = () =>
+          lockPid ? (procStat(lockPid)?.cpuTicks ?? Number.NaN) : Number.NaN;
+        let lockBefore = Number.NaN;
+        let lockAfter = Number.NaN;
         const figures = await measure(ctx, config, a.variant, jobs, r, {
-          started: () => (pgBefore = serverCpuSeconds(postmaster)),
-          drained: () => (pgAfter = serverCpuSeconds(postmaster)),
+          started: () => {
+            pgBefore = serverCpuSeconds(postmaster);
+            lockBefore = lockTicks();
+          },
+          drained: () => {
+            pgAfter = serverCpuSeconds(postmaster);
+            lockAfter = lockTicks();
+          },
         });
         a.rates.push(figures.jobsPerSecond);
         a.nodeCpu.push(figures.nodeCpuUsPerJob);
         a.serverCpu.push(((pgAfter - pgBefore) * 1e6) / jobs);
+        a.lockCpu.push((((lockAfter - lockBefore) / CLOCK_TICKS) * 1e6) / jobs);
         log(`${config.id} round ${r} ${a.variant.id}: ${fmtInt(figures.jobsPerSecond)} jobs/s`);
       }
     }
     const sum = (xs: number[]) => xs.reduce((x, y) => x + y, 0);
-    const rows = acc.map(({ variant, timed, stats: st, rates, nodeCpu, serverCpu }) => {
+    const rows = acc.map(({ variant, timed, stats: st, rates, nodeCpu, serverCpu, lockCpu }) => {
       const busyMs = sum(st.rttMs);
       return [
         config.id,
@@ -324,6 +339,7 @@ try {
         fmtInt(median(rates)),
         fmtInt(median(nodeCpu)),
         fmtInt(median(serverCpu)),
+        lockCpu.every(Number.isFinite) ? fmtInt(median(lockCpu)) : "",
         st.count ? fmtFixed(st.count / (jobs * rounds), 3) : "",
         st.count ? fmtFixed(sum(st.unlocks) / st.count, 1) : "",
         st.count ? fmtFixed(sum(st.locks) / st.count, 1) : "",
@@ -342,6 +358,7 @@ try {
         { header: "jobs/s" },
         { header: "node µs/job" },
         { header: "pg µs/job" },
+        { header: "of it lock backend" },
         { header: "stmts/job" },
         { header: "unlocks/stmt" },
         { header: "locks/stmt" },
