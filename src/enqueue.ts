@@ -64,7 +64,7 @@ export async function lockAvailable(
   return rows[0]!.available;
 }
 
-type JobRow = Job & { outcome?: string; ord?: number };
+type JobRow = Job & { outcome?: string };
 
 /**
  * graphile-worker's flags object for a unique job, as JSON: the caller's flags plus the one that records the
@@ -89,7 +89,7 @@ const SCOPE_FLAGS_JSON: Readonly<Record<UniqueScope, string>> = {
 };
 
 function toJob(row: JobRow, taskIdentifier: string): Job | null {
-  const { outcome: _outcome, ord: _ord, ...job } = row;
+  const { outcome: _outcome, ...job } = row;
   if (job.id === null) return null;
   // (a row the library added has no task identifier of its own: it is the item's)
   job.task_identifier ??= taskIdentifier;
@@ -178,7 +178,6 @@ export async function addJobs(
   };
   // The first scoped item of each key is tried set-based; the database answers the rest one by one.
   const firstOfKey = new Set<string>();
-  let firsts = 0;
   // A line only where two jobs of a batch share a key: each key's first job (its front) stays runnable, the
   // others are added waiting in line. Each names its place among the items without a unique key.
   const fronts = new Set<bigint>();
@@ -212,7 +211,6 @@ export async function addJobs(
       if (unique.scope && !firstOfKey.has(unique.key)) {
         firstOfKey.add(unique.key);
         item += `,"first":true`;
-        firsts++;
       }
     } else {
       plain++;
@@ -230,7 +228,7 @@ export async function addJobs(
     sql.statement("add_unique_flat", sql.addUniqueJobs, [
       `[${items.join(",")}]`,
       items.length,
-      firsts,
+      firstOfKey.size,
       [...tasks.keys()],
       [...queues.keys()],
       parkPos.length > 0 ? parkPos : null,
