@@ -105,6 +105,9 @@ const parkFetched = async (id: string, key: string, runAt: string): Promise<stri
   await db.pool().query("delete from graphile_worker._private_jobs where id = $1", [id]);
   return rows[0]!.id;
 };
+/** A query on the helper pool (for SQL-level tests). */
+const q = <R extends object>(text: string, values: unknown[] = []) =>
+  db.pool().query<R & pg.QueryResultRow>(text, values);
 /** How many parked jobs wait for a key. */
 const parkedCount = async () =>
   Number(
@@ -819,8 +822,6 @@ describe("reschedule hand-off", () => {
 
   describe("the line holds under load (SQL)", () => {
     const S = "graphile_worker_locks";
-    const q = <R extends object>(text: string, values: unknown[] = []) =>
-      db.pool().query<R & pg.QueryResultRow>(text, values);
     /** Two jobs of `task` parked behind one key in enqueue order: the key and the copies' ids. */
     const lineOfTwo = async (task: string) => {
       const locks = newLocks();
@@ -948,7 +949,6 @@ describe("reschedule hand-off", () => {
     await locks.migrate();
     const key = lockKey("sw", "k");
     const later = new Date(Date.now() + 3_600_000).toISOString();
-    const q = (text: string, values: unknown[]) => db.pool().query(text, values);
     const fetchAndPark = async (n: number) => {
       const { job } = await locks.addJob("sw", { n });
       await markFetched(job!.id);
@@ -1148,7 +1148,6 @@ describe("reschedule hand-off", () => {
     await locks.migrate();
     const key = lockKey("pw", "k").toString();
     const later = new Date(Date.now() + 3_600_000).toISOString();
-    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
     const park = (id: string) => parkFetched(id, key, later);
     const ids: string[] = [];
     for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pw", { n })).job!.id);
@@ -1170,14 +1169,18 @@ describe("reschedule hand-off", () => {
     );
     expect(early).toEqual([{ i: 1, job_id: waitingA }]);
     const wokenAt = async (id: string) =>
-      (await q("select run_at from graphile_worker._private_jobs where id = $1", [id])).rows[0]
-        .run_at as Date;
+      (
+        await q<{ run_at: Date }>(
+          "select run_at from graphile_worker._private_jobs where id = $1",
+          [id],
+        )
+      ).rows[0]!.run_at;
     expect((await wokenAt(waitingA)).getTime()).toBeLessThan(Date.now() + 1000);
     // It is fetched (running) when the holder releases: nobody else is woken, its session is told.
     await markFetched(waitingA);
     const release = (jobId: string) =>
       q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
-    expect((await release(holder)).rows[0].woken).toBe(0);
+    expect((await release(holder)).rows[0]!.woken).toBe(0);
     await waitFor(async () => notices.length > 0, { message: "the notification" });
     expect(notices).toEqual([`gwl_release:${key}`]);
     expect((await wokenAt(waitingB)).getTime()).toBeGreaterThan(Date.now() + 60_000);
@@ -1191,7 +1194,7 @@ describe("reschedule hand-off", () => {
     );
     expect(again).toEqual([{ job_id: waitingB }]);
     const reparked = await park(waitingB);
-    expect((await release(waitingA)).rows[0].woken).toBe(1);
+    expect((await release(waitingA)).rows[0]!.woken).toBe(1);
     expect((await wokenAt(reparked)).getTime()).toBeLessThan(Date.now() + 1000);
     expect(notices).toHaveLength(1);
   });
@@ -1201,7 +1204,6 @@ describe("reschedule hand-off", () => {
     await locks.migrate();
     const key = lockKey("pq", "k").toString();
     const later = new Date(Date.now() + 3_600_000).toISOString();
-    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
     const ids: string[] = [];
     for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pq", { n })).job!.id);
     const holder = ids[0]!;
@@ -1248,7 +1250,7 @@ describe("reschedule hand-off", () => {
     // announces it to every worker; it still wakes nobody else.
     const release = (jobId: string) =>
       q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
-    expect((await release(holder)).rows[0].woken).toBe(0);
+    expect((await release(holder)).rows[0]!.woken).toBe(0);
     expect((await settle()).sort()).toEqual([`gwl_release:${key}`, "jobs:insert:1"]);
 
     // The one-argument prewake (older versions of this library) announces, as it did.
@@ -1261,7 +1263,7 @@ describe("reschedule hand-off", () => {
     expect(await settle()).toEqual(["jobs:insert:1"]);
     // Fetched by the release: only its session is told.
     await markFetched(waiting[1]!);
-    expect((await release(waiting[0]!)).rows[0].woken).toBe(0);
+    expect((await release(waiting[0]!)).rows[0]!.woken).toBe(0);
     expect(await settle()).toEqual([`gwl_release:${key}`]);
   });
 });
