@@ -177,7 +177,7 @@ export function makeExclusiveTask<TPayload>(
         const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
         const now = Date.now();
         const earliest = new Date(now + Math.round(base * (1 - jitter * Math.random())));
-        // The safety net is later for a job further back in line (see park_job in sql/000004.sql).
+        // The safety net is later for a job further back in line (see park_job in sql/000001.sql).
         const latest = new Date(now + maxDelay);
         const parked = await helpers.withPgClient(async (client) => {
           const { rows } = await client.query<{ id: string; run_at: Date }>(ctx.sql.parkJob, [

@@ -60,15 +60,15 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     /**
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
-     * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), with $7 the
-     * job ids that released them (sql/000006.sql), which runs after the unlocks; $5: for each single key
+     * list of slot keys tried in order; $4: keys whose waiters to wake (release_waiters), with $7 the
+     * job ids that released them, which runs after the unlocks; $5: for each single key
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
-     * ahead of it (sql/000004.sql), or null; $6: held keys whose first waiter to wake early (prewake), with
+     * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
      * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
-     * sql/000007.sql).
+     * prewake). The functions are in sql/000001.sql, sections 3 and 4.
      */
     lockBatch: {
-      name: `gwl_lock_batch_v7`,
+      name: `gwl_lock_batch`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
       // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
       // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
@@ -109,7 +109,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
      */
     lockBatchPlain: {
-      name: `gwl_lock_plain_v1`,
+      name: `gwl_lock_plain`,
       text: `${FAILED_UNLOCKS}
       union all
       select 1, t.i::int, null
@@ -155,24 +155,24 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   ) where ${heldCount("$10", "$11")} < $12::int`,
 
     /**
-     * One unique enqueue (see sql/000002.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
+     * One enqueue (enqueue_job in sql/000001.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
      * of `lockAvailable`). The job's columns are expanded from the function's result, so a new column of
      * graphile-worker's table comes along without a change here.
      */
     addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
-        $8::text, $9::text, $10::float8, $11::text, null)::${s}.unique_job_spec) r
+      from ${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
+        $8::text, $9::text, $10::float8, $11::text, null)::${s}.job_spec, true) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
     /**
-     * A batch of enqueues in one statement (sql/000011.sql): $1 a JSON array of bulk_job_spec, $2 its length,
+     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of batch_item, $2 its length,
      * $3 how many are `first`, $4 and $5 the batch's distinct task identifiers and queue names (which the items
      * name by place), $6 and $7 for each item added waiting in line its place among the items without a
      * unique key and its lock key, or nulls. Answers with rows of graphile-worker's job table, one per item
      * in order, or (when not every item was added) with a trailing row that places them.
      */
-    addUniqueJobs: `select * from ${s}.add_unique_jobs_flat($1::json, $2::int, $3::int, $4::text[], $5::text[],
+    addUniqueJobs: `select * from ${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[],
       $6::int[], $7::bigint[])`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,

@@ -872,7 +872,7 @@ describe("reschedule hand-off", () => {
 
     it("a woken job not fetched within 100 ms is still on its way: nobody behind takes the key, and no second job is woken", async () => {
       const { locks, key, first, second } = await lineOfTwo("slowfetch");
-      await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
+      await q(`select ${S}.wake_waiters($1, true)`, [[key.toString()]]);
       // The workers are busy: half a second later the woken job is still waiting to be fetched.
       await wokenAgo(key, "500 milliseconds");
       const { job } = await locks.addJob("slowfetch", { n: 3 });
@@ -894,7 +894,7 @@ describe("reschedule hand-off", () => {
 
     it("a woken job's wake goes stale after 2 seconds (its worker died)", async () => {
       const { key, first, second } = await lineOfTwo("stalewake");
-      await q(`select ${S}.wake_waiters($1)`, [[key.toString()]]);
+      await q(`select ${S}.wake_waiters($1, true)`, [[key.toString()]]);
       await markFetched(first);
       await markFetched(second);
       expect(await isNext(key, second)).toBe(false);
@@ -959,7 +959,7 @@ describe("reschedule hand-off", () => {
       return { original: job!.id, copy: (rows[0] as { id: string }).id };
     };
     const wakeWaiters = () =>
-      q("select graphile_worker_locks.wake_waiters($1)", [[key.toString()]]);
+      q("select graphile_worker_locks.wake_waiters($1, true)", [[key.toString()]]);
     // H waited, was woken (a wake on its way to the key), took the key...
     await fetchAndPark(1);
     await wakeWaiters();
@@ -1164,7 +1164,7 @@ describe("reschedule hand-off", () => {
 
     // The holder wakes the first in line early.
     const { rows: early } = await q(
-      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1, true)",
       [[key]],
     );
     expect(early).toEqual([{ i: 1, job_id: waitingA }]);
@@ -1187,7 +1187,7 @@ describe("reschedule hand-off", () => {
 
     // Next time the early-woken job gave up waiting and parked again (under a new id, in its place): the
     // release wakes the first in line, which is that job.
-    await q("select i from graphile_worker_locks.prewake($1)", [[key]]);
+    await q("select i from graphile_worker_locks.prewake($1, true)", [[key]]);
     const { rows: again } = await q(
       "select job_id::text as job_id from graphile_worker_locks.prewakes where lock_key = $1",
       [key],
@@ -1256,7 +1256,7 @@ describe("reschedule hand-off", () => {
     // The one-argument prewake (older versions of this library) announces, as it did.
     await markFetched(waiting[0]!);
     const { rows: announced } = await q(
-      "select job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      "select job_id::text as job_id from graphile_worker_locks.prewake($1, true)",
       [[key]],
     );
     expect(announced).toEqual([{ job_id: waiting[1] }]);
@@ -1401,18 +1401,6 @@ describe("bulk enqueue of a reschedule task: the line at once", () => {
       expect(runAt(i)).toBeGreaterThanOrEqual(before + 29_000);
       expect(runAt(i)).toBeLessThanOrEqual(Date.now() + 31_000);
     }
-    // The function a process of the previous version calls still adds jobs, none in line.
-    const { rows } = await db
-      .pool()
-      .query(
-        `select r.outcome from graphile_worker_locks.add_unique_jobs($1::json, 2, 0, '{bulk_line}', '{}') r`,
-        [
-          JSON.stringify(
-            [0, 1].map((n) => ({ identifier: "bulk_line", payload: { k: "d", n }, first: false })),
-          ),
-        ],
-      );
-    expect(rows.map((r) => r.outcome)).toEqual(["added", "added"]);
     expect(await parkedCount()).toBe(4);
   });
 

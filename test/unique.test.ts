@@ -616,63 +616,6 @@ describe("bulk", () => {
     expect(Object.keys(fresh[0]!.job!).sort()).toEqual(Object.keys(holder.job!).sort());
   });
 
-  it("the previous version's call (add_unique_jobs) still answers each item with its place and outcome", async () => {
-    const holder = await locks.addJob("bo", { k: "held" }, { unique: "queued" });
-    const spec = (k: string, unique: boolean) => ({
-      identifier: "bo",
-      payload: { k },
-      ...(unique
-        ? {
-            unique_key: uniqueJobKey("bo", { k }, null),
-            scope: "queued",
-            on_duplicate: "reject",
-            first: true,
-          }
-        : { first: false }),
-    });
-    const call = async (specs: object[], firsts: number, parkKeys: string[] | null = null) => {
-      const { rows } = await db.pool().query<{ ord: number | null; outcome: string; job: unknown }>(
-        `select r.ord, r.outcome, (r.job).id::text as job
-         from graphile_worker_locks.add_unique_jobs($1::json, $2, $3, '{bo}', '{}', $4::bigint[], $5::float8[]) r`,
-        [
-          JSON.stringify(specs),
-          specs.length,
-          firsts,
-          parkKeys,
-          parkKeys?.map(() => 60_000) ?? null,
-        ],
-      );
-      return rows;
-    };
-    // Every item added: each at its place.
-    const added = await call([spec("a", true), spec("p", false)], 1);
-    expect(added.map((r) => [r.ord, r.outcome])).toEqual([
-      [1, "added"],
-      [2, "added"],
-    ]);
-    // A duplicate among them: each row at its place (the previous version also took a row without one for
-    // its key's first item).
-    const mixed = await call([spec("b", true), spec("held", true), spec("q", false)], 2);
-    expect(mixed.map((r) => [r.ord, r.outcome]).sort()).toEqual([
-      [1, "added"],
-      [2, "duplicate"],
-      [3, "added"],
-    ]);
-    expect(mixed.find((r) => r.ord === 2)!.job).toBe(holder.job!.id);
-    // A line names every item's key, its front's included: the front stays runnable, the others wait.
-    const line = await call([spec("l1", false), spec("l2", false), spec("l3", false)], 0, [
-      "77",
-      "77",
-      "77",
-    ]);
-    const { rows } = await db
-      .pool()
-      .query<{ job_id: string }>(
-        "select job_id::text from graphile_worker_locks.waiters where lock_key = 77 order by pos",
-      );
-    expect(rows.map((r) => r.job_id)).toEqual([line[1]!.job, line[2]!.job]);
-  });
-
   it("checks each holder inline: PostgreSQL inlines unique_job_blocks instead of calling it per row", async () => {
     // A SQL function with a subquery in its body is not inlined; called for each of a batch's duplicates,
     // its executor cost more than the check itself.
