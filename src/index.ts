@@ -25,7 +25,7 @@ export {
 } from "./key.js";
 export { migrate } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
-export type { HandoffCounts } from "./session.js";
+export type { HandoffCounts } from "./handoff.js";
 export {
   ErrorCodes,
   LocksError,

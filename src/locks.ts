@@ -32,7 +32,8 @@ import {
 } from "./options.js";
 import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
-import { LockSession, type HandoffCounts } from "./session.js";
+import type { HandoffCounts } from "./handoff.js";
+import { LockSession } from "./session.js";
 import { makeSql } from "./sql.js";
 import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
 

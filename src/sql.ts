@@ -21,8 +21,29 @@ function heldCount(classids: string, objids: string): string {
         and l.database = ${THIS_DATABASE})`;
 }
 
-/** The first branch of both lock batches: the unlocks of $1 that PostgreSQL answered false (op 0). */
-const FAILED_UNLOCKS = `select 0 as op, t.i::int as i, null::text as key
+/**
+ * What each row of a lock statement's answer says (its `op` column), with `i` the request's place (from 1)
+ * among the statement's unlocks, single keys, semaphore requests or early wakes.
+ */
+export const BatchOp = {
+  /** The unlock of $1[i] returned false. */
+  UNLOCK_FAILED: 0,
+  /** The single key $2[i] was not taken. */
+  LOCK_FAILED: 1,
+  /** Semaphore request $3[i] took the slot `key` (null: none). */
+  SLOT: 2,
+  /** How many parked jobs the releases woke (`i`); nothing to decode. */
+  WOKEN: 3,
+  /** The single key $2[i] was not taken, and its `reschedule` job is the one woken early: it waits for the release. */
+  WAIT_FOR_RELEASE: 4,
+  /** The single key $2[i] was taken by a `reschedule` job, and others wait in line for it. */
+  LOCKED_WITH_LINE: 5,
+  /** The early wake of $6[i]'s line woke job `key`. */
+  PREWOKEN: 6,
+} as const;
+
+/** The first branch of both lock statements: the unlocks of $1 that PostgreSQL answered false. */
+const FAILED_UNLOCKS = `select ${BatchOp.UNLOCK_FAILED} as op, t.i::int as i, null::text as key
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)`;
 
@@ -70,16 +91,16 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     lockBatch: {
       name: `gwl_lock_batch`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
-      // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
-      // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
-      // should wait for the release. Semaphore requests answer with the slot they took; op 6 names the
-      // job each early wake woke.
+      // every request without a row succeeded, except that a \`reschedule\` job's success comes back
+      // (LOCKED_WITH_LINE) when others wait in line for the key, and its failure says (WAIT_FOR_RELEASE)
+      // whether it was woken early and should wait for the release. Semaphore requests answer with the slot
+      // they took; PREWOKEN names the job each early wake woke.
       text: `${FAILED_UNLOCKS}
       union all
       select case
-          when r.got then 5
-          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then 4
-          else 1
+          when r.got then ${BatchOp.LOCKED_WITH_LINE}
+          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
+          else ${BatchOp.LOCK_FAILED}
         end, r.i::int, null
         from (
           select t.k, t.job, t.i, case
@@ -95,24 +116,24 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
           select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
         ) is not null)
       union all
-      select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
+      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
       union all
-      select 3, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
       union all
-      select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
     },
 
     /**
      * `lockBatch` for the common batch: unlocks of holds without a line and single keys without a job
-     * waiting its turn, nothing else. The same answers (op 0, op 1), from a statement PostgreSQL runs in about
+     * waiting its turn, nothing else. The same answers (UNLOCK_FAILED, LOCK_FAILED), from a statement PostgreSQL runs in about
      * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
      */
     lockBatchPlain: {
       name: `gwl_lock_plain`,
       text: `${FAILED_UNLOCKS}
       union all
-      select 1, t.i::int, null
+      select ${BatchOp.LOCK_FAILED}, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_try_advisory_lock(t.k)`,
     },
