@@ -1138,42 +1138,7 @@ function tables(
     ],
   };
 
-  const detail: Table = {
-    title: "Contention: every run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "variant", align: "left" },
-      { header: "round", align: "right" },
-      { header: "jobs", align: "right" },
-      { header: "executed", align: "right" },
-      { header: "first start ms", align: "right" },
-      { header: "makespan s", align: "right" },
-      { header: "queue empty s", align: "right" },
-      { header: "fetches", align: "right" },
-      { header: "conflicts (local)", align: "right" },
-      { header: "rescheduled", align: "right" },
-      { header: "dropped", align: "right" },
-      { header: "failed", align: "right" },
-      { header: "hand-off p50/p90/p99/max ms", align: "right" },
-      { header: "max per key", align: "right" },
-    ],
-    rows: runs.map((r) => [
-      r.variant,
-      String(r.round),
-      fmtInt(r.jobs),
-      fmtInt(r.executed),
-      fmtInt(r.firstStartMs),
-      s(r.makespanMs),
-      s(r.drainedMs),
-      fmtInt(r.fetches),
-      `${fmtInt(r.conflicts)} (${fmtInt(r.localConflicts)})`,
-      fmtInt(r.rescheduled),
-      fmtInt(r.dropped),
-      fmtInt(r.errors),
-      [r.handoffMs.p50, r.handoffMs.p90, r.handoffMs.p99, r.handoffMs.max].map(ms).join(" / "),
-      String(r.maxPerKey),
-    ]),
-  };
-  return [summary, breakdown, fetchTable, fifo, detail];
+  return [summary, breakdown, fetchTable, fifo];
 }
 
 function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {

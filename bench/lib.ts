@@ -125,6 +125,22 @@ export function formatTable(table: Table): string {
   return out.join("\n");
 }
 
+/**
+ * A table's rows as one line each, for results.json: the row's first cell, then every other non-empty cell
+ * after its column's header.
+ */
+export function summaryRows(table: Table): string[] {
+  return table.rows.map((row) =>
+    [
+      row[0] ?? "",
+      ...row.slice(1).flatMap((cell, i) => {
+        const header = table.columns[i + 1]?.header ?? "";
+        return cell === "" || cell === "–" ? [] : [header ? `${header}: ${cell}` : cell];
+      }),
+    ].join("; "),
+  );
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Database
 

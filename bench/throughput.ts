@@ -99,7 +99,7 @@ export interface Config {
 }
 
 /**
- * B's settings are the best of a sweep for plain graphile-worker (bench/tune.ts, 60,000 jobs per run) on
+ * B's settings are the best of a sweep for plain graphile-worker (60,000 jobs per run) on
  * the 2-core development machine: localQueue.size 24 / 100 / 250 / 500 / 1000 / 2000 gave about 15k / 28k
  * / 30k / 18k / 24k / 24k jobs/s with completeJobBatchDelay 0; at size 250, delays of 0…10 ms were all
  * within noise (26k–29k), -1 (no batching) 12k; maxPoolSize 26 instead of 10 did not help. Wrapped and
@@ -159,9 +159,7 @@ const MAIN_PROCESS = "main";
 /** How often pg_stat_activity is sampled during a multi-process run. */
 const SAMPLE_INTERVAL_MS = 250;
 
-export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn" | ProfileVariantId;
-/** Variants of bench/profile.ts only. */
-export type ProfileVariantId = "nolock" | "async" | "keyonly";
+export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn";
 
 export interface Variant {
   id: VariantId;
@@ -360,10 +358,10 @@ export async function measure(
   jobs: number,
   roundNumber: number,
   /**
-   * For instruments (bench/profile.ts, the session cost): called just before `run()`, and once the table
+   * For the session cost: called once the table
    * is empty (awaited, after the run's figures were taken, before the runner stops).
    */
-  hooks: { started?(): void; drained?(): unknown } = {},
+  hooks: { drained?(): unknown } = {},
 ): Promise<RunFigures> {
   await resetJobs(ctx.pool);
   await insertJobs(ctx.pool, TASK, jobs);
@@ -400,7 +398,6 @@ export async function measure(
     60_000 + jobs * 5,
     `${config.id}/${variant.id}: ${jobs} jobs did not complete in time`,
   );
-  hooks.started?.();
   const cpuBefore = process.cpuUsage();
   const t0 = now();
   let runner: Runner | undefined;
@@ -1079,7 +1076,7 @@ function summarise(
   runs: RunFigures[],
 ): ConfigFigures {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: Exclude<VariantId, ProfileVariantId>): VariantFigures | undefined => {
+  const per = (variant: VariantId): VariantFigures | undefined => {
     const mine = measured.filter((r) => r.variant === variant);
     if (mine.length === 0) return undefined;
     const rates = mine.map((r) => r.jobsPerSecond);
@@ -1178,39 +1175,7 @@ function tables(results: ConfigFigures[]): Table[] {
       "node CPU summed over the processes. No naive variant there: it is a one-process comparison of coalescing.",
     ],
   };
-  const detail: Table = {
-    title: "Execution overhead: every run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "config", align: "left" },
-      { header: "round", align: "right" },
-      { header: "variant", align: "left" },
-      { header: "jobs", align: "right" },
-      { header: "seconds", align: "right" },
-      { header: "jobs/s", align: "right" },
-      { header: "start-up ms", align: "right" },
-      { header: "lock stmts", align: "right" },
-      { header: "node CPU µs/job", align: "right" },
-      { header: "jobs per process", align: "right" },
-    ],
-    rows: results.flatMap((c) =>
-      c.runs.map((r) => [
-        c.id,
-        String(r.round),
-        r.variant,
-        fmtInt(r.jobs),
-        r.seconds.toFixed(2),
-        fmtInt(r.jobsPerSecond),
-        fmtInt(r.startupMs),
-        r.variant === "plain" ? "" : fmtInt(r.lockStatements),
-        fmtInt(r.nodeCpuUsPerJob),
-        r.processes?.map((p) => fmtInt(p.completed)).join(" / ") ?? "",
-      ]),
-    ),
-    notes: [
-      "start-up ms: to the first job (several processes: the first in any, from its receiving the start signal).",
-    ],
-  };
-  return [summary, detail];
+  return [summary];
 }
 
 function goals(results: ConfigFigures[]): Goal[] {
