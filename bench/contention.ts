@@ -548,14 +548,6 @@ async function measure(
   await resetJobs(ctx.pool);
   // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
   await ctx.pool.query("delete from graphile_worker_locks.waiters");
-  // For experiments only: BENCH_VACUUM=1 vacuums and analyzes the library's tables before each run. Without
-  // it, the third round of `reschedule` here has taken 10–12 s instead of 4.7 s (see bench/README.md).
-  if (process.env.BENCH_VACUUM === "1") {
-    await ctx.pool.query(
-      process.env.BENCH_VACUUM_SQL ??
-        "vacuum analyze graphile_worker_locks.waiters, graphile_worker_locks.wakes, graphile_worker_locks.prewakes, graphile_worker_locks.lock_holders",
-    );
-  }
   await Promise.all(workers.map((w) => w.request({ type: "reset" })));
 
   const t0 = clock();
