@@ -59,6 +59,7 @@ import {
   type SectionResult,
   type Table,
   type WorkerProcess,
+  benchRounds,
 } from "./lib.js";
 import {
   QUEUE_TASK,
@@ -83,7 +84,7 @@ const POLL_INTERVAL_MS = 2000;
  * next job before its completion (which unlocks the queue) has committed, so a queue can sit until a poll.
  */
 const FAST_POLL_INTERVAL_MS = 100;
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 
 const SIZES = {
   full: { jobs: 2000, warmJobs: 200, raiseLimitMs: 45_000 },

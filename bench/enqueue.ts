@@ -55,9 +55,10 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 5) || 5);
+const ROUNDS = benchRounds(5);
 const POOL_SIZE = 4;
 /** Slices per variant and round in the single phase (bulk: one call per slice). */
 const SLICES = 5;

@@ -70,6 +70,10 @@ export interface Section {
 
 export const now = (): number => performance.now();
 
+/** Measured rounds per configuration: BENCH_ROUNDS, else the section's default. */
+export const benchRounds = (fallback: number): number =>
+  Math.max(1, Number(process.env.BENCH_ROUNDS ?? fallback) || fallback);
+
 export const sleep = (ms: number): Promise<void> =>
   new Promise((resolve) => setTimeout(resolve, ms));
 

@@ -40,6 +40,7 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 import {
   OUR_MATCH,
@@ -54,7 +55,7 @@ import {
 } from "./peers-common.js";
 import { openOurs } from "./peers-ours.js";
 
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 const SECTION = "peers";
 
 const SIZES = {

@@ -61,6 +61,7 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 import {
   APPLICATION_PREFIX,
@@ -77,7 +78,7 @@ import {
 
 export const TASK = "noop";
 /** Measured rounds per configuration (BENCH_ROUNDS overrides). */
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 
 export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
 
