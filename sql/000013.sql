@@ -150,6 +150,7 @@ declare
   v_outcomes text[];
   v_trailer :GRAPHILE_WORKER_SCHEMA._private_jobs;
   v_new_ids bigint[];
+  v_seq regclass;
 begin
   insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier)
     select t.identifier from unnest(p_tasks) as t(identifier)
@@ -171,42 +172,62 @@ begin
       join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = u.queue_name
       order by u.n);
   end if;
-  -- The first scoped item of each key and every item without uniqueness, in one insert. Ids follow the
-  -- items' order (migration 10): they are drawn first, ascending, and given out in that order, so the rows
-  -- without a key in id order are the items without a unique key in order. The rows go in by key (C
-  -- collation), as every other step of the batch does, so that two batches never wait for each other's keys
-  -- in opposite orders.
-  v_new_ids := array(
-    select pg_catalog.nextval(pg_catalog.pg_get_serial_sequence(
-        (select c.oid from pg_catalog.pg_class c
-          where c.reltype = pg_catalog.pg_typeof(null:::GRAPHILE_WORKER_SCHEMA._private_jobs))::regclass::text,
-        'id')::regclass) as id
-    from generate_series(1, p_count)
-    order by 1);
-  with inserted as (
-    insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
-      (id, job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
-    overriding system value
-    select v_new_ids[f.n], v_queue_ids[f.queue], v_task_ids[f.task], coalesce(f.payload, '{}'::json),
-      case when f.park_ms is not null then now() + f.park_ms * interval '1 millisecond'
-           else coalesce(f.run_at, now()) end,
-      coalesce(f.max_attempts, 25), f.unique_key, coalesce(f.priority, 0),
-      case when f.window_seconds is null then f.flags
-           else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
-             coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
-    from (
-      select s.*, row_number() over (order by s.ordinality)::int as n
-      from json_populate_recordset(null:::GWL_SCHEMA.bulk_job_spec, p_specs) with ordinality as s
-      where s.unique_key is null or s.first
-    ) f
-    order by f.unique_key collate "C" nulls first, f.n
-    on conflict (key) do nothing
-    returning j.id, j.key
-  )
-  select coalesce(array_agg(i.id order by i.id), '{}'),
-    coalesce(array_agg(i.id order by i.id) filter (where i.key is null), '{}')
-  into v_ids, v_plain_ids
-  from inserted i;
+  -- The first scoped item of each key and every item without uniqueness, in one insert, ids following the
+  -- items' order (migration 10): the rows without a key in id order are the items without a unique key in
+  -- order. With two keys or more, the rows go in by key (C collation), as every other step of the batch
+  -- does, so that two batches never wait for each other's keys in opposite orders; their ids are drawn
+  -- first then, one per item, ascending, and item n takes the n-th.
+  if p_first > 1 then
+    -- (the table named by its row type, which the placeholder gives as an identifier, not as a literal)
+    v_seq := pg_catalog.pg_get_serial_sequence(
+      (select c.oid from pg_catalog.pg_class c
+        where c.reltype = pg_catalog.pg_typeof(null:::GRAPHILE_WORKER_SCHEMA._private_jobs))::regclass::text,
+      'id')::regclass;
+    v_new_ids := array(select pg_catalog.nextval(v_seq) from generate_series(1, p_count) order by 1);
+    with inserted as (
+      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+        (id, job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+      overriding system value
+      select v_new_ids[f.ordinality], v_queue_ids[f.queue], v_task_ids[f.task], coalesce(f.payload, '{}'::json),
+        case when f.park_ms is not null then now() + f.park_ms * interval '1 millisecond'
+             else coalesce(f.run_at, now()) end,
+        coalesce(f.max_attempts, 25), f.unique_key, coalesce(f.priority, 0),
+        case when f.window_seconds is null then f.flags
+             else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
+               coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
+      from json_populate_recordset(null:::GWL_SCHEMA.bulk_job_spec, p_specs) with ordinality as f
+      where f.unique_key is null or f.first
+      order by f.unique_key collate "C" nulls first, f.ordinality
+      on conflict (key) do nothing
+      returning j.id, j.key
+    )
+    select coalesce(array_agg(i.id order by i.id), '{}'),
+      coalesce(array_agg(i.id order by i.id) filter (where i.key is null), '{}')
+    into v_ids, v_plain_ids
+    from inserted i;
+  else
+    -- (at most one key: no order of keys to keep, and ids drawn as the rows go in, in the items' order)
+    with inserted as (
+      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+      select v_queue_ids[f.queue], v_task_ids[f.task], coalesce(f.payload, '{}'::json),
+        case when f.park_ms is not null then now() + f.park_ms * interval '1 millisecond'
+             else coalesce(f.run_at, now()) end,
+        coalesce(f.max_attempts, 25), f.unique_key, coalesce(f.priority, 0),
+        case when f.window_seconds is null then f.flags
+             else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
+               coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
+      from json_populate_recordset(null:::GWL_SCHEMA.bulk_job_spec, p_specs) with ordinality as f
+      where f.unique_key is null or f.first
+      order by f.ordinality
+      on conflict (key) do nothing
+      returning j.id, j.key
+    )
+    select coalesce(array_agg(i.id order by i.id), '{}'),
+      coalesce(array_agg(i.id order by i.id) filter (where i.key is null), '{}')
+    into v_ids, v_plain_ids
+    from inserted i;
+  end if;
 
   if p_park_pos is not null then
     -- each job added in line waits at its own place: its id, the enqueue order (migration 8)
