@@ -547,7 +547,13 @@ end;
 $$;
 
 -- One enqueue, announced to the workers when `p_notify`. Outcomes: added, duplicate (job = the existing job,
--- or null when a window outlived it), replaced (job = the existing job, updated). A duplicate writes nothing.
+-- or null when a window outlived it), replaced (job = the existing job, updated). A duplicate writes nothing,
+-- and locks nothing: it is answered from the existing job as last committed, without `for update`, because
+-- inside a caller's open transaction such a lock would last until that transaction ends, and meanwhile
+-- graphile-worker could neither fetch the job (its fetch skips locked rows) nor complete it. Only a job the
+-- enqueue changes is locked, by the update that changes it: a job that no longer refuses the key gives it up
+-- in an update that checks again, on the row as it is then, that it still does not refuse it. A window alone
+-- is read before it is claimed, so that an unexpired window is answered without locking its row either.
 create function :GWL_SCHEMA.enqueue_job(s :GWL_SCHEMA.job_spec, p_notify boolean,
   out outcome text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
@@ -582,13 +588,19 @@ begin
     end if;
 
     if s.scope is null then
-      -- A window alone: claim the key in unique_windows unless an unexpired window holds it.
-      insert into :GWL_SCHEMA.unique_windows as w (unique_key, job_id, expires_at)
-        values (s.unique_key, null, v_until)
-        on conflict (unique_key) do update set job_id = null, expires_at = excluded.expires_at
-          where w.expires_at <= now()
-        returning w.unique_key into v_claimed;
-      if found then
+      -- A window alone: an unexpired window refuses the key; otherwise claim it in unique_windows, unless
+      -- another enqueue claimed it meanwhile.
+      select w.job_id into v_window_job from :GWL_SCHEMA.unique_windows w
+        where w.unique_key = s.unique_key and w.expires_at > now();
+      if not found then
+        insert into :GWL_SCHEMA.unique_windows as w (unique_key, job_id, expires_at)
+          values (s.unique_key, null, v_until)
+          on conflict (unique_key) do update set job_id = null, expires_at = excluded.expires_at
+            where w.expires_at <= now()
+          returning w.unique_key into v_claimed;
+        if not found then
+          continue; -- claimed meanwhile: answer from that claim
+        end if;
         insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
           (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
         values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
@@ -598,12 +610,7 @@ begin
         outcome := 'added';
         exit;
       end if;
-      select w.job_id into v_window_job from :GWL_SCHEMA.unique_windows w
-        where w.unique_key = s.unique_key and w.expires_at > now();
-      if not found then
-        continue; -- expired or removed meanwhile
-      end if;
-      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = v_window_job for update;
+      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = v_window_job;
       if not found then
         job := null;
       end if;
@@ -619,13 +626,15 @@ begin
         outcome := 'added';
         exit;
       end if;
-      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.key = s.unique_key for update;
+      select * into job from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.key = s.unique_key;
       if not found then
         continue; -- it completed, or its inserter rolled back: try again
       end if;
       if not :GWL_SCHEMA.unique_job_blocks(job) then
-        -- Out of its scope: it keeps running or retrying, without the key.
-        update :GRAPHILE_WORKER_SCHEMA._private_jobs j set key = null, updated_at = now() where j.id = job.id;
+        -- Out of its scope: it keeps running or retrying, without the key (if it is still out of its scope
+        -- as it is now; either way, try again).
+        update :GRAPHILE_WORKER_SCHEMA._private_jobs j set key = null, updated_at = now()
+          where j.id = job.id and j.key = s.unique_key and not :GWL_SCHEMA.unique_job_blocks(j);
         continue;
       end if;
     end if;
@@ -653,14 +662,16 @@ $$;
 -- key (p_first of them); and names the items it adds waiting in line: for each, its place among the items
 -- without a unique key (p_park_pos) and its lock key (p_park_keys).
 --
--- The first scoped item of each key and every item without uniqueness go in one insert, in the items'
--- order, so ids follow the batch (graphile-worker runs jobs of equal priority and run_at by id). An item
+-- The first scoped item of each key and every item without uniqueness go in one insert, and ids follow the
+-- batch (graphile-worker runs jobs of equal priority and run_at by id). Whatever the batch can wait for
+-- (new tasks and queues, keys another enqueue is inserting) it takes by name or key, so that two batches
+-- never deadlock. An item
 -- added in line waits at its own place (its id), with its safety net as its run_at; nothing of the batch is
 -- visible before it commits, so no worker can fetch the front of a line before the line exists, and the
 -- front checks its key once it parks (wake_if_free), so a holder that released meanwhile strands nobody.
 -- Duplicates that only need an answer (a scope, reject, and a holder that refuses them) are answered in one
 -- join; the rest (in-batch duplicates, keys that meet existing jobs, windows alone) go through enqueue_job
--- one by one, in the items' order. A duplicate whose on_duplicate is 'raise' aborts the whole batch with
+-- one by one, by key (the items of one key in their order: the first of a key wins). A duplicate whose on_duplicate is 'raise' aborts the whole batch with
 -- SQLSTATE GWLUQ (detail: the existing job's id, hint: the item's place), so nothing of it is written.
 --
 -- The answer is rows of graphile-worker's job table, as graphile-worker's own add_jobs is called:
@@ -691,10 +702,13 @@ declare
   v_ords int[];
   v_outcomes text[];
   v_trailer :GRAPHILE_WORKER_SCHEMA._private_jobs;
+  v_new_ids bigint[];
+  v_seq regclass;
 begin
   insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier)
     select t.identifier from unnest(p_tasks) as t(identifier)
     where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_tasks x where x.identifier = t.identifier)
+    order by t.identifier collate "C"
     on conflict do nothing;
   v_task_ids := array(
     select t.id from unnest(p_tasks) with ordinality as u(identifier, n)
@@ -704,17 +718,33 @@ begin
     insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name)
       select q.queue_name from unnest(p_queues) as q(queue_name)
       where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues x where x.queue_name = q.queue_name)
+      order by q.queue_name collate "C"
       on conflict do nothing;
     v_queue_ids := array(
       select q.id from unnest(p_queues) with ordinality as u(queue_name, n)
       join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = u.queue_name
       order by u.n);
   end if;
-  -- The rows without a key, in id order, are the items without a unique key, in order.
+  -- The first scoped item of each key and every item without uniqueness, in one insert, ids following the
+  -- items' order: the rows without a key, in id order, are the items without a unique key, in order. With
+  -- two keys or more the rows go in by key (C collation), as every other step of the batch does, so that two
+  -- batches never wait for each other's keys in opposite orders; their ids are drawn first then, one per
+  -- item, ascending, and item n takes the n-th. Otherwise each row draws its id as it goes in, in the items'
+  -- order.
+  -- (the sequence found through the table's row type, which the placeholder gives as an identifier)
+  v_seq := pg_catalog.pg_get_serial_sequence(
+    (select c.oid from pg_catalog.pg_class c
+      where c.reltype = pg_catalog.pg_typeof(null:::GRAPHILE_WORKER_SCHEMA._private_jobs))::regclass::text,
+    'id')::regclass;
+  if p_first > 1 then
+    v_new_ids := array(select pg_catalog.nextval(v_seq) from generate_series(1, p_count) order by 1);
+  end if;
   with inserted as (
     insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
-      (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
-    select v_queue_ids[f.queue], v_task_ids[f.task], coalesce(f.payload, '{}'::json),
+      (id, job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+    overriding system value
+    select coalesce(v_new_ids[f.ordinality], pg_catalog.nextval(v_seq)), v_queue_ids[f.queue],
+      v_task_ids[f.task], coalesce(f.payload, '{}'::json),
       case when f.park_ms is not null then now() + f.park_ms * interval '1 millisecond'
            else coalesce(f.run_at, now()) end,
       coalesce(f.max_attempts, 25), f.unique_key, coalesce(f.priority, 0),
@@ -723,7 +753,7 @@ begin
              coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
     from json_populate_recordset(null:::GWL_SCHEMA.batch_item, p_items) with ordinality as f
     where f.unique_key is null or f.first
-    order by f.ordinality
+    order by case when p_first > 1 then f.unique_key end collate "C" nulls first, f.ordinality
     on conflict (key) do nothing
     returning j.id, j.key
   )
@@ -793,7 +823,8 @@ begin
     where x.unique_key is not null
       and not (x.first and (v_keys is null or x.unique_key in (select unnest(v_keys))))
       and not exists (select from unnest(v_done) as d(ord) where d.ord = x.ord)
-    order by x.ord
+    -- by key, as the insert above (the items of one key in their order: the first of a key wins)
+    order by x.unique_key collate "C", x.ord
   loop
     select * into v_one from :GWL_SCHEMA.enqueue_job(v_spec.spec, false);
     if v_one.outcome = 'duplicate' and (v_spec.spec).on_duplicate = 'raise' then
@@ -846,9 +877,18 @@ language sql volatile as $$
   select count(*) from gone
 $$;
 
--- Removes expired windows; returns how many.
+-- Removes expired windows; returns how many. A window an enqueue is claiming right now is left for the
+-- next sweep (which it renews anyway), so that a sweep never waits for, or deadlocks with, an enqueue.
 create function :GWL_SCHEMA.sweep_unique_windows() returns bigint
 language sql volatile as $$
-  with gone as (delete from :GWL_SCHEMA.unique_windows where expires_at <= now() returning 1)
+  with gone as (
+    delete from :GWL_SCHEMA.unique_windows w
+    where w.unique_key in (
+      select x.unique_key from :GWL_SCHEMA.unique_windows x
+      where x.expires_at <= now()
+      for update skip locked
+    ) and w.expires_at <= now()
+    returning 1
+  )
   select count(*) from gone
 $$;

@@ -23,7 +23,7 @@ export {
   lockFlag,
   KEY_VERSION,
 } from "./key.js";
-export { migrate } from "./migrate.js";
+export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
 export type { HandoffCounts } from "./handoff.js";
 export {
@@ -32,6 +32,7 @@ export {
   LockConflictError,
   InvalidArgumentError,
   UniqueConflictError,
+  UntestedWorkerSchemaError,
 } from "./errors.js";
 export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
 export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";

@@ -1,10 +1,36 @@
 /**
  * Every SQL statement the library sends, built once per `Locks` instance from the two escaped schema names.
  */
+import { createHash } from "node:crypto";
+import { InvalidArgumentError } from "./errors.js";
 
 /** Quotes a PostgreSQL identifier. */
 export function escapeIdentifier(name: string): string {
   return `"${name.replaceAll('"', '""')}"`;
+}
+
+/** PostgreSQL's longest identifier, in bytes (a longer one is cut short, silently naming another schema). */
+const MAX_IDENTIFIER_BYTES = 63;
+
+/**
+ * Checks a schema name option: any characters PostgreSQL can hold in a quoted identifier (so not NUL),
+ * 1 to 63 bytes. The name is then used exactly as given, quoted.
+ */
+export function assertSchemaName(option: string, name: unknown): asserts name is string {
+  if (typeof name !== "string" || name.length === 0) {
+    throw new InvalidArgumentError(
+      `\`${option}\` must be a non-empty string, got ${typeof name === "string" ? '""' : String(name)}`,
+    );
+  }
+  if (name.includes("\0")) {
+    throw new InvalidArgumentError(`\`${option}\` must not contain a NUL character`);
+  }
+  const bytes = Buffer.byteLength(name, "utf8");
+  if (bytes > MAX_IDENTIFIER_BYTES) {
+    throw new InvalidArgumentError(
+      `\`${option}\` is ${bytes} bytes long; PostgreSQL names are at most ${MAX_IDENTIFIER_BYTES} bytes (a longer one would be cut short)`,
+    );
+  }
 }
 
 const THIS_DATABASE = "(select oid from pg_catalog.pg_database where datname = current_database())";
@@ -60,13 +86,19 @@ const ADD_JOB_ARGS = `identifier => $1::text,
 export function makeSql(schema: string, workerSchema: string, preparedStatements = true) {
   const s = escapeIdentifier(schema);
   const w = escapeIdentifier(workerSchema);
+  // Prepared statement names are cut at 63 bytes by PostgreSQL: the schemas go in as a short digest.
+  const schemas = createHash("sha256")
+    .update(`${schema}\0${workerSchema}`)
+    .digest("hex")
+    .slice(0, 16);
   return {
     escapedSchema: s,
     escapedWorkerSchema: w,
 
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
-     * statements are off. Names include both schemas: one pool may serve several `Locks` instances.
+     * statements are off. Names include both schemas (as a digest): one pool may serve several `Locks`
+     * instances.
      */
     statement(
       name: string,
@@ -74,7 +106,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       values: unknown[],
     ): { name?: string; text: string; values: unknown[] } {
       return preparedStatements
-        ? { name: `gwl_${name}/${schema}/${workerSchema}`, text, values }
+        ? { name: `gwl_${name}_${schemas}`, text, values }
         : { text, values };
     },
 
