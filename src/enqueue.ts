@@ -5,7 +5,7 @@
  * only reads pg_locks.
  */
 import type { Job } from "graphile-worker";
-import { InvalidArgumentError } from "./errors.js";
+import { InvalidArgumentError, rethrowExplained } from "./errors.js";
 import { advisoryParts } from "./key.js";
 import type { AddJobSpec } from "./options.js";
 import type { Sql } from "./sql.js";
@@ -58,9 +58,11 @@ export async function lockAvailable(
   sql: Sql,
   keys: readonly bigint[],
 ): Promise<boolean> {
-  const { rows } = await db.query<{ available: boolean }>(
-    sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
-  );
+  const { rows } = await db
+    .query<{ available: boolean }>(
+      sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
+    )
+    .catch(rethrowExplained);
   return rows[0]!.available;
 }
 
@@ -149,7 +151,9 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     ];
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
-  const { rows } = await db.query<JobRow>(sql.statement(name, text, values));
+  const { rows } = await db
+    .query<JobRow>(sql.statement(name, text, values))
+    .catch(rethrowExplained);
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
   return {
@@ -224,17 +228,19 @@ export async function addJobs(
     }
     return item + "}";
   });
-  const { rows } = await db.query<Job>(
-    sql.statement("add_unique_flat", sql.addUniqueJobs, [
-      `[${items.join(",")}]`,
-      items.length,
-      firstOfKey.size,
-      [...tasks.keys()],
-      [...queues.keys()],
-      parkPos.length > 0 ? parkPos : null,
-      parkPos.length > 0 ? parkKeys : null,
-    ]),
-  );
+  const { rows } = await db
+    .query<Job>(
+      sql.statement("add_unique_flat", sql.addUniqueJobs, [
+        `[${items.join(",")}]`,
+        items.length,
+        firstOfKey.size,
+        [...tasks.keys()],
+        [...queues.keys()],
+        parkPos.length > 0 ? parkPos : null,
+        parkPos.length > 0 ? parkKeys : null,
+      ]),
+    )
+    .catch(rethrowExplained);
   const results: AddJobResult[] = new Array(plans.length);
   const trailer = rows.length > 0 && rows[rows.length - 1]!.id === null ? rows.pop()! : null;
   if (!trailer) {

@@ -21,8 +21,13 @@ function heldCount(classids: string, objids: string): string {
         and l.database = ${THIS_DATABASE})`;
 }
 
-/** The first branch of both lock batches: the unlocks of $1 that PostgreSQL answered false (op 0). */
-const FAILED_UNLOCKS = `select 0 as op, t.i::int as i, null::text as key
+/**
+ * The first branches of both lock batches: the backend that ran the statement (op 7, its pid as `i`: the
+ * session checks it is the one it connected to), then the unlocks of $1 that PostgreSQL answered false (op 0).
+ */
+const FAILED_UNLOCKS = `select 7 as op, pg_catalog.pg_backend_pid() as i, null::text as key
+      union all
+      select 0, t.i::int, null
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)`;
 
@@ -68,8 +73,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * sql/000007.sql).
      */
     lockBatch: {
-      name: `gwl_lock_batch_v7`,
-      // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
+      name: `gwl_lock_batch_v8`,
+      // Besides the backend's pid (op 7), only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
       // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
       // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
       // should wait for the release. Semaphore requests answer with the slot they took; op 6 names the
@@ -109,7 +114,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
      */
     lockBatchPlain: {
-      name: `gwl_lock_plain_v1`,
+      name: `gwl_lock_plain_v2`,
       text: `${FAILED_UNLOCKS}
       union all
       select 1, t.i::int, null
@@ -136,7 +141,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       where h.pid = pg_backend_pid()
          or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)`,
 
-    heartbeat: "select 1",
+    /** Answers with the backend's pid, which the session checks is the one it connected to. */
+    heartbeat: "select pg_catalog.pg_backend_pid() as pid",
 
     /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
     lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,
