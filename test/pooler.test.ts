@@ -254,6 +254,44 @@ describe.skipIf(missing !== null)(
   },
 );
 
+describe.skipIf(missing !== null)("PgBouncer in session mode", () => {
+  it("carries the lock session: contended jobs never overlap", async () => {
+    const session = await startPgBouncer(db.url, { poolMode: "session" });
+    cleanup.push(() => session.stop());
+    const warnings: string[] = [];
+    const logger = new Logger(() => (level, message) => {
+      if (level === "warning") warnings.push(message);
+    });
+    const instances = [0, 1].map((i) =>
+      track(
+        makeLocks({
+          connectionString: db.url,
+          lockConnectionString: session.via(db.url),
+          logger,
+          applicationName: `graphile-worker-locks/session-${i}`,
+        }),
+      ),
+    );
+    for (const locks of instances) await locks.connect();
+    const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
+    await enqueueExec(instances[0]!, 80, 4);
+    await Promise.all(
+      tasks.map((exec) =>
+        startRunner({ connectionString: db.url, concurrency: 4, taskList: { exec } }).then(track),
+      ),
+    );
+    await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
+    const executions = await readExecutions(db.pool());
+    expect(executions.length).toBeGreaterThanOrEqual(4);
+    for (const [key, most] of maxConcurrencyPerKey(executions)) {
+      expect(most, `executions of key ${key} at once`).toBe(1);
+    }
+    expect(instances.map((locks) => locks.status().state)).toEqual(["ready", "ready"]);
+    // (the probe at connect ran, through the pooler, and found each session on its own backend)
+    expect(warnings).toEqual([]);
+  });
+});
+
 describe.skipIf(missing !== null)("the lock session's backend check", () => {
   it("loses every hold and refuses the session when its statements reach another backend", async () => {
     // A PgBouncer that lets no second client in (so the connect-time probe cannot tell) and closes an idle
