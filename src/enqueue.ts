@@ -31,6 +31,14 @@ export interface Queryable {
   }): Promise<{ rows: R[] }>;
 }
 
+/** `db`, whose errors from a pooler without prepared statements say which options to change. */
+function explaining(db: Queryable): Queryable {
+  return {
+    query: <R extends object>(config: Parameters<Queryable["query"]>[0]) =>
+      db.query<R>(config).catch(rethrowExplained),
+  };
+}
+
 /** One enqueue, resolved: what to add, which lock to check first, and its uniqueness. */
 export interface EnqueuePlan {
   taskIdentifier: string;
@@ -58,11 +66,9 @@ export async function lockAvailable(
   sql: Sql,
   keys: readonly bigint[],
 ): Promise<boolean> {
-  const { rows } = await db
-    .query<{ available: boolean }>(
-      sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
-    )
-    .catch(rethrowExplained);
+  const { rows } = await explaining(db).query<{ available: boolean }>(
+    sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
+  );
   return rows[0]!.available;
 }
 
@@ -151,9 +157,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     ];
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
-  const { rows } = await db
-    .query<JobRow>(sql.statement(name, text, values))
-    .catch(rethrowExplained);
+  const { rows } = await explaining(db).query<JobRow>(sql.statement(name, text, values));
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
   return {
@@ -228,19 +232,17 @@ export async function addJobs(
     }
     return item + "}";
   });
-  const { rows } = await db
-    .query<Job>(
-      sql.statement("add_unique_flat", sql.addUniqueJobs, [
-        `[${items.join(",")}]`,
-        items.length,
-        firstOfKey.size,
-        [...tasks.keys()],
-        [...queues.keys()],
-        parkPos.length > 0 ? parkPos : null,
-        parkPos.length > 0 ? parkKeys : null,
-      ]),
-    )
-    .catch(rethrowExplained);
+  const { rows } = await explaining(db).query<Job>(
+    sql.statement("add_unique_flat", sql.addUniqueJobs, [
+      `[${items.join(",")}]`,
+      items.length,
+      firstOfKey.size,
+      [...tasks.keys()],
+      [...queues.keys()],
+      parkPos.length > 0 ? parkPos : null,
+      parkPos.length > 0 ? parkKeys : null,
+    ]),
+  );
   const results: AddJobResult[] = new Array(plans.length);
   const trailer = rows.length > 0 && rows[rows.length - 1]!.id === null ? rows.pop()! : null;
   if (!trailer) {
