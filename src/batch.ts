@@ -89,6 +89,8 @@ export interface BatchRow {
 
 /** What a lock statement answered, by each request's place (from 1) in its list of the batch. */
 export interface BatchAnswer {
+  /** The pid of the backend that ran the statement. */
+  backendPid: number | undefined;
   /** Unlocks that PostgreSQL answered false. */
   failedUnlocks: Set<number>;
   /** Single keys with a row: LOCK_FAILED, WAIT_FOR_RELEASE or LOCKED_WITH_LINE (no row: taken). */
@@ -101,6 +103,7 @@ export interface BatchAnswer {
 
 export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
   const answer: BatchAnswer = {
+    backendPid: undefined,
     failedUnlocks: new Set(),
     singles: new Map(),
     slots: new Map(),
@@ -108,6 +111,9 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
   };
   for (const row of rows) {
     switch (row.op) {
+      case BatchOp.BACKEND:
+        answer.backendPid = row.i;
+        break;
       case BatchOp.UNLOCK_FAILED:
         answer.failedUnlocks.add(row.i);
         break;

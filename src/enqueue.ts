@@ -6,7 +6,7 @@
  * only reads pg_locks.
  */
 import type { Job } from "graphile-worker";
-import { InvalidArgumentError } from "./errors.js";
+import { InvalidArgumentError, rethrowExplained } from "./errors.js";
 import { advisoryParts } from "./key.js";
 import type { AddJobSpec } from "./options.js";
 import type { Sql } from "./sql.js";
@@ -30,6 +30,14 @@ export interface Queryable {
     values?: unknown[];
     name?: string;
   }): Promise<{ rows: R[] }>;
+}
+
+/** `db`, whose errors from a pooler without prepared statements say which options to change. */
+function explaining(db: Queryable): Queryable {
+  return {
+    query: <R extends object>(config: Parameters<Queryable["query"]>[0]) =>
+      db.query<R>(config).catch(rethrowExplained),
+  };
 }
 
 /** One enqueue, resolved: what to add, which lock to check first, and its uniqueness. */
@@ -59,7 +67,7 @@ export async function lockAvailable(
   sql: Sql,
   keys: readonly bigint[],
 ): Promise<boolean> {
-  const { rows } = await db.query<{ available: boolean }>(
+  const { rows } = await explaining(db).query<{ available: boolean }>(
     sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
   );
   return rows[0]!.available;
@@ -150,7 +158,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     ];
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
-  const { rows } = await db.query<JobRow>(sql.statement(name, text, values));
+  const { rows } = await explaining(db).query<JobRow>(sql.statement(name, text, values));
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
   return {
@@ -225,7 +233,7 @@ export async function addJobs(
     }
     return item + "}";
   });
-  const { rows } = await db.query<Job>(
+  const { rows } = await explaining(db).query<Job>(
     sql.statement("add_unique_flat", sql.addUniqueJobs, [
       `[${items.join(",")}]`,
       items.length,

@@ -26,6 +26,13 @@ export const ErrorCodes = {
   WORKER_SCHEMA_UNTESTED: "GWL_WORKER_SCHEMA_UNTESTED",
   /** The `Locks` instance was released. */
   RELEASED: "GWL_RELEASED",
+  /**
+   * The lock session goes through a transaction-mode pooler (its statements reach more than one PostgreSQL
+   * backend), which breaks session advisory locks: the session refuses to take any lock.
+   */
+  LOCK_SESSION_POOLED: "GWL_LOCK_SESSION_POOLED",
+  /** A named prepared statement failed behind a pooler that does not carry prepared statements. */
+  PREPARED_STATEMENTS_UNSUPPORTED: "GWL_PREPARED_STATEMENTS_UNSUPPORTED",
 } as const;
 
 export type ErrorCode = (typeof ErrorCodes)[keyof typeof ErrorCodes];
@@ -75,6 +82,93 @@ export function lockSessionUnavailable(reason: string, cause?: unknown): LocksEr
     `The lock session is unavailable (${reason}); the job will be retried rather than run unlocked`,
     { cause },
   );
+}
+
+/**
+ * The lock session could not connect: says where to and why (refused, unreachable, DNS, authentication,
+ * missing database), with the driver's error as `cause`. Its code is GWL_LOCK_SESSION_UNAVAILABLE.
+ */
+export function lockSessionConnectFailed(target: string, cause: unknown): LocksError {
+  return new LocksError(
+    ErrorCodes.LOCK_SESSION_UNAVAILABLE,
+    `The lock session could not connect to ${target} (${connectFailureReason(cause)})`,
+    { cause },
+  );
+}
+
+/** Why a connection failed, in words, from a node-postgres or Node.js network error. */
+export function connectFailureReason(error: unknown): string {
+  const e = error as { code?: unknown; message?: unknown } | null;
+  const code = typeof e?.code === "string" ? e.code : undefined;
+  const message = typeof e?.message === "string" ? e.message : String(error);
+  switch (code) {
+    case "ECONNREFUSED":
+      return "connection refused";
+    case "ENOTFOUND":
+    case "EAI_AGAIN":
+    case "EAI_NONAME":
+      return "host name not resolved (DNS)";
+    case "EHOSTUNREACH":
+    case "ENETUNREACH":
+      return "host unreachable";
+    case "ETIMEDOUT":
+      return "connection timed out";
+    case "ECONNRESET":
+      return "connection reset by the server";
+    case "28P01":
+      return `authentication failed: ${message}`;
+    case "28000":
+      return `authentication rejected: ${message}`;
+    case "3D000":
+      return `database missing: ${message}`;
+    case "57P03":
+      return `the server is not accepting connections yet: ${message}`;
+    case "53300":
+      return `too many connections: ${message}`;
+    default:
+      return code ? `${message} [${code}]` : message;
+  }
+}
+
+/**
+ * The lock session's statements reached a second PostgreSQL backend: it goes through a pooler in transaction
+ * (or statement) mode, where a session advisory lock stays on a pooled backend that other clients then use.
+ */
+export function lockSessionPooled(detail: string): LocksError {
+  return new LocksError(
+    ErrorCodes.LOCK_SESSION_POOLED,
+    `The lock session goes through a connection pooler in transaction mode (${detail}): session advisory ` +
+      "locks do not work there, so no lock is taken. Set `lockConnectionString` to a direct connection to " +
+      "PostgreSQL or to a session-mode pool (enqueueing and graphile-worker may stay on the transaction-mode pool)",
+  );
+}
+
+/** SQLSTATEs of a named prepared statement a pooler's backend does not have (26000) or has already (42P05). */
+const PREPARED_STATEMENT_STATES: ReadonlySet<string> = new Set(["26000", "42P05"]);
+
+/**
+ * `error` as a GWL_PREPARED_STATEMENTS_UNSUPPORTED error (with `error` as its `cause`) when it is a missing
+ * or duplicate prepared statement, which is what a pooler that does not carry prepared statements causes;
+ * otherwise `error` itself.
+ */
+export function explainPreparedStatementError(error: unknown): unknown {
+  const code = (error as { code?: unknown } | null)?.code;
+  const message = (error as { message?: unknown } | null)?.message;
+  if (typeof code !== "string" || !PREPARED_STATEMENT_STATES.has(code)) return error;
+  if (typeof message !== "string" || !message.includes("prepared statement")) return error;
+  return new LocksError(
+    ErrorCodes.PREPARED_STATEMENTS_UNSUPPORTED,
+    `${message} [${code}]: the connection goes through a pooler that does not carry prepared statements ` +
+      "(PgBouncer in transaction mode before 1.21, or without `max_prepared_statements`). Pass " +
+      "`preparedStatements: false` to makeLocks and `noPreparedStatements: true` to graphile-worker, or " +
+      "set PgBouncer's `max_prepared_statements` (1.21+)",
+    { cause: error },
+  );
+}
+
+/** Rethrows `error`, explained by {@link explainPreparedStatementError}: for a query's `catch`. */
+export function rethrowExplained(error: unknown): never {
+  throw explainPreparedStatementError(error);
 }
 
 export function lockLost(cause?: unknown): LocksError {

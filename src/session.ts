@@ -8,6 +8,7 @@
  *     idle ──first acquire──▶ connecting ──ok──▶ ready ──error / end / failed statement──▶ broken
  *                                  │ fail                                                  │ backoff
  *                                  └──────────────▶ broken ◀───────────────── connecting ◀─┘
+ *     connecting / ready ──a second backend seen──▶ refused (final: no reconnection)
  *     any state ──close()──▶ closed
  *
  * Invariants:
@@ -24,6 +25,11 @@
  *   releases everything) rather than reused.
  * - While the session is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE: no job
  *   ever runs unlocked.
+ * - The session is one PostgreSQL backend. Every lock statement and heartbeat answers with
+ *   `pg_backend_pid()`, which must be the pid seen at connect; behind a proxy (whose BackendKeyData pid is
+ *   not the backend's) the connection is also probed before any lock is taken (see probePooler). A second
+ *   backend means a transaction-mode pooler, where session locks stay on pooled backends other clients use:
+ *   every hold is lost and the session is `refused`, failing every acquisition with GWL_LOCK_SESSION_POOLED.
  * - A key passes without an unlock only from a finished hold to the job that hold woke early (handoff.ts):
  *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
@@ -32,7 +38,14 @@
 import pg from "pg";
 import type { ClientConfig } from "pg";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
-import { lockLost, lockSessionUnavailable } from "./errors.js";
+import {
+  connectFailureReason,
+  lockLost,
+  lockSessionConnectFailed,
+  lockSessionPooled,
+  lockSessionUnavailable,
+  type LocksError,
+} from "./errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
   Acquisition,
@@ -50,7 +63,19 @@ import type { IdleWorkers } from "./idle.js";
 import { lockFlag } from "./key.js";
 import { BatchOp, type Sql } from "./sql.js";
 
-export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed";
+export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
+
+/** The backend's pid, as PostgreSQL itself reports it. */
+async function backendPid(client: pg.Client): Promise<number> {
+  const { rows } = await client.query<{ pid: number }>("select pg_catalog.pg_backend_pid() as pid");
+  return rows[0]!.pid;
+}
+
+/** Where a client connects to, for error messages: host and port, or the socket directory. */
+function target(client: pg.Client): string {
+  const { host, port } = client as unknown as { host?: string; port?: number };
+  return host?.startsWith("/") ? `${host}/.s.PGSQL.${port}` : `${host}:${port}`;
+}
 
 export interface LockSessionOptions {
   sql: Sql;
@@ -100,6 +125,12 @@ export class LockSession implements HoldOwner {
   private lossController: AbortController | undefined;
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   statements = 0;
+  /** `pg_backend_pid()` of the current connection, as seen at connect. */
+  private backendPid: number | null = null;
+  /** Why the session is `refused`. */
+  private refusal: LocksError | null = null;
+  /** Why the last connection attempt failed (null once one succeeds). */
+  private connectError: LocksError | null = null;
 
   constructor(private readonly options: LockSessionOptions) {
     this.handoff = new Handoff(
@@ -284,7 +315,7 @@ export class LockSession implements HoldOwner {
   /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
   async warmUp(): Promise<void> {
     if (this.state === "idle") await this.connect();
-    if (this.state !== "ready") throw lockSessionUnavailable("could not connect");
+    if (this.state !== "ready") throw this.unavailable();
   }
 
   private async ensureReady(): Promise<void> {
@@ -294,13 +325,20 @@ export class LockSession implements HoldOwner {
       case "closed":
         throw lockSessionUnavailable("the Locks instance was released");
       case "broken":
-        throw lockSessionUnavailable("reconnecting");
+      case "refused":
+        throw this.unavailable();
       case "idle":
       case "connecting":
         await this.connect();
-        if ((this.state as SessionState) !== "ready")
-          throw lockSessionUnavailable("could not connect");
+        if ((this.state as SessionState) !== "ready") throw this.unavailable();
     }
+  }
+
+  /** The error an acquisition fails with while the session is not ready: why it is not. */
+  private unavailable(): LocksError {
+    if (this.state === "closed") return lockSessionUnavailable("the Locks instance was released");
+    if (this.refusal) return this.refusal;
+    return this.connectError ?? lockSessionUnavailable("reconnecting");
   }
 
   private connect(): Promise<void> {
@@ -316,9 +354,16 @@ export class LockSession implements HoldOwner {
     const onBroken = (error: Error) => this.handleLost(client, error);
     client.on("error", onBroken);
     client.on("end", () => onBroken(new Error("The lock session's connection ended")));
+    let connected = false;
+    let pooled: string | null = null;
     try {
-      await this.options.prepare();
       await client.connect();
+      connected = true;
+      await this.options.prepare();
+      const pid = await backendPid(client);
+      // PostgreSQL's BackendKeyData names the backend; a proxy sends its own (PgBouncer: a random key).
+      if (pid !== (client as unknown as { processID?: number }).processID)
+        pooled = await this.probePooler(client, pid);
       // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
       // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
       // parked job's safety net. So its hand-offs do not pay a disk flush.
@@ -332,13 +377,28 @@ export class LockSession implements HoldOwner {
           this.handoff.onReleaseNotice(message.payload);
       });
       await client.query(`listen ${this.options.sql.releaseChannel}`);
+      const after = await backendPid(client);
+      if (pooled === null && after !== pid)
+        pooled = `its statements at connect reached backends ${pid} and ${after}`;
+      this.backendPid = pid;
     } catch (error) {
       client.removeAllListeners("end");
       client.end().catch(() => undefined);
       if (this.isClosed()) return;
       this.state = "broken";
-      this.options.onWarning("The lock session could not connect; retrying", error);
+      this.connectError = connected
+        ? lockSessionUnavailable(`could not start: ${connectFailureReason(error)}`, error)
+        : lockSessionConnectFailed(target(client), error);
+      this.options.onWarning(`${this.connectError.message}; retrying`, error);
       this.scheduleReconnect();
+      return;
+    }
+    if (pooled !== null) {
+      client.removeAllListeners("end");
+      client.on("error", () => undefined);
+      await client.end().catch(() => undefined);
+      if (this.isClosed()) return;
+      this.refuse(lockSessionPooled(pooled));
       return;
     }
     if (this.isClosed()) {
@@ -348,11 +408,43 @@ export class LockSession implements HoldOwner {
     }
     this.client = client;
     this.state = "ready";
+    this.connectError = null;
     this.reconnectAttempt = 0;
     this.registryDirty = this.holds.size > 0;
     if (this.timers.length === 0) this.startTimers();
     this.options.onConnected();
     this.scheduleFlush();
+  }
+
+  /**
+   * Behind a proxy, whether it pools by transaction. A second client through it opens a transaction, which
+   * pins a backend (a pooler hands out the backend released last first: this session's), and this session
+   * asks for its backend again. A session pool gives each client its own backend throughout; a transaction
+   * pool shows this session's backend to the other client, or another backend to this session. Returns what
+   * was seen when it pools by transaction, else null.
+   */
+  private async probePooler(client: pg.Client, pid: number): Promise<string | null> {
+    const other = new pg.Client(this.options.client);
+    other.on("error", () => undefined);
+    try {
+      await other.connect();
+      await other.query("begin");
+      const otherPid = await backendPid(other);
+      const again = await backendPid(client);
+      await other.query("rollback");
+      if (otherPid === pid)
+        return `a second client through it was given the session's backend (pid ${pid})`;
+      if (again !== pid) return `the session's statements reached backends ${pid} and ${again}`;
+      return null;
+    } catch (error) {
+      this.options.onWarning(
+        "Could not probe the proxy in front of the lock session for transaction pooling; every lock statement still checks its backend",
+        error,
+      );
+      return null;
+    } finally {
+      await other.end().catch(() => undefined);
+    }
   }
 
   /** State changes while awaiting; TypeScript's narrowing does not know that. */
@@ -404,10 +496,11 @@ export class LockSession implements HoldOwner {
       );
     }, timeout);
     this.side(
-      client.query(this.options.sql.heartbeat).then(
-        () => {
+      client.query<{ pid: number }>(this.options.sql.heartbeat).then(
+        ({ rows }) => {
           clearTimeout(timer);
           this.heartbeatPending = false;
+          this.checkBackend(client, rows[0]?.pid, "a heartbeat");
         },
         (error: Error) => {
           clearTimeout(timer);
@@ -454,12 +547,36 @@ export class LockSession implements HoldOwner {
     }, delay);
   }
 
-  /** The connection of this generation failed: everything it held is gone. */
+  /**
+   * Whether `pid`, the backend that answered a statement of `client`, is the one the session connected to.
+   * If not, the session goes through a transaction pooler: every hold is lost and the session is refused.
+   */
+  private checkBackend(client: pg.Client, pid: number | undefined, what: string): boolean {
+    if (pid === this.backendPid || client !== this.client || this.state !== "ready") return true;
+    this.refusal = lockSessionPooled(
+      `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}`,
+    );
+    this.handleLost(client, this.refusal);
+    return false;
+  }
+
+  /** Stops the session for good at connect: `refusal` says why (a transaction pooler). */
+  private refuse(refusal: LocksError): void {
+    this.refusal = refusal;
+    this.state = "refused";
+    this.options.onWarning(refusal.message);
+    for (const request of this.lockQueue.splice(0)) request.reject(refusal);
+  }
+
+  /**
+   * The connection of this generation failed: everything it held is gone. The session reconnects, unless it
+   * was refused (`refusal`, set before the call).
+   */
   private handleLost(client: pg.Client | null, error: Error): void {
     if (client !== this.client || this.state !== "ready") return;
     this.generation++;
     this.client = null;
-    this.state = "broken";
+    this.state = this.refusal ? "refused" : "broken";
     client?.removeAllListeners("end");
     client?.on("error", () => undefined);
     client?.end().catch(() => undefined);
@@ -473,7 +590,7 @@ export class LockSession implements HoldOwner {
     const lost = [...this.holds.values()];
     this.holds.clear();
     this.pending.clear();
-    const unavailable = lockSessionUnavailable("the connection was lost", error);
+    const unavailable = this.refusal ?? lockSessionUnavailable("the connection was lost", error);
     this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
@@ -481,7 +598,7 @@ export class LockSession implements HoldOwner {
     for (const hold of lost) hold.markLost(reason);
     this.abortLossSignal(reason);
     this.options.onLost(lost, error);
-    this.scheduleReconnect();
+    if (!this.refusal) this.scheduleReconnect();
   }
 
   private scheduleFlush(): void {
@@ -560,6 +677,15 @@ export class LockSession implements HoldOwner {
             return;
           }
           const answer = decodeBatch(rows);
+          if (!this.checkBackend(client, answer.backendPid, "a lock statement")) {
+            // What it took is on another backend, out of reach: none of it is granted.
+            for (const request of locks) {
+              for (const k of request.slots) this.pending.delete(k);
+              request.reject(this.refusal!);
+            }
+            for (const hold of unlocks) hold.settle(LOST);
+            return;
+          }
           for (const [i, key] of answer.slots)
             this.settleLock(multis[i - 1]!, key, generation, false);
           for (const [i, jobId] of answer.prewoken)

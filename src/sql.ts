@@ -52,6 +52,8 @@ function heldCount(classids: string, objids: string): string {
  * among the statement's unlocks, single keys, semaphore requests or early wakes.
  */
 export const BatchOp = {
+  /** The backend that ran the statement: its pid is `i` (the session checks it is the one it connected to). */
+  BACKEND: 7,
   /** The unlock of $1[i] returned false. */
   UNLOCK_FAILED: 0,
   /** The single key $2[i] was not taken. */
@@ -68,8 +70,13 @@ export const BatchOp = {
   PREWOKEN: 6,
 } as const;
 
-/** The first branch of both lock statements: the unlocks of $1 that PostgreSQL answered false. */
-const FAILED_UNLOCKS = `select ${BatchOp.UNLOCK_FAILED} as op, t.i::int as i, null::text as key
+/**
+ * The first branches of both lock statements: the backend that ran the statement, then the unlocks of $1
+ * that PostgreSQL answered false.
+ */
+const FAILED_UNLOCKS = `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i, null::text as key
+      union all
+      select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)`;
 
@@ -122,7 +129,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     lockBatch: {
       name: `gwl_lock_batch`,
-      // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
+      // Besides the backend's pid, only failures come back for unlocks and single keys (rows are the costly
+      // part of a busy batch):
       // every request without a row succeeded, except that a \`reschedule\` job's success comes back
       // (LOCKED_WITH_LINE) when others wait in line for the key, and its failure says (WAIT_FOR_RELEASE)
       // whether it was woken early and should wait for the release. Semaphore requests answer with the slot
@@ -189,7 +197,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       where h.pid = pg_backend_pid()
          or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)`,
 
-    heartbeat: "select 1",
+    /** Answers with the backend's pid, which the session checks is the one it connected to. */
+    heartbeat: "select pg_catalog.pg_backend_pid() as pid",
 
     /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
     lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,

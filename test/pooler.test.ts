@@ -1,0 +1,350 @@
+/**
+ * Behind a real PgBouncer (transaction pooling): the README's setup keeps mutual exclusion; a lock session
+ * through the pooler is refused; prepared statements behave as the README says. Skipped, with a message,
+ * where the `pgbouncer` binary is missing.
+ */
+import { Logger, makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
+import pg from "pg";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { makeLocks, type Locks, type LocksError } from "../src/index.js";
+import { useTestDatabase, waitFor } from "./support/db.js";
+import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
+import {
+  pgbouncerMissing,
+  pgbouncerVersion,
+  startPgBouncer,
+  type PgBouncer,
+} from "./support/pgbouncer.js";
+import { nextEvent, quietLogger, startRunner } from "./support/runner.js";
+
+const missing = pgbouncerMissing();
+if (missing) console.warn(missing);
+
+const db = useTestDatabase();
+let bouncer: PgBouncer | undefined;
+let utils: WorkerUtils | undefined;
+const cleanup: Array<() => Promise<unknown>> = [];
+
+beforeAll(async () => {
+  if (missing) return;
+  bouncer = await startPgBouncer(db.url);
+  // graphile-worker's schema and ours exist already (the template); the utils only enqueue and read.
+  utils = await makeWorkerUtils({
+    connectionString: bouncer.via(db.url),
+    noPreparedStatements: true,
+    logger: quietLogger,
+  });
+});
+afterEach(async () => {
+  for (const step of cleanup.splice(0).reverse()) await step();
+  await db
+    .pool()
+    .query("truncate test_executions, test_events; delete from graphile_worker._private_jobs");
+});
+afterAll(async () => {
+  await utils?.release();
+  // (before the database's leak check: locks a refused session took leave with PgBouncer's backends)
+  await bouncer?.stop();
+});
+
+function track<T extends { release(): Promise<unknown> } | Runner>(thing: T): T {
+  cleanup.push(() => ("stop" in thing ? thing.stop() : thing.release()));
+  return thing;
+}
+
+interface Payload {
+  k: string;
+  ms?: number;
+  hold?: boolean;
+}
+
+/** An exclusive `exec` task that records the start and end of every execution (database clock). */
+function execTask(locks: Locks, worker: string) {
+  const pool = db.pool();
+  const task = locks.exclusive<Payload>(
+    "exec",
+    async (payload, helpers) => {
+      const { rows } = await pool.query<{ id: string }>(
+        "insert into test_executions (job_id, task, lock_key, worker, attempts) values ($1, 'exec', $2, $3, $4) returning id",
+        [helpers.job.id, task.lockKey(payload).toString(), worker, helpers.job.attempts],
+      );
+      if (payload.hold) {
+        await new Promise<void>((resolve) =>
+          helpers.abortSignal?.addEventListener("abort", () => resolve()),
+        );
+      } else {
+        await new Promise((resolve) => setTimeout(resolve, payload.ms ?? 10));
+      }
+      await pool.query("update test_executions set ended_at = clock_timestamp() where id = $1", [
+        rows[0]!.id,
+      ]);
+    },
+    { onConflict: "drop", key: (p) => ({ k: p.k }) },
+  );
+  return task;
+}
+
+async function jobCount(where = "true"): Promise<number> {
+  const { rows } = await db.pool().query<{
+    n: number;
+  }>(`select count(*)::int as n from graphile_worker._private_jobs where ${where}`);
+  return rows[0]!.n;
+}
+
+/** Enqueues `count` short `exec` jobs over `keys` keys, through PgBouncer, in one batch. */
+async function enqueueExec(locks: Locks, count: number, keys: number, ms = 15): Promise<void> {
+  const items = Array.from({ length: count }, (_, i) => ({
+    identifier: "exec",
+    payload: { k: `k${i % keys}`, ms },
+  }));
+  const results = await locks.addJobs(items);
+  expect(results.filter((r) => r.outcome === "added")).toHaveLength(count);
+}
+
+describe.skipIf(missing !== null)(
+  `PgBouncer ${pgbouncerVersion() ?? ""} (transaction mode)`,
+  () => {
+    it("the README's setup: runners and enqueues through PgBouncer, the lock session direct", async () => {
+      const via = bouncer!.via(db.url);
+      const instances = [0, 1].map((i) =>
+        track(
+          makeLocks({
+            connectionString: via,
+            lockConnectionString: db.url,
+            preparedStatements: false,
+            logger: quietLogger,
+            applicationName: `graphile-worker-locks/readme-${i}`,
+          }),
+        ),
+      );
+      let dropped = 0;
+      for (const locks of instances) locks.events.on("job:dropped", () => dropped++);
+      const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
+      await enqueueExec(instances[0]!, 160, 4);
+      await Promise.all(
+        tasks.map((exec) =>
+          startRunner({
+            connectionString: via,
+            noPreparedStatements: true,
+            concurrency: 4,
+            taskList: { exec },
+          }).then(track),
+        ),
+      );
+      await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
+
+      const executions = await readExecutions(db.pool());
+      expect(executions.every((e) => e.end !== null)).toBe(true);
+      // Every job ran or was dropped on a conflict; contention was real.
+      expect(executions.length + dropped).toBe(160);
+      expect(dropped).toBeGreaterThan(0);
+      expect(new Set(executions.map((e) => e.worker))).toEqual(new Set(["w0", "w1"]));
+      for (const [key, most] of maxConcurrencyPerKey(executions)) {
+        expect(most, `executions of key ${key} at once`).toBe(1);
+      }
+
+      // Unique enqueues, one by one and in bulk, through PgBouncer.
+      const locks = instances[0]!;
+      const welcome = locks.unique("send_welcome", async () => undefined, { unique: "queued" });
+      const first = await welcome.addJob({ userId: 7 });
+      const second = await welcome.addJob({ userId: 7 });
+      expect([first.outcome, second.outcome]).toEqual(["added", "duplicate"]);
+      expect(second.job?.id).toBe(first.job?.id);
+      const bulk = await locks.addJobs([
+        { identifier: "send_digest", payload: { listId: 1 }, unique: "queued" },
+        { identifier: "send_digest", payload: { listId: 1 }, unique: "queued" },
+        { identifier: "send_digest", payload: { listId: 2 }, unique: "queued" },
+      ]);
+      expect(bulk.map((r) => r.outcome)).toEqual(["added", "duplicate", "added"]);
+      expect(bulk[2]!.job?.id).not.toBe(bulk[0]!.job?.id);
+    });
+
+    it("refuses a lock session through PgBouncer at connect, and no job runs unlocked", async () => {
+      const via = bouncer!.via(db.url);
+      const instances = [0, 1].map((i) =>
+        track(
+          makeLocks({
+            connectionString: via,
+            preparedStatements: false,
+            logger: quietLogger,
+            applicationName: `graphile-worker-locks/mistaken-${i}`,
+          }),
+        ),
+      );
+      const error = (await instances[0]!.connect().then(
+        () => null,
+        (e: unknown) => e,
+      )) as LocksError | null;
+      expect(error?.code).toBe("GWL_LOCK_SESSION_POOLED");
+      expect(error?.message).toContain("`lockConnectionString`");
+      expect(error?.message).toContain("transaction mode");
+
+      const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
+      await enqueueExec(instances[0]!, 40, 4, 50);
+      await Promise.all(
+        tasks.map((exec) =>
+          startRunner({
+            connectionString: via,
+            noPreparedStatements: true,
+            concurrency: 4,
+            taskList: { exec },
+          }).then(track),
+        ),
+      );
+      // Every job is tried, and fails with the refusal instead of running.
+      await waitFor(async () => (await jobCount("last_error is not null")) === 40, {
+        timeoutMs: 60_000,
+      });
+      const { rows } = await db
+        .pool()
+        .query<{ last_error: string }>("select last_error from graphile_worker._private_jobs");
+      expect(rows).toHaveLength(40);
+      for (const row of rows)
+        expect(row.last_error).toContain("connection pooler in transaction mode");
+      expect(await readExecutions(db.pool())).toEqual([]);
+      expect(instances[1]!.status().state).toBe("refused");
+    });
+
+    it("fails named prepared statements with a message naming the options, and works with them off", async () => {
+      const via = bouncer!.via(db.url);
+      /**
+       * Enqueues twice through one pooled client, a second client holding a transaction between the two: it
+       * pins the backend the first enqueue ran on (PgBouncer hands out the backend released last first), so
+       * the second enqueue runs on another backend. Resolves with the second enqueue's error, if any.
+       */
+      const enqueueAcrossBackends = async (preparedStatements: boolean) => {
+        const pool = new pg.Pool({ connectionString: via, max: 1 });
+        cleanup.push(() => pool.end());
+        const locks = track(
+          makeLocks({
+            pgPool: pool,
+            lockConnectionString: db.url,
+            preparedStatements,
+            logger: quietLogger,
+          }),
+        );
+        const first = await locks.addJob("other", { i: 1 }, { unique: "queued" });
+        expect(first.outcome).toBe("added");
+        const other = new pg.Client({ connectionString: via });
+        await other.connect();
+        cleanup.push(() => other.end());
+        await other.query("begin");
+        const { rows } = await other.query<{ pid: number }>("select pg_backend_pid() as pid");
+        try {
+          const second = await locks.addJob("other", { i: 2 }, { unique: "queued" });
+          expect(second.outcome).toBe("added");
+          return { pinned: rows[0]!.pid, error: null };
+        } catch (error) {
+          return { pinned: rows[0]!.pid, error: error as LocksError };
+        } finally {
+          await other.query("rollback");
+          await db.pool().query("delete from graphile_worker._private_jobs");
+        }
+      };
+
+      const { error } = await enqueueAcrossBackends(true);
+      expect(error?.code).toBe("GWL_PREPARED_STATEMENTS_UNSUPPORTED");
+      expect(error?.message).toContain("`preparedStatements: false`");
+      expect(error?.message).toContain("`noPreparedStatements: true`");
+      expect(error?.message).toContain("`max_prepared_statements`");
+      expect((error?.cause as { code?: string }).code).toBe("26000");
+
+      expect((await enqueueAcrossBackends(false)).error).toBeNull();
+    });
+  },
+);
+
+describe.skipIf(missing !== null)("PgBouncer in session mode", () => {
+  it("carries the lock session: contended jobs never overlap", async () => {
+    const session = await startPgBouncer(db.url, { poolMode: "session" });
+    cleanup.push(() => session.stop());
+    const warnings: string[] = [];
+    const logger = new Logger(() => (level, message) => {
+      if (level === "warning") warnings.push(message);
+    });
+    const instances = [0, 1].map((i) =>
+      track(
+        makeLocks({
+          connectionString: db.url,
+          lockConnectionString: session.via(db.url),
+          logger,
+          applicationName: `graphile-worker-locks/session-${i}`,
+        }),
+      ),
+    );
+    for (const locks of instances) await locks.connect();
+    const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
+    await enqueueExec(instances[0]!, 80, 4);
+    await Promise.all(
+      tasks.map((exec) =>
+        startRunner({ connectionString: db.url, concurrency: 4, taskList: { exec } }).then(track),
+      ),
+    );
+    await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
+    const executions = await readExecutions(db.pool());
+    expect(executions.length).toBeGreaterThanOrEqual(4);
+    for (const [key, most] of maxConcurrencyPerKey(executions)) {
+      expect(most, `executions of key ${key} at once`).toBe(1);
+    }
+    expect(instances.map((locks) => locks.status().state)).toEqual(["ready", "ready"]);
+    // (the probe at connect ran, through the pooler, and found each session on its own backend)
+    expect(warnings).toEqual([]);
+  });
+});
+
+describe.skipIf(missing !== null)("the lock session's backend check", () => {
+  it("loses every hold and refuses the session when its statements reach another backend", async () => {
+    // A PgBouncer that lets no second client in (so the connect-time probe cannot tell) and closes an idle
+    // backend after a second: the session's next statement runs on a fresh backend.
+    const cycling = await startPgBouncer(db.url, {
+      settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
+    });
+    cleanup.push(() => cycling.stop());
+    const warnings: string[] = [];
+    const locks = track(
+      makeLocks({
+        connectionString: db.url,
+        lockConnectionString: cycling.via(db.url),
+        heartbeatInterval: 100,
+        logger: new Logger(() => (level, message) => {
+          if (level === "warning") warnings.push(message);
+        }),
+      }),
+    );
+    await locks.connect();
+
+    const exec = execTask(locks, "w");
+    const lost = nextEvent(locks, "lock:lost");
+    await track(
+      await startRunner({ connectionString: db.url, concurrency: 2, taskList: { exec } }),
+    );
+    await utils!.addJob("exec", { k: "held", hold: true } satisfies Payload);
+    const event = await lost;
+    expect((event.error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
+    expect(event.error.message).toContain("`lockConnectionString`");
+    expect(event.holds).toHaveLength(1);
+    // (the probe at connect could not tell: this check alone caught it)
+    expect(warnings.join("\n")).toContain("Could not probe the proxy");
+    // The held job saw its abort signal and ended; nothing runs unlocked afterwards.
+    await waitFor(async () => (await readExecutions(db.pool()))[0]?.end !== null);
+    expect(locks.status().state).toBe("refused");
+    const again = await locks.connect().then(
+      () => null,
+      (e: unknown) => e as LocksError,
+    );
+    expect(again?.code).toBe("GWL_LOCK_SESSION_POOLED");
+    await utils!.addJob("exec", { k: "later" } satisfies Payload);
+    await waitFor(
+      async () => (await jobCount("payload->>'k' = 'later' and last_error is not null")) === 1,
+    );
+    const { rows } = await db
+      .pool()
+      .query<{ last_error: string | null }>(
+        "select last_error from graphile_worker._private_jobs where payload->>'k' = 'later'",
+      );
+    expect(rows[0]?.last_error).toContain("connection pooler in transaction mode");
+    expect((await readExecutions(db.pool())).map((e) => e.lockKey)).toEqual([
+      exec.lockKey({ k: "held" }).toString(),
+    ]);
+  });
+});
