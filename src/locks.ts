@@ -228,6 +228,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     onConnected() {
       emit("session:connected", { pid: session.pid });
+      cleanParked();
     },
     onWarning(message, error) {
       logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, {
@@ -235,6 +236,25 @@ export function makeLocks(options: LocksOptions): Locks {
       });
     },
   });
+
+  /** Deletes rows of given-back jobs whose completion was lost (sql/000014.sql); on each (re)connection. */
+  const cleanParked = () => {
+    if (released) return;
+    pool.query<{ job_id: string }>(sql.cleanParked).then(
+      ({ rows }) => {
+        if (rows.length === 0) return;
+        const jobIds = rows.map((r) => r.job_id);
+        logger.info(
+          `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
+        );
+        emit("parked:cleaned", { jobIds });
+      },
+      (error: unknown) =>
+        logger.warn(`graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`, {
+          error,
+        }),
+    );
+  };
 
   const assertOpen = () => {
     if (released) throw new LocksError(ErrorCodes.RELEASED, "This Locks instance was released");
@@ -328,6 +348,7 @@ export function makeLocks(options: LocksOptions): Locks {
   const ctx: LocksContext = {
     session,
     sql,
+    lockSessionWaitMs: options.lockSessionWait ?? 5000,
     emit,
     prefetched: (jobId) => prefetcher.take(jobId),
     listening: (event) => events.listenerCount(event) > 0,

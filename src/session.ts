@@ -314,6 +314,8 @@ export class LockSession {
   private lossController: AbortController | undefined;
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   statements = 0;
+  /** Callers of `whenReady` waiting for the session, told when it becomes ready or closes. */
+  private readonly readyWaiters = new Set<() => void>();
 
   constructor(private readonly options: LockSessionOptions) {}
 
@@ -591,6 +593,29 @@ export class LockSession {
     this.scheduleFlush();
   }
 
+  /**
+   * Resolves true as soon as the session is ready (connecting it if it never was), false when it is still
+   * not ready after `timeoutMs`, or is closed. Never rejects.
+   */
+  whenReady(timeoutMs: number): Promise<boolean> {
+    if (this.state === "ready") return Promise.resolve(true);
+    if (this.state === "closed" || timeoutMs <= 0) return Promise.resolve(false);
+    if (this.state === "idle") void this.connect().catch(() => undefined);
+    return new Promise<boolean>((resolve) => {
+      const done = () => {
+        clearTimeout(timer);
+        this.readyWaiters.delete(done);
+        resolve(this.state === "ready");
+      };
+      const timer = setTimeout(done, timeoutMs);
+      this.readyWaiters.add(done);
+    });
+  }
+
+  private tellReadyWaiters(): void {
+    for (const done of [...this.readyWaiters]) done();
+  }
+
   /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
   async warmUp(): Promise<void> {
     if (this.state === "idle") await this.connect();
@@ -663,6 +688,7 @@ export class LockSession {
     if (this.timers.length === 0) this.startTimers();
     this.options.onConnected();
     this.scheduleFlush();
+    this.tellReadyWaiters();
   }
 
   /** State changes while awaiting; TypeScript's narrowing does not know that. */
@@ -1045,6 +1071,7 @@ export class LockSession {
     const reason = lockLost(new Error("The Locks instance was released"));
     for (const hold of open) hold.markLost(reason);
     this.abortLossSignal(reason);
+    this.tellReadyWaiters();
     const client = this.client;
     this.client = null;
     if (client) {

@@ -181,8 +181,21 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,
 
     /** The `reschedule` strategy: park the job as a waiter of its key, then wake it if the key is already free. */
-    parkJob: `select p.id::text as id, p.run_at from ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint,
-      $4::float8 * interval '1 millisecond', $5::timestamptz) p`,
+    parkJob: `with p as (
+        select * from ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint,
+          $4::float8 * interval '1 millisecond', $5::timestamptz)
+      ), marked as (
+        insert into ${s}.parked_originals (job_id, owner_pid) select $1::bigint, $6::int from p
+          on conflict (job_id) do update set owner_pid = excluded.owner_pid, parked_at = now()
+      )
+      select p.id::text as id, p.run_at from p`,
+    /** Gives a job back to the queue without counting its attempt (sql/000014.sql): its copy's id. */
+    deferJob: `select ${s}.defer_job($1::bigint, $2::timestamptz, $3::int)::text as id`,
+    /** Makes deferred copies runnable now (the lock session is back). */
+    runDeferred: `update ${w}._private_jobs set run_at = now()
+      where id = any($1::bigint[]) and locked_at is null and run_at > now()`,
+    /** Removes given-up rows of jobs that parked or were deferred and were never completed. */
+    cleanParked: `select job_id::text as job_id from ${s}.clean_parked()`,
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
     sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 
