@@ -244,23 +244,28 @@ export function makeExclusiveTask<TPayload>(
             latest.toISOString(),
             ctx.session.pid,
           ]);
-          return rows[0];
-        });
-        // The holder may have released between our attempt and the park's commit: then wake it now. The park
-        // has committed, so this is best effort: should it fail, the copy's safety net still runs it, and the
-        // job must not fail (its row gave up its retries, and would stay behind as a failed job).
-        if (parked) {
-          try {
-            await helpers.withPgClient((client) =>
-              client.query(ctx.sql.wakeIfFree, [slots.map(String), lockKey.toString(), job.id]),
-            );
-          } catch (error) {
-            helpers.logger.warn(
-              `Could not wake the line of lock ${lockKey} after parking job ${job.id} (its copy runs by its safety net): ${String(error)}`,
-              { error },
-            );
+          const row = rows[0];
+          // The holder may have released between our attempt and the park's commit: then wake it now. The
+          // park has committed, so this is best effort: should it fail, the copy's safety net still runs it,
+          // and the job must not fail (its row gave up its retries, and would stay behind as a failed job).
+          if (row) {
+            try {
+              await client.query(ctx.sql.wakeIfFree, [
+                slots.map(String),
+                lockKey.toString(),
+                job.id,
+              ]);
+            } catch (error) {
+              helpers.logger.warn(
+                `Could not wake the line of lock ${lockKey} after parking job ${job.id} (its copy runs by its safety net): ${String(error)}`,
+                { error },
+              );
+              // The connection's state is uncertain: it goes, rather than back to the pool for the completion.
+              await (client as { end(): Promise<void> }).end().catch(() => undefined);
+            }
           }
-        }
+          return row;
+        });
         if (!parked) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
         const { id: newJobId, run_at: runAt } = parked;
         const delayMs = runAt.getTime() - now;
@@ -318,12 +323,18 @@ export function makeExclusiveTask<TPayload>(
     let newJobId: string | null;
     try {
       newJobId = await helpers.withPgClient(async (client) => {
-        const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
-          job.id,
-          runAt.toISOString(),
-          ctx.session.pid,
-        ]);
-        return rows[0]?.id ?? null;
+        try {
+          const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
+            job.id,
+            runAt.toISOString(),
+            ctx.session.pid,
+          ]);
+          return rows[0]?.id ?? null;
+        } catch (error) {
+          // (a connection in an uncertain state goes, rather than back to the pool)
+          await (client as { end(): Promise<void> }).end().catch(() => undefined);
+          throw error;
+        }
       });
     } catch (deferError) {
       helpers.logger.warn(

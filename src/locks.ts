@@ -256,6 +256,10 @@ export function makeLocks(options: LocksOptions): Locks {
     );
   };
 
+  // (and every minute: a job can also fail after it was given back, its process alive)
+  const cleanTimer = setInterval(cleanParked, SWEEP_INTERVAL_MS);
+  cleanTimer.unref();
+
   const assertOpen = () => {
     if (released) throw new LocksError(ErrorCodes.RELEASED, "This Locks instance was released");
   };
@@ -541,6 +545,7 @@ export function makeLocks(options: LocksOptions): Locks {
     async release() {
       if (released) return;
       released = true;
+      clearInterval(cleanTimer);
       await session.close();
       if (ownPool) await pool.end();
     },
