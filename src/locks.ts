@@ -239,21 +239,27 @@ export function makeLocks(options: LocksOptions): Locks {
 
   /** Deletes rows of given-back jobs whose completion was lost (sql/000014.sql); on each (re)connection. */
   const cleanParked = () => {
-    if (released) return;
-    pool.query<{ job_id: string }>(sql.cleanParked).then(
-      ({ rows }) => {
-        if (rows.length === 0) return;
-        const jobIds = rows.map((r) => r.job_id);
-        logger.info(
-          `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
-        );
-        emit("parked:cleaned", { jobIds });
-      },
-      (error: unknown) =>
-        logger.warn(`graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`, {
-          error,
-        }),
-    );
+    // (an instance that never needed the schema does not look for it)
+    if (released || !migrated) return;
+    migrated
+      .then(() => pool.query<{ job_id: string }>(sql.cleanParked))
+      .then(
+        ({ rows }) => {
+          if (rows.length === 0) return;
+          const jobIds = rows.map((r) => r.job_id);
+          logger.info(
+            `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
+          );
+          emit("parked:cleaned", { jobIds });
+        },
+        (error: unknown) =>
+          logger.warn(
+            `graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`,
+            {
+              error,
+            },
+          ),
+      );
   };
 
   // (and every minute: a job can also fail after it was given back, its process alive)
