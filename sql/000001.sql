@@ -269,13 +269,15 @@ $$;
 -- Parks a job as a waiter of `p_lock_key`, its copy's safety net timed by its place in line:
 -- `p_per_position` later for each parked job ahead of it (the caller's estimate of one job's hold), but no
 -- later than `p_latest`. A job far back in a long line is not fetched by its safety net long before its turn
--- can come, only to park again. Returns the copy and when it runs.
+-- can come, only to park again. The row given up is recorded (parked_originals) with `p_owner_pid`, the lock
+-- session of the process that parks it. Returns the copy and when it runs.
 create function :GWL_SCHEMA.park_job(
   p_job_id bigint,
   p_run_at timestamptz,
   p_lock_key bigint,
   p_per_position interval,
-  p_latest timestamptz
+  p_latest timestamptz,
+  p_owner_pid int
 ) returns table (id bigint, run_at timestamptz)
 language plpgsql volatile as $$
 declare
@@ -294,6 +296,8 @@ begin
   if v_new_id is null then
     return;
   end if;
+  insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid) values (p_job_id, p_owner_pid)
+    on conflict (job_id) do update set owner_pid = excluded.owner_pid, parked_at = now();
   -- A waiter fetched by its safety net parks again in its own row; anyone else gets a row at its place.
   update :GWL_SCHEMA.waiters w set job_id = v_new_id
     where w.job_id = p_job_id and w.lock_key = p_lock_key;
@@ -302,6 +306,70 @@ begin
       values (p_lock_key, v_new_id, v_run_at, v_pos);
   end if;
   return query select v_new_id, v_safety_net;
+end;
+$$;
+
+-- A job given back to the queue (parked, or deferred because the lock session was unavailable) leaves no row
+-- behind. Its own row gives up its key and its retries, to be deleted by graphile-worker's completion when
+-- the task returns; that completion can be lost (the process dies before it, or the job fails after the park
+-- committed), and the row would stay as a permanently failed job that did not fail. So each such row is
+-- recorded here, with the lock session that gave it back (its backend pid, when that session was up), and
+-- clean_parked removes a recorded row that is still the given-up row (no key, no retries left) and that
+-- graphile-worker will not complete: unlocked (it was failed), locked by a process whose lock session is
+-- gone, or locked for longer than a minute (a completion takes milliseconds). A queue that row still locks is
+-- unlocked with it. Records of rows that are gone (completed as usual) are dropped.
+create table :GWL_SCHEMA.parked_originals (
+  job_id bigint primary key,
+  -- the lock session's backend pid of the process that gave the job back, null if it had none then
+  owner_pid int,
+  parked_at timestamptz not null default now()
+);
+
+-- Gives a running job back to the queue without counting its attempt: a copy runs at p_run_at.
+create function :GWL_SCHEMA.defer_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
+returns bigint
+language plpgsql volatile as $$
+declare
+  v_new_id bigint;
+begin
+  v_new_id := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
+  if v_new_id is not null then
+    insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid) values (p_job_id, p_owner_pid)
+      on conflict (job_id) do update set owner_pid = excluded.owner_pid, parked_at = now();
+  end if;
+  return v_new_id;
+end;
+$$;
+
+-- Removes given-up rows that graphile-worker will not complete; returns their ids.
+create function :GWL_SCHEMA.clean_parked() returns table (job_id bigint)
+language plpgsql volatile as $$
+begin
+  delete from :GWL_SCHEMA.parked_originals p
+    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p.job_id);
+  return query
+  with stale as (
+    select j.id, j.job_queue_id, j.locked_by
+    from :GWL_SCHEMA.parked_originals p
+    join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = p.job_id
+    where j.key is null and j.attempts >= j.max_attempts
+      and (
+        j.locked_at is null
+        or j.locked_at < now() - interval '1 minute'
+        or (p.owner_pid is not null
+            and not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = p.owner_pid))
+      )
+    for update of j skip locked
+  ), unlocked_queues as (
+    update :GRAPHILE_WORKER_SCHEMA._private_job_queues q set locked_at = null, locked_by = null
+      from stale where q.id = stale.job_queue_id and q.locked_by = stale.locked_by
+  ), removed as (
+    delete from :GRAPHILE_WORKER_SCHEMA._private_jobs j using stale where j.id = stale.id
+      returning j.id
+  ), forgotten as (
+    delete from :GWL_SCHEMA.parked_originals p using removed where p.job_id = removed.id
+  )
+  select removed.id from removed;
 end;
 $$;
 

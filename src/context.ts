@@ -9,6 +9,8 @@ import type { Sql } from "./sql.js";
 export interface LocksContext {
   readonly session: LockSession;
   readonly sql: Sql;
+  /** How long a job waits for an unavailable lock session before it goes back to the queue (ms). */
+  readonly lockSessionWaitMs: number;
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
   /** Whether anyone listens to `event` (to skip building its payload). */
   listening(event: keyof LocksEvents): boolean;

@@ -44,6 +44,23 @@ export interface LocksEvents {
     runAt: Date;
     delayMs: number;
   };
+  /**
+   * A job met an unavailable lock session, waited `lockSessionWait` for it in vain, and went back to the
+   * queue without its attempt counted: its copy `newJobId` runs at `runAt`, or as soon as the session is back.
+   */
+  "job:deferred": {
+    taskIdentifier: string;
+    job: Job;
+    newJobId: string;
+    runAt: Date;
+    /** Why the session was unavailable. */
+    error: Error;
+  };
+  /**
+   * Rows of jobs that parked or were deferred and whose completion graphile-worker lost (a process died, or
+   * the job failed after it was given back) were deleted: their copies carry on.
+   */
+  "parked:cleaned": { jobIds: string[] };
   /** `addJob` did not add a job because its key was held (the preemptive check). */
   "enqueue:dropped": {
     taskIdentifier: string;

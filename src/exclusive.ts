@@ -3,7 +3,7 @@
  * and applies the conflict strategy when the key is held.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
-import { LockConflictError } from "./errors.js";
+import { ErrorCodes, LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
 import type { AcquireResult, Hold, HoldInfo } from "./holds.js";
 import { slotKeys } from "./key.js";
@@ -129,6 +129,62 @@ function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): Lock
   return { lost, signal, promise };
 }
 
+/** The shortest delay of a deferred job's copy: it runs as soon as the session is back anyway. */
+const DEFER_MIN_MS = 1000;
+
+function isSessionUnavailable(error: unknown): error is Error {
+  return (
+    error instanceof Error &&
+    (error as { code?: unknown }).code === ErrorCodes.LOCK_SESSION_UNAVAILABLE
+  );
+}
+
+/**
+ * Copies of deferred jobs, made runnable at once when the lock session is back (their `runAt` is a safety net
+ * should this process not see it back). One wait for the session at a time, whatever the number of copies.
+ */
+class DeferredCopies {
+  private readonly ids = new Set<string>();
+  private waiting = false;
+  constructor(private readonly ctx: LocksContext) {}
+
+  add(id: string, helpers: JobHelpers): void {
+    this.ids.add(id);
+    if (this.waiting) return;
+    this.waiting = true;
+    void this.runWhenReady(helpers);
+  }
+
+  private async runWhenReady(helpers: JobHelpers): Promise<void> {
+    try {
+      for (;;) {
+        const ready = await this.ctx.session.whenReady(
+          Math.max(DEFER_MIN_MS, this.ctx.lockSessionWaitMs),
+        );
+        if (this.ctx.session.currentState === "closed") return;
+        if (!ready) continue;
+        const ids = [...this.ids];
+        this.ids.clear();
+        try {
+          await helpers.withPgClient((client) => client.query(this.ctx.sql.runDeferred, [ids]));
+        } catch (error) {
+          // (their run_at still comes)
+          helpers.logger.warn(
+            `Could not run deferred jobs ${ids.join(", ")} now: ${String(error)}`,
+            {
+              error,
+            },
+          );
+        }
+        if (this.ids.size === 0) return;
+      }
+    } finally {
+      this.waiting = false;
+      this.ids.clear();
+    }
+  }
+}
+
 export function makeExclusiveTask<TPayload>(
   ctx: LocksContext,
   taskIdentifier: string,
@@ -187,11 +243,27 @@ export function makeExclusiveTask<TPayload>(
             lockKey.toString(),
             holdTime.estimateMs(),
             latest.toISOString(),
+            ctx.session.pid,
           ]);
           const row = rows[0];
-          // The holder may have released between our attempt and the park's commit: then wake it now.
+          // The holder may have released between our attempt and the park's commit: then wake it now. The
+          // park has committed, so this is best effort: should it fail, the copy's safety net still runs it,
+          // and the job must not fail (its row gave up its retries, and would stay behind as a failed job).
           if (row) {
-            await client.query(ctx.sql.wakeIfFree, [slots.map(String), lockKey.toString(), job.id]);
+            try {
+              await client.query(ctx.sql.wakeIfFree, [
+                slots.map(String),
+                lockKey.toString(),
+                job.id,
+              ]);
+            } catch (error) {
+              helpers.logger.warn(
+                `Could not wake the line of lock ${lockKey} after parking job ${job.id} (its copy runs by its safety net): ${String(error)}`,
+                { error },
+              );
+              // The connection's state is uncertain: it goes, rather than back to the pool for the completion.
+              await (client as { end(): Promise<void> }).end().catch(() => undefined);
+            }
           }
           return row;
         });
@@ -207,6 +279,7 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
+  const deferred = new DeferredCopies(ctx);
   const aborts = new LockedAborts();
   const holdTime = new HoldTime();
   const timed = options.onConflict === "reschedule";
@@ -242,10 +315,76 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
+  /**
+   * Gives a job back to the queue without counting its attempt (its copy runs at `runAt`, or when the session
+   * is back). False when the queue's database could not be reached either.
+   */
+  const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<boolean> => {
+    const runAt = new Date(Date.now() + Math.max(DEFER_MIN_MS, ctx.lockSessionWaitMs));
+    let newJobId: string | null;
+    try {
+      newJobId = await helpers.withPgClient(async (client) => {
+        try {
+          const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
+            job.id,
+            runAt.toISOString(),
+            ctx.session.pid,
+          ]);
+          return rows[0]?.id ?? null;
+        } catch (error) {
+          // (a connection in an uncertain state goes, rather than back to the pool)
+          await (client as { end(): Promise<void> }).end().catch(() => undefined);
+          throw error;
+        }
+      });
+    } catch (deferError) {
+      helpers.logger.warn(
+        `Could not give job ${job.id} back to the queue while the lock session is unavailable: ${String(deferError)}`,
+        { error: deferError },
+      );
+      return false;
+    }
+    if (newJobId === null) throw new Error(`Could not defer job ${job.id}: it no longer exists`);
+    helpers.logger.info(
+      `Deferred job ${job.id} as ${newJobId} (no attempt counted): ${error.message}`,
+    );
+    ctx.emit("job:deferred", { taskIdentifier, job, newJobId, runAt, error });
+    deferred.add(newJobId, helpers);
+    return true;
+  };
+
+  /**
+   * Takes the job's key, waiting out an unavailable lock session for up to `lockSessionWait`; null when the
+   * job went back to the queue instead (it never runs unlocked, and an outage never costs it an attempt).
+   */
+  const acquireThroughOutage = async (
+    job: Job,
+    helpers: JobHelpers,
+    slots: bigint[],
+  ): Promise<AcquireResult | null> => {
+    const waitMs = ctx.lockSessionWaitMs;
+    let deadline = performance.now() + waitMs;
+    for (;;) {
+      try {
+        return await ctx.session.acquire(slots, holdInfo(job, slots));
+      } catch (error) {
+        if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
+        const left = deadline - performance.now();
+        if (left > 0 && (await ctx.session.whenReady(left))) continue;
+        if (await defer(job, helpers, error)) return null;
+        // The queue's database is out of reach too (a server restart): wait for it, then try again.
+        if (ctx.session.currentState === "closed") throw error;
+        await ctx.session.whenReady(Math.max(DEFER_MIN_MS, waitMs));
+        deadline = performance.now() + waitMs;
+      }
+    }
+  };
+
   const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
     const slots = keysOfJob(job);
-    const result = await ctx.session.acquire(slots, holdInfo(job, slots));
+    const result = await acquireThroughOutage(job, helpers, slots);
+    if (result === null) return;
     if (!result.acquired) return onConflict(job, helpers, slots, result.local);
     return runHeld(result.hold, payload, helpers);
   };

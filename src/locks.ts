@@ -275,6 +275,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     onConnected() {
       emit("session:connected", { pid: session.pid });
+      cleanParked();
     },
     onWarning(message, error) {
       logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, {
@@ -282,6 +283,35 @@ export function makeLocks(options: LocksOptions): Locks {
       });
     },
   });
+
+  /** Deletes rows of given-back jobs whose completion was lost (clean_parked); on each (re)connection. */
+  const cleanParked = () => {
+    // (an instance that never needed the schema does not look for it)
+    if (released || !migrated) return;
+    migrated
+      .then(() => pool.query<{ job_id: string }>(sql.cleanParked))
+      .then(
+        ({ rows }) => {
+          if (rows.length === 0) return;
+          const jobIds = rows.map((r) => r.job_id);
+          logger.info(
+            `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
+          );
+          emit("parked:cleaned", { jobIds });
+        },
+        (error: unknown) =>
+          logger.warn(
+            `graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`,
+            {
+              error,
+            },
+          ),
+      );
+  };
+
+  // (and every minute: a job can also fail after it was given back, its process alive)
+  const cleanTimer = setInterval(cleanParked, SWEEP_INTERVAL_MS);
+  cleanTimer.unref();
 
   const assertOpen = () => {
     if (released) throw new LocksError(ErrorCodes.RELEASED, "This Locks instance was released");
@@ -375,6 +405,7 @@ export function makeLocks(options: LocksOptions): Locks {
   const ctx: LocksContext = {
     session,
     sql,
+    lockSessionWaitMs: options.lockSessionWait ?? 5000,
     emit,
     prefetched: (jobId) => prefetcher.take(jobId),
     listening: (event) => events.listenerCount(event) > 0,
@@ -570,6 +601,7 @@ export function makeLocks(options: LocksOptions): Locks {
     async release() {
       if (released) return;
       released = true;
+      clearInterval(cleanTimer);
       await session.close();
       if (ownPool) await pool.end();
     },

@@ -97,6 +97,13 @@ export interface LocksOptions {
    * not mistaken for a dead network. @defaultValue `20000`
    */
   heartbeatTimeout?: number;
+  /**
+   * How long a job that finds the lock session unavailable (reconnecting after a lost connection) waits for
+   * it, in ms. A job whose session comes back in time runs then; otherwise it goes back to the queue without
+   * its attempt counted (`job:deferred`) and runs as soon as the session is back. It never runs unlocked.
+   * @defaultValue `5000`
+   */
+  lockSessionWait?: number;
   /** Reconnection backoff of the lock session, in ms. @defaultValue `{ min: 100, max: 5000 }` */
   reconnectDelay?: { min?: number; max?: number };
   /** Defaults for every exclusive task of this instance. */
@@ -131,6 +138,8 @@ export function validateLocksTimings(options: LocksOptions): void {
       );
     }
   }
+  if (options.lockSessionWait !== undefined)
+    assertNonNegative("lockSessionWait", options.lockSessionWait);
 }
 
 function assertPositiveInteger(name: string, value: unknown): asserts value is number {

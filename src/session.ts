@@ -131,6 +131,8 @@ export class LockSession implements HoldOwner {
   private refusal: LocksError | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
+  /** Callers of `whenReady` waiting for the session, told when it becomes ready or closes. */
+  private readonly readyWaiters = new Set<() => void>();
 
   constructor(private readonly options: LockSessionOptions) {
     this.handoff = new Handoff(
@@ -312,6 +314,30 @@ export class LockSession implements HoldOwner {
     this.scheduleFlush();
   }
 
+  /**
+   * Resolves true as soon as the session is ready (connecting it if it never was), false when it is still
+   * not ready after `timeoutMs`, or is closed. Never rejects.
+   */
+  whenReady(timeoutMs: number): Promise<boolean> {
+    if (this.state === "ready") return Promise.resolve(true);
+    if (this.state === "closed" || this.state === "refused" || timeoutMs <= 0)
+      return Promise.resolve(false);
+    if (this.state === "idle") void this.connect().catch(() => undefined);
+    return new Promise<boolean>((resolve) => {
+      const done = () => {
+        clearTimeout(timer);
+        this.readyWaiters.delete(done);
+        resolve(this.state === "ready");
+      };
+      const timer = setTimeout(done, timeoutMs);
+      this.readyWaiters.add(done);
+    });
+  }
+
+  private tellReadyWaiters(): void {
+    for (const done of [...this.readyWaiters]) done();
+  }
+
   /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
   async warmUp(): Promise<void> {
     if (this.state === "idle") await this.connect();
@@ -414,6 +440,7 @@ export class LockSession implements HoldOwner {
     if (this.timers.length === 0) this.startTimers();
     this.options.onConnected();
     this.scheduleFlush();
+    this.tellReadyWaiters();
   }
 
   /**
@@ -566,6 +593,7 @@ export class LockSession implements HoldOwner {
     this.state = "refused";
     this.options.onWarning(refusal.message);
     for (const request of this.lockQueue.splice(0)) request.reject(refusal);
+    this.tellReadyWaiters();
   }
 
   /**
@@ -796,6 +824,7 @@ export class LockSession implements HoldOwner {
     const reason = lockLost(new Error("The Locks instance was released"));
     for (const hold of open) hold.markLost(reason);
     this.abortLossSignal(reason);
+    this.tellReadyWaiters();
     const client = this.client;
     this.client = null;
     if (client) {

@@ -244,7 +244,14 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
 
     /** The `reschedule` strategy: park the job as a waiter of its key, then wake it if the key is already free. */
     parkJob: `select p.id::text as id, p.run_at from ${s}.park_job($1::bigint, $2::timestamptz, $3::bigint,
-      $4::float8 * interval '1 millisecond', $5::timestamptz) p`,
+      $4::float8 * interval '1 millisecond', $5::timestamptz, $6::int) p`,
+    /** Gives a job back to the queue without counting its attempt: its copy's id. */
+    deferJob: `select ${s}.defer_job($1::bigint, $2::timestamptz, $3::int)::text as id`,
+    /** Makes deferred copies runnable now (the lock session is back). */
+    runDeferred: `update ${w}._private_jobs set run_at = now()
+      where id = any($1::bigint[]) and locked_at is null and run_at > now()`,
+    /** Removes given-up rows of jobs that parked or were deferred and were never completed. */
+    cleanParked: `select job_id::text as job_id from ${s}.clean_parked()`,
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
     sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 

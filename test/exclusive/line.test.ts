@@ -263,7 +263,7 @@ describe("reschedule hand-off", () => {
       const { rows } = await db
         .pool()
         .query<{ run_at: Date }>(
-          "select run_at from graphile_worker_locks.park_job($1, $2, $3, interval '1 second', $4)",
+          "select run_at from graphile_worker_locks.park_job($1, $2, $3, interval '1 second', $4, null)",
           [job!.id, soon.toISOString(), key, latest.toISOString()],
         );
       runAts.push(rows[0]!.run_at.getTime() - soon.getTime());
@@ -280,7 +280,7 @@ describe("reschedule hand-off", () => {
       const { job } = await locks.addJob("sw", { n });
       await markFetched(job!.id);
       const { rows } = await q(
-        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2, null)",
         [job!.id, later, key.toString()],
       );
       return { original: job!.id, copy: (rows[0] as { id: string }).id };
@@ -315,7 +315,7 @@ describe("reschedule hand-off", () => {
     const { rows } = await db
       .pool()
       .query<{ id: string }>(
-        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+        "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2, null)",
         [job!.id, later, key.toString()],
       );
     const copy = rows[0]!.id;

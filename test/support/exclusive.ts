@@ -86,7 +86,7 @@ export function useExclusiveHarness() {
       const { rows } = await db
         .pool()
         .query<{ id: string }>(
-          "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2)",
+          "select id::text as id from graphile_worker_locks.park_job($1, $2, $3, interval '0', $2, null)",
           [id, runAt, key],
         );
       await db.pool().query("delete from graphile_worker._private_jobs where id = $1", [id]);
