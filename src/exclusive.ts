@@ -6,7 +6,7 @@ import type { Job, JobHelpers, Task } from "graphile-worker";
 import { ErrorCodes, LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
 import type { AcquireResult, Hold, HoldInfo } from "./holds.js";
-import { slotKeys } from "./key.js";
+import { callKeyFunction, slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
 
@@ -192,13 +192,29 @@ export function makeExclusiveTask<TPayload>(
   options: ResolvedExclusiveOptions<TPayload>,
 ): ExclusiveTask<TPayload> {
   const conflicts = new ConflictCounter();
+  // A custom key function is called through callKeyFunction, which checks what it returns and turns its
+  // failures into errors naming the task; the payload itself is checked where it comes from the caller.
+  const custom = options.keyPath !== "payload";
   const keysOf = (payload: TPayload) =>
-    slotKeys(taskIdentifier, options.key(payload), options.limit, options.keyPath);
-  // A payload read back from PostgreSQL's JSON is JSON-safe by construction: at run time only what a custom
-  // key function returns needs the check.
-  const runtimePath = options.keyPath === "payload" ? null : options.keyPath;
+    custom
+      ? slotKeys(
+          taskIdentifier,
+          callKeyFunction(options.key, "key", taskIdentifier, payload),
+          options.limit,
+          null,
+        )
+      : slotKeys(taskIdentifier, payload, options.limit);
+  // A payload read back from PostgreSQL's JSON is JSON-safe by construction. A key function that throws on
+  // it fails the job (graphile-worker retries it) with an error naming the job, task and function.
   const keysOfJob = (job: Job) =>
-    slotKeys(taskIdentifier, options.key(job.payload as TPayload), options.limit, runtimePath);
+    slotKeys(
+      taskIdentifier,
+      custom
+        ? callKeyFunction(options.key, "key", taskIdentifier, job.payload, `job ${job.id}: `)
+        : job.payload,
+      options.limit,
+      null,
+    );
   const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo =>
     options.onConflict !== "reschedule"
       ? { taskIdentifier, jobId: job.id, reschedule: false }

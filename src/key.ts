@@ -96,12 +96,48 @@ export function canonicalJson(value: unknown, path: string | null = "payload"): 
   return stringify(value);
 }
 
+/** Throws an {@link InvalidArgumentError} unless `taskIdentifier` is a string with something besides whitespace. */
 export function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifier is string {
-  if (typeof taskIdentifier !== "string" || taskIdentifier.length === 0) {
+  if (typeof taskIdentifier !== "string" || taskIdentifier.trim().length === 0) {
     throw new InvalidArgumentError(
-      `\`taskIdentifier\` must be a non-empty string, got ${JSON.stringify(taskIdentifier) ?? String(taskIdentifier)}`,
+      `\`taskIdentifier\` must be a non-empty string that is not only whitespace, got ${JSON.stringify(taskIdentifier) ?? String(taskIdentifier)}`,
     );
   }
+}
+
+/** The options whose functions turn a payload into a key, as errors name them. */
+export type KeyFunctionName = "key" | "uniqueKey";
+
+/**
+ * Calls a task's `key` or `uniqueKey` function on a payload and checks that JSON can carry what it returns.
+ * A function that throws, or returns such a value, is an {@link InvalidArgumentError} naming the task and
+ * the function, after `context` (such as `job 42: `), with the original error as its `cause`.
+ */
+export function callKeyFunction(
+  fn: (payload: never) => unknown,
+  name: KeyFunctionName,
+  taskIdentifier: string,
+  payload: unknown,
+  context = "",
+): unknown {
+  const fail = (what: string, error: unknown): never => {
+    throw new InvalidArgumentError(
+      `${context}\`${name}\` of task '${taskIdentifier}' ${what}: ${error instanceof Error ? error.message : String(error)}`,
+      { cause: error },
+    );
+  };
+  let value: unknown;
+  try {
+    value = fn(payload as never);
+  } catch (error) {
+    fail("threw", error);
+  }
+  try {
+    assertJsonSafe(value, `${name}(payload)`);
+  } catch (error) {
+    fail("returned a value JSON cannot carry", error);
+  }
+  return value;
 }
 
 /** The readable string a lock key is hashed from. Exposed for debugging and documentation. */

@@ -19,7 +19,7 @@ import {
 import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
-import { assertIdentifier, assertJsonSafe, lockFlag, slotKeys } from "./key.js";
+import { assertIdentifier, assertJsonSafe, callKeyFunction, lockFlag, slotKeys } from "./key.js";
 import { migrateChecked } from "./migrate.js";
 import {
   resolveExclusiveOptions,
@@ -319,9 +319,22 @@ export function makeLocks(options: LocksOptions): Locks {
 
   const definitions = new Map<string, Definition>();
   const defaultExclusive = resolveExclusiveOptions<never>(undefined, options.defaults);
+  /** What a task's `key` makes of a payload, checked (a custom one through callKeyFunction). */
+  const keyValue = (
+    rules: ResolvedExclusiveOptions<never>,
+    taskIdentifier: string,
+    payload: unknown,
+  ): unknown => {
+    if (rules.keyPath === "payload") {
+      assertJsonSafe(payload);
+      return payload;
+    }
+    return callKeyFunction(rules.key, "key", taskIdentifier, payload);
+  };
   const keysOf = (taskIdentifier: string, payload: unknown) => {
+    assertIdentifier(taskIdentifier);
     const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
-    return slotKeys(taskIdentifier, rules.key(payload as never), rules.limit, rules.keyPath);
+    return slotKeys(taskIdentifier, keyValue(rules, taskIdentifier, payload), rules.limit, null);
   };
 
   let lastSweep = Date.now();
@@ -348,12 +361,29 @@ export function makeLocks(options: LocksOptions): Locks {
     const exclusive = definition?.exclusive ?? null;
     const preemptive =
       preemptiveCheck ?? spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
-    const lockKeys = preemptive ? keysOf(taskIdentifier, payload) : null;
-    const unique = resolveUnique(taskIdentifier, payload, definition?.unique, spec, exclusive?.key);
+    // An exclusive task's key is evaluated at every enqueue, whether a check uses it or not, so that a key
+    // function that fails does so before anything is written (and not only once a worker runs the job).
+    const rules = exclusive ?? (preemptive ? defaultExclusive : null);
+    const keyOfPayload = rules
+      ? { value: rules.keyPath === "payload" ? payload : keyValue(rules, taskIdentifier, payload) }
+      : null;
+    const flagged = exclusive?.onConflict === "reschedule" && exclusive.limit === 1;
+    const keys =
+      rules && (preemptive || flagged)
+        ? slotKeys(taskIdentifier, keyOfPayload!.value, rules.limit, null)
+        : null;
+    const lockKeys = preemptive ? keys : null;
+    const unique = resolveUnique(
+      taskIdentifier,
+      payload,
+      definition?.unique,
+      spec,
+      exclusive ? keyOfPayload! : undefined,
+    );
     // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
     let line: EnqueuePlan["line"] = null;
-    if (exclusive?.onConflict === "reschedule" && exclusive.limit === 1) {
-      const key = (lockKeys ?? keysOf(taskIdentifier, payload))[0]!;
+    if (flagged) {
+      const key = keys![0]!;
       // (with no safety net to speak of, a job added parked would be fetched at once: no line then)
       const safetyNetMs = exclusive.reschedule.maxDelay;
       if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
@@ -507,8 +537,16 @@ export function makeLocks(options: LocksOptions): Locks {
           );
         }
         // The item is its own spec (its `identifier` and `payload` are not read as options); a bulk
-        // enqueue has no preemptive check.
-        return plan(item.identifier, item.payload, item, false);
+        // enqueue has no preemptive check. What is wrong with an item names its index; the cause is the
+        // original error (a key function's own, when it threw).
+        try {
+          return plan(item.identifier, item.payload, item, false);
+        } catch (error) {
+          if (!(error instanceof InvalidArgumentError)) throw error;
+          throw new InvalidArgumentError(`addJobs: item ${index}: ${error.message}`, {
+            cause: error.cause ?? error,
+          });
+        }
       });
       if (!isMigrated) await ensureMigrated();
       const db: Queryable = addOptions?.pgClient ?? pool;

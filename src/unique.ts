@@ -10,7 +10,7 @@
  * tasks; the queue name is part of the key only with `uniqueByQueue` (as Faktory does).
  */
 import { InvalidArgumentError } from "./errors.js";
-import { KEY_VERSION, canonicalJson, sha256Hex } from "./key.js";
+import { KEY_VERSION, callKeyFunction, canonicalJson, sha256Hex } from "./key.js";
 
 export const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
 /**
@@ -118,8 +118,9 @@ export function uniqueKeyMaterial(
 }
 
 /**
- * Merges a task's unique options with an enqueue's, validates them, and derives the key. Null when the
- * enqueue is not unique. Throws before anything is written.
+ * Merges a task's unique options with an enqueue's, validates them, and derives the key: from `uniqueKey`,
+ * else from the value of the exclusive task's `key` (`exclusiveKey`), else from the whole payload. Null when
+ * the enqueue is not unique. Throws before anything is written.
  */
 export function resolveUnique(
   taskIdentifier: string,
@@ -128,7 +129,7 @@ export function resolveUnique(
   spec:
     | (UniqueOptions<never> & { queueName?: string; jobKey?: string; jobKeyMode?: string })
     | undefined,
-  fallbackKey: ((payload: never) => unknown) | undefined,
+  exclusiveKey: { value: unknown } | undefined,
 ): ResolvedUnique | null {
   validateUniqueOptions(spec, "addJob");
   if (spec?.unique === false) return null;
@@ -141,18 +142,18 @@ export function resolveUnique(
       `addJob: \`jobKey\`/\`jobKeyMode\` cannot be combined with a unique job of '${taskIdentifier}': the unique key is stored as the job key. Pass \`unique: false\` to use your own job key`,
     );
   }
-  const keyFn = spec?.uniqueKey ?? definition?.uniqueKey ?? fallbackKey;
-  const value = keyFn ? keyFn(payload as never) : payload;
+  // The payload, and the value of an exclusive task's `key`, were checked by the caller; what a `uniqueKey`
+  // function returns is checked here.
+  const uniqueKey = spec?.uniqueKey ?? definition?.uniqueKey;
+  const value = uniqueKey
+    ? callKeyFunction(uniqueKey, "uniqueKey", taskIdentifier, payload)
+    : exclusiveKey
+      ? exclusiveKey.value
+      : payload;
   const group = spec?.uniqueGroup ?? definition?.uniqueGroup ?? taskIdentifier;
   const byQueue = spec?.uniqueByQueue ?? definition?.uniqueByQueue ?? false;
   return {
-    key: uniqueJobKey(
-      group,
-      value,
-      byQueue ? (spec?.queueName ?? null) : null,
-      // The payload itself was checked by the caller; what a key function returns is checked here.
-      keyFn ? "uniqueKey(payload)" : null,
-    ),
+    key: uniqueJobKey(group, value, byQueue ? (spec?.queueName ?? null) : null, null),
     scope: scope || null,
     windowSeconds,
     onDuplicate: spec?.onDuplicate ?? definition?.onDuplicate ?? "reject",

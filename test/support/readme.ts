@@ -38,11 +38,16 @@ export async function runSnippet(
       ["--import", "tsx", file.pathname],
       { env: { ...process.env, DATABASE_URL: databaseUrl }, timeout: 30_000 },
     );
-    return stdout
-      .split("\n")
-      .map((line) => line.trim())
-      .filter((line) => line && !line.startsWith("["));
+    return printedLines(stdout);
   } finally {
     await rm(file, { force: true });
   }
+}
+
+/** What a snippet printed: its non-empty lines, without log lines (`[worker] …`). */
+export function printedLines(stdout: string): string[] {
+  return stdout
+    .split("\n")
+    .map((line) => line.trim())
+    .filter((line) => line && !line.startsWith("["));
 }
