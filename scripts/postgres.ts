@@ -23,7 +23,7 @@
  *   `process.exit()` from another 'exit' listener that skips the rest, as vitest's does on SIGINT), it
  *   shuts the server down and deletes the temp directory.
  */
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { existsSync, readFileSync, rmSync } from "node:fs";
 import { chmod, mkdtemp, rm, stat } from "node:fs/promises";
@@ -106,30 +106,92 @@ export async function startPostgres(options: StartPostgresOptions = {}): Promise
 }
 
 async function startContainer(options: StartPostgresOptions): Promise<StartedPostgres> {
+  // The reaper (Ryuk) runs from an image testcontainers pulls; it stays off unless asked for. Without it,
+  // stop(), the signal handlers and the 'exit' listener below remove the container.
+  process.env.TESTCONTAINERS_RYUK_DISABLED ??= "true";
   const { GenericContainer, Wait } = await import("testcontainers");
-  const container = await new GenericContainer("postgres:17")
-    .withEnvironment({ POSTGRES_USER: USER, POSTGRES_PASSWORD: PASSWORD, POSTGRES_DB: "postgres" })
-    .withCommand(["postgres", ...SERVER_FLAGS.flatMap(([k, v]) => ["-c", `${k}=${v}`])])
-    .withTmpFs({ "/var/lib/postgresql/data": "rw" })
-    .withExposedPorts(5432)
-    // The entrypoint starts a temporary server for initialisation first, hence twice.
-    .withWaitStrategy(Wait.forLogMessage(/database system is ready to accept connections/, 2))
-    .start();
-  if (options.log) {
-    const log = options.log;
-    const stream = await container.logs();
-    stream.on("data", (line: Buffer | string) => log(String(line).trimEnd()));
+  const image = process.env.TEST_PG_IMAGE || DEFAULT_IMAGE;
+  // The port is free when we ask, but someone could take it before postgres binds it: retry then.
+  for (let attempt = 1; ; attempt++) {
+    const port = await freePort();
+    let container: Awaited<ReturnType<InstanceType<typeof GenericContainer>["start"]>>;
+    try {
+      container = await new GenericContainer(image)
+        .withEnvironment({
+          POSTGRES_USER: USER,
+          POSTGRES_PASSWORD: PASSWORD,
+          POSTGRES_DB: "postgres",
+        })
+        .withCommand([
+          "postgres",
+          ...[["port", String(port)], ...SERVER_FLAGS].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
+        ])
+        .withTmpFs({ "/var/lib/postgresql/data": "rw" })
+        // The host's network: no published ports, and no address outside loopback for the container.
+        .withNetworkMode("host")
+        // Once from the official images' temporary initialisation server (no TCP), once from the real
+        // one: the connection test below waits for the real one.
+        .withWaitStrategy(Wait.forLogMessage(/database system is ready to accept connections/))
+        .withStartupTimeout(120_000)
+        .start();
+    } catch (error) {
+      const detail = error instanceof Error ? error.message : String(error);
+      throw new Error(
+        `Could not start a PostgreSQL container of the image ${image}: ${detail}\n` +
+          (image === DEFAULT_IMAGE
+            ? `(build ${DEFAULT_IMAGE} with: bash scripts/build-pg-image.sh; or name an image in TEST_PG_IMAGE)`
+            : "(TEST_PG_IMAGE names the image)"),
+        { cause: error },
+      );
+    }
+    const id = container.getId();
+    let stopping: Promise<void> | undefined;
+    const stop = (): Promise<void> =>
+      (stopping ??= (async () => {
+        removeSignalHandlers();
+        process.off("exit", onExit);
+        await container.stop({ remove: true });
+      })());
+    // Synchronous: when we exit without stop(), have the engine remove the container.
+    const onExit = (): void => {
+      spawnSync("docker", ["rm", "--force", id], { stdio: "ignore", timeout: 10_000 });
+    };
+    process.prependListener("exit", onExit);
+    const removeSignalHandlers = onTerminatingSignal(stop);
+    if (options.log) {
+      const log = options.log;
+      const stream = await container.logs();
+      stream.on("data", (line: Buffer | string) => log(String(line).trimEnd()));
+    }
+    const url = `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`;
+    if (await acceptsConnections(url, 60_000)) return { url, stop };
+    await stop().catch(() => undefined);
+    if (attempt >= 3) {
+      throw new Error(
+        `PostgreSQL in a container of ${image} does not accept connections on ${url}`,
+      );
+    }
   }
-  const url = `postgres://${USER}:${PASSWORD}@${container.getHost()}:${container.getMappedPort(5432)}/postgres`;
-  let stopping: Promise<void> | undefined;
-  const stop = (): Promise<void> =>
-    (stopping ??= (async () => {
-      removeSignalHandlers();
-      await container.stop();
-    })());
-  // testcontainers' reaper (Ryuk) removes the container if we die; this covers Ctrl-C when it is off.
-  const removeSignalHandlers = onTerminatingSignal(stop);
-  return { url, stop };
+}
+
+/** Whether a connection to `url` succeeds within `timeoutMs` (tried every 100 ms). */
+async function acceptsConnections(url: string, timeoutMs: number): Promise<boolean> {
+  const { default: pg } = await import("pg");
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const client = new pg.Client({ connectionString: url, connectionTimeoutMillis: 2_000 });
+    client.on("error", () => undefined);
+    try {
+      await client.connect();
+      await client.query("select 1");
+      return true;
+    } catch {
+      if (Date.now() >= deadline) return false;
+      await new Promise((resolve) => setTimeout(resolve, 100));
+    } finally {
+      await client.end().catch(() => undefined);
+    }
+  }
 }
 
 /** Runs `cleanup` on SIGINT/SIGTERM, then re-raises the signal (default action) if nobody else handles it. */
