@@ -74,6 +74,5 @@ tar -C "$root" -c . | docker import \
   --change 'ENV PGDATA=/var/lib/postgresql/data' \
   --change 'ENTRYPOINT ["/usr/local/bin/gwl-postgres-entrypoint"]' \
   --change 'CMD ["postgres"]' \
-  --change 'STOPSIGNAL SIGINT' \
   - "$tag" >/dev/null
 echo "built $tag ($(docker image inspect "$tag" --format '{{.Size}}' | awk '{printf "%d MB", $1 / 1e6}'))"

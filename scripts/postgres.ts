@@ -109,6 +109,9 @@ async function startContainer(options: StartPostgresOptions): Promise<StartedPos
   // The reaper (Ryuk) runs from an image testcontainers pulls; it stays off unless asked for. Without it,
   // stop(), the signal handlers and the 'exit' listener below remove the container.
   process.env.TESTCONTAINERS_RYUK_DISABLED ??= "true";
+  // On the host's network the server is on loopback. (Without this, testcontainers looks for the host's
+  // address in the engine's bridge network, which an engine started with --bridge=none lacks.)
+  process.env.TESTCONTAINERS_HOST_OVERRIDE ??= "127.0.0.1";
   const { GenericContainer, Wait } = await import("testcontainers");
   const image = process.env.TEST_PG_IMAGE || DEFAULT_IMAGE;
   // The port is free when we ask, but someone could take it before postgres binds it: retry then.
@@ -124,7 +127,10 @@ async function startContainer(options: StartPostgresOptions): Promise<StartedPos
         })
         .withCommand([
           "postgres",
-          ...[["port", String(port)], ...SERVER_FLAGS].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
+          // The host's loopback only, on a port free on the host.
+          ...[["listen_addresses", "127.0.0.1"], ["port", String(port)], ...SERVER_FLAGS].flatMap(
+            ([k, v]) => ["-c", `${k}=${v}`],
+          ),
         ])
         .withTmpFs({ "/var/lib/postgresql/data": "rw" })
         // The host's network: no published ports, and no address outside loopback for the container.
