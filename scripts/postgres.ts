@@ -112,8 +112,19 @@ async function startContainer(options: StartPostgresOptions): Promise<StartedPos
   // On the host's network the server is on loopback. (Without this, testcontainers looks for the host's
   // address in the engine's bridge network, which an engine started with --bridge=none lacks.)
   process.env.TESTCONTAINERS_HOST_OVERRIDE ??= "127.0.0.1";
-  const { GenericContainer, Wait } = await import("testcontainers");
+  const { GenericContainer, Wait, getContainerRuntimeClient, ImageName } =
+    await import("testcontainers");
   const image = process.env.TEST_PG_IMAGE || DEFAULT_IMAGE;
+  // Never a pull from here: the image must be on the engine already.
+  const client = await getContainerRuntimeClient();
+  if (!(await client.image.exists(ImageName.fromString(image)))) {
+    throw new Error(
+      `The image ${image} is not on this Docker engine: ` +
+        (image === DEFAULT_IMAGE
+          ? "build it with `bash scripts/build-pg-image.sh` (as root), or name another in TEST_PG_IMAGE"
+          : `pull it first (docker pull ${image})`),
+    );
+  }
   // The port is free when we ask, but someone could take it before postgres binds it: retry then.
   for (let attempt = 1; ; attempt++) {
     const port = await freePort();
