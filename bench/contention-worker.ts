@@ -17,17 +17,16 @@
  * (`lock:released`, once PostgreSQL answered the unlock statement, which also woke the key's next waiter),
  * each park (`job:rescheduled`), and counters of conflicts, drops, failures and empty fetches.
  *
- * Controlled over IPC by request/answer messages carrying an `id`: `clock` (answers this process's clock),
- * `reset` (forgets what was recorded), `collect` (answers the records), `stop` (stops the runner, releases
- * the lock session, answers and exits), `poll` (restarts the runner with another poll interval, and with or
- * without `forbiddenFlags: locks.forbiddenFlags`). Sends
- * `ready` once its runner runs and its lock session is open.
+ * Requests (serveParent in lib.ts): `clock` (answers this process's clock), `reset` (forgets what was
+ * recorded), `collect` (answers the records), `poll` (restarts the runner with another poll interval, and
+ * with or without `forbiddenFlags: locks.forbiddenFlags`), `leave` (stops the runner, releases the lock
+ * session and exits). Sends `ready` once its runner runs and its lock session is open.
  */
 import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
-import { pathToFileURL } from "node:url";
 import { Logger, run, type Job, type JobHelpers, type WorkerEvents } from "graphile-worker";
 import type { ExclusiveOptions, RescheduleOptions } from "../src/index.js";
+import { isMain, serveParent } from "./lib.js";
 import { library } from "./library.js";
 
 export const TASK_MS = 20;
@@ -100,15 +99,11 @@ export interface WorkerRecords {
   cpuMs: number;
 }
 
-export type ParentMessage =
-  | { type: "clock"; id: number }
-  | { type: "reset"; id: number }
-  | { type: "collect"; id: number }
-  | { type: "poll"; id: number; pollInterval: number; skipHeld: boolean }
-  | { type: "stop"; id: number };
-
-export type ChildMessage =
-  { type: "ready" } | { type: "answer"; id: number; clock?: number; records?: WorkerRecords };
+type ParentMessage =
+  | { type: "clock" }
+  | { type: "reset" }
+  | { type: "collect" }
+  | { type: "poll"; pollInterval: number; skipHeld: boolean };
 
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
@@ -215,70 +210,45 @@ async function main(): Promise<void> {
   };
   let runner = await start();
 
-  const send = (message: ChildMessage, then?: () => void) =>
-    process.send!(message, undefined, {}, () => then?.());
-
-  process.on("message", (message: ParentMessage) => {
-    switch (message.type) {
-      case "clock":
-        send({ type: "answer", id: message.id, clock: clock() });
-        break;
-      case "reset":
+  const send = serveParent<ParentMessage>(
+    {
+      clock: () => clock(),
+      reset: () => {
         executions = [];
         fetches = [];
         releases = new Map();
         parked = new Map();
         counters = {};
         cpuAtReset = process.cpuUsage();
-        send({ type: "answer", id: message.id });
-        break;
-      case "collect":
-        send({
-          type: "answer",
-          id: message.id,
-          records: {
-            name,
-            executions,
-            fetches,
-            releases: [...releases],
-            parked: [...parked],
-            counters,
-            cpuMs: (() => {
-              const cpu = process.cpuUsage(cpuAtReset);
-              return (cpu.user + cpu.system) / 1000;
-            })(),
-          },
-        });
-        break;
-      case "poll":
-        void (async () => {
-          await runner.stop();
-          pollInterval = message.pollInterval;
-          skipHeld = message.skipHeld;
-          runner = await start();
-          send({ type: "answer", id: message.id });
-        })();
-        break;
-      case "stop":
-        void (async () => {
-          await runner.stop();
-          await locks.release();
-          send({ type: "answer", id: message.id }, () => process.exit(0));
-        })();
-        break;
-    }
-  });
-  // The bench went away: nothing to report to, just stop.
-  process.on("disconnect", () => {
-    void runner
-      .stop()
-      .then(() => locks.release())
-      .finally(() => process.exit(0));
-  });
-  send({ type: "ready" });
+      },
+      collect: (): WorkerRecords => {
+        const cpu = process.cpuUsage(cpuAtReset);
+        return {
+          name,
+          executions,
+          fetches,
+          releases: [...releases],
+          parked: [...parked],
+          counters,
+          cpuMs: (cpu.user + cpu.system) / 1000,
+        };
+      },
+      poll: async (message) => {
+        await runner.stop();
+        pollInterval = message.pollInterval;
+        skipHeld = message.skipHeld;
+        runner = await start();
+      },
+    },
+    async () => {
+      await runner.stop();
+      await locks.release();
+    },
+  );
+  send("ready");
 }
 
-if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href) {
+if (isMain(import.meta.url)) {
   main().catch((error: unknown) => {
     console.error(`[contention-worker ${process.env.WORKER_NAME ?? process.pid}] failed:`, error);
     process.exit(1);

@@ -38,8 +38,6 @@
  * alternating them, medians reported; then one raise run (stopped at 45 s: graphile-worker's next retry
  * wave after the one at ~30 s would come at ~85 s). BENCH_QUICK: 200 jobs, 1 round, raise stopped at 6 s.
  */
-import { fork, type ChildProcess } from "node:child_process";
-import { fileURLToPath } from "node:url";
 import { highestConcurrency } from "../scripts/overlap.js";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
@@ -48,6 +46,7 @@ import {
   fmtFixed,
   fmtInt,
   fmtPercent,
+  forkWorkers,
   median,
   quietLogger,
   resetJobs,
@@ -59,6 +58,8 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  type WorkerProcess,
+  benchRounds,
 } from "./lib.js";
 import {
   QUEUE_TASK,
@@ -66,15 +67,13 @@ import {
   TASK_MS,
   clock,
   strategyOptions,
-  type ChildMessage,
   type ContentionPayload,
   type ExecutionRecord,
   type FetchRecord,
-  type ParentMessage,
   type WorkerRecords,
 } from "./contention-worker.js";
 
-const WORKER_SCRIPT = fileURLToPath(new URL("./contention-worker.ts", import.meta.url));
+const WORKER_SCRIPT = new URL("./contention-worker.ts", import.meta.url);
 const PROCESSES = 3;
 const CONCURRENCY = 8;
 const KEYS = 10;
@@ -85,7 +84,7 @@ const POLL_INTERVAL_MS = 2000;
  * next job before its completion (which unlocks the queue) has committed, so a queue can sit until a poll.
  */
 const FAST_POLL_INTERVAL_MS = 100;
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 
 const SIZES = {
   full: { jobs: 2000, warmJobs: 200, raiseLimitMs: 45_000 },
@@ -202,83 +201,8 @@ const GOALS = {
 // ---------------------------------------------------------------------------------------------------------
 // Worker processes
 
-/** A message to a worker without its id (Omit over each member of the union). */
-type ParentRequest = ParentMessage extends infer M
-  ? M extends ParentMessage
-    ? Omit<M, "id">
-    : never
-  : never;
-
-interface WorkerProcess {
-  name: string;
-  pollInterval: number;
-  skipHeld: boolean;
-  child: ChildProcess;
-  request(message: ParentRequest, timeoutMs?: number): Promise<ChildMessage>;
-  stop(): Promise<void>;
-}
-
-async function startWorker(ctx: BenchContext, name: string): Promise<WorkerProcess> {
-  const child = fork(WORKER_SCRIPT, [], {
-    execArgv: ["--import", "tsx"],
-    env: {
-      ...process.env,
-      DATABASE_URL: ctx.url,
-      WORKER_NAME: name,
-      CONCURRENCY: String(CONCURRENCY),
-      POLL_INTERVAL: String(POLL_INTERVAL_MS),
-    },
-    // The child's stdout goes to our stderr: our stdout carries only the results.
-    stdio: ["ignore", 2, 2, "ipc"],
-  });
-  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
-  let nextId = 1;
-  const waiting = new Map<number, (message: ChildMessage) => void>();
-  child.on("message", (message: ChildMessage) => {
-    if (message.type === "answer") {
-      waiting.get(message.id)?.(message);
-      waiting.delete(message.id);
-    }
-  });
-  await new Promise<void>((resolve, reject) => {
-    const onExit = (code: number | null) =>
-      reject(new Error(`contention worker ${name} exited early (${code})`));
-    child.once("exit", onExit);
-    child.once("message", () => {
-      child.off("exit", onExit);
-      resolve();
-    });
-  });
-  const request = (message: ParentRequest, timeoutMs = 60_000) =>
-    new Promise<ChildMessage>((resolve, reject) => {
-      const id = nextId++;
-      const timer = setTimeout(() => {
-        waiting.delete(id);
-        reject(new Error(`contention worker ${name}: no answer to '${message.type}'`));
-      }, timeoutMs);
-      waiting.set(id, (answer) => {
-        clearTimeout(timer);
-        resolve(answer);
-      });
-      child.send({ ...message, id } as ParentMessage);
-    });
-  return {
-    name,
-    pollInterval: POLL_INTERVAL_MS,
-    skipHeld: false,
-    child,
-    request,
-    async stop() {
-      if (child.exitCode !== null || child.signalCode !== null) return;
-      try {
-        await request({ type: "stop" }, 15_000);
-      } catch {
-        child.kill("SIGKILL");
-      }
-      await exited;
-    },
-  };
-}
+/** The runners' current settings, the same in every worker process. */
+const runnerSettings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
 
 /**
  * Offset of each process's clock from ours: over IPC, the sample with the shortest round trip, offset =
@@ -292,11 +216,11 @@ async function clockOffsets(
     let best = { offsetMs: Number.NaN, uncertaintyMs: Number.POSITIVE_INFINITY };
     for (let i = 0; i < 10; i++) {
       const sent = clock();
-      const answer = await w.request({ type: "clock" });
+      const theirs = await w.request<number>({ type: "clock" });
       const received = clock();
-      if ((received - sent) / 2 < best.uncertaintyMs && answer.type === "answer") {
+      if ((received - sent) / 2 < best.uncertaintyMs) {
         best = {
-          offsetMs: answer.clock! - (sent + received) / 2,
+          offsetMs: theirs - (sent + received) / 2,
           uncertaintyMs: (received - sent) / 2,
         };
       }
@@ -538,24 +462,18 @@ async function measure(
   roundNumber: number,
   limitMs: number | null,
 ): Promise<RunFigures> {
-  for (const w of workers) {
-    const skipHeld = variant.skipHeld ?? false;
-    if (w.pollInterval === variant.pollInterval && w.skipHeld === skipHeld) continue;
-    await w.request({ type: "poll", pollInterval: variant.pollInterval, skipHeld });
-    w.pollInterval = variant.pollInterval;
-    w.skipHeld = skipHeld;
+  const skipHeld = variant.skipHeld ?? false;
+  if (
+    runnerSettings.pollInterval !== variant.pollInterval ||
+    runnerSettings.skipHeld !== skipHeld
+  ) {
+    const settings = { pollInterval: variant.pollInterval, skipHeld };
+    await Promise.all(workers.map((w) => w.request({ type: "poll", ...settings })));
+    Object.assign(runnerSettings, settings);
   }
   await resetJobs(ctx.pool);
   // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
   await ctx.pool.query("delete from graphile_worker_locks.waiters");
-  // For experiments only: BENCH_VACUUM=1 vacuums and analyzes the library's tables before each run. Without
-  // it, the third round of `reschedule` here has taken 10–12 s instead of 4.7 s (see bench/README.md).
-  if (process.env.BENCH_VACUUM === "1") {
-    await ctx.pool.query(
-      process.env.BENCH_VACUUM_SQL ??
-        "vacuum analyze graphile_worker_locks.waiters, graphile_worker_locks.wakes, graphile_worker_locks.prewakes, graphile_worker_locks.lock_holders",
-    );
-  }
   await Promise.all(workers.map((w) => w.request({ type: "reset" })));
 
   const t0 = clock();
@@ -584,10 +502,7 @@ async function measure(
   const drainedMs = clock() - t0;
 
   const records: WorkerRecords[] = [];
-  for (const w of workers) {
-    const answer = await w.request({ type: "collect" });
-    if (answer.type === "answer" && answer.records) records.push(answer.records);
-  }
+  for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
   return analyse(variant, roundNumber, jobs, limitMs, left, t0, drainedMs, records, rankOf);
 }
 
@@ -877,15 +792,15 @@ export const contention: Section = {
     const size = ctx.quick ? SIZES.quick : SIZES.full;
     const rounds = ctx.quick ? 1 : ROUNDS;
     ctx.log(`contention: starting ${PROCESSES} worker processes (concurrency ${CONCURRENCY} each)`);
-    const started = await Promise.allSettled(
-      Array.from({ length: PROCESSES }, (_, i) => startWorker(ctx, `w${i + 1}`)),
-    );
-    const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+    const workers = await forkWorkers(WORKER_SCRIPT, PROCESSES, {
+      DATABASE_URL: ctx.url,
+      CONCURRENCY: String(CONCURRENCY),
+      POLL_INTERVAL: String(POLL_INTERVAL_MS),
+    });
+    Object.assign(runnerSettings, { pollInterval: POLL_INTERVAL_MS, skipHeld: false });
     const runs: RunFigures[] = [];
     let offsets: Awaited<ReturnType<typeof clockOffsets>> = [];
     try {
-      const failed = started.find((s) => s.status === "rejected");
-      if (failed) throw (failed as PromiseRejectedResult).reason;
       offsets = await clockOffsets(workers);
       ctx.log(
         `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
@@ -1138,42 +1053,7 @@ function tables(
     ],
   };
 
-  const detail: Table = {
-    title: "Contention: every run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "variant", align: "left" },
-      { header: "round", align: "right" },
-      { header: "jobs", align: "right" },
-      { header: "executed", align: "right" },
-      { header: "first start ms", align: "right" },
-      { header: "makespan s", align: "right" },
-      { header: "queue empty s", align: "right" },
-      { header: "fetches", align: "right" },
-      { header: "conflicts (local)", align: "right" },
-      { header: "rescheduled", align: "right" },
-      { header: "dropped", align: "right" },
-      { header: "failed", align: "right" },
-      { header: "hand-off p50/p90/p99/max ms", align: "right" },
-      { header: "max per key", align: "right" },
-    ],
-    rows: runs.map((r) => [
-      r.variant,
-      String(r.round),
-      fmtInt(r.jobs),
-      fmtInt(r.executed),
-      fmtInt(r.firstStartMs),
-      s(r.makespanMs),
-      s(r.drainedMs),
-      fmtInt(r.fetches),
-      `${fmtInt(r.conflicts)} (${fmtInt(r.localConflicts)})`,
-      fmtInt(r.rescheduled),
-      fmtInt(r.dropped),
-      fmtInt(r.errors),
-      [r.handoffMs.p50, r.handoffMs.p90, r.handoffMs.p99, r.handoffMs.max].map(ms).join(" / "),
-      String(r.maxPerKey),
-    ]),
-  };
-  return [summary, breakdown, fetchTable, fifo, detail];
+  return [summary, breakdown, fetchTable, fifo];
 }
 
 function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {

@@ -55,9 +55,10 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 5) || 5);
+const ROUNDS = benchRounds(5);
 const POOL_SIZE = 4;
 /** Slices per variant and round in the single phase (bulk: one call per slice). */
 const SLICES = 5;
@@ -539,24 +540,7 @@ function tables(
       "answers duplicate and writes nothing.",
     ],
   };
-  const detail: Table = {
-    title: "Enqueue: every run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "variant", align: "left" },
-      ...Array.from({ length: rounds + 1 }, (_, r) => ({
-        header: r === 0 ? "warm-up /s" : `round ${r} /s`,
-        align: "right" as const,
-      })),
-    ],
-    rows: summaries.map((s) => [
-      s.id,
-      ...Array.from({ length: rounds + 1 }, (_, r) => {
-        const run = runs.find((x) => x.variant === s.id && x.round === r);
-        return run ? fmtInt(run.perSecond) : "";
-      }),
-    ]),
-  };
-  return [single, bulk, detail];
+  return [single, bulk];
 }
 
 function goals(rate: (id: string) => number): Goal[] {

@@ -2,15 +2,15 @@
  * Shared helpers of the benchmark: timing and statistics, table printing, the benchmark database, job
  * insertion and reset, machine information, and the shape of a section.
  */
-import { execFileSync } from "node:child_process";
+import { execFileSync, fork } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { rename, writeFile } from "node:fs/promises";
 import { createRequire } from "node:module";
 import { availableParallelism, cpus, loadavg, platform, release, totalmem } from "node:os";
-import { dirname, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { performance } from "node:perf_hooks";
-import { fileURLToPath } from "node:url";
+import { fileURLToPath, pathToFileURL } from "node:url";
 import pg from "pg";
 import { Logger, runMigrations } from "graphile-worker";
 import { databaseUrl, startPostgres } from "../scripts/postgres.js";
@@ -70,6 +70,10 @@ export interface Section {
 
 export const now = (): number => performance.now();
 
+/** Measured rounds per configuration: BENCH_ROUNDS, else the section's default. */
+export const benchRounds = (fallback: number): number =>
+  Math.max(1, Number(process.env.BENCH_ROUNDS ?? fallback) || fallback);
+
 export const sleep = (ms: number): Promise<void> =>
   new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -123,6 +127,22 @@ export function formatTable(table: Table): string {
   ];
   for (const note of table.notes ?? []) out.push(`  ${note}`);
   return out.join("\n");
+}
+
+/**
+ * A table's rows as one line each, for results.json: the row's first cell, then every other non-empty cell
+ * after its column's header.
+ */
+export function summaryRows(table: Table): string[] {
+  return table.rows.map((row) =>
+    [
+      row[0] ?? "",
+      ...row.slice(1).flatMap((cell, i) => {
+        const header = table.columns[i + 1]?.header ?? "";
+        return cell === "" || cell === "–" ? [] : [header ? `${header}: ${cell}` : cell];
+      }),
+    ].join("; "),
+  );
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -382,3 +402,182 @@ export async function writeJsonAtomic(file: URL, data: unknown): Promise<void> {
   await writeFile(tmp, text);
   await rename(tmp, file);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker processes: requests and answers over IPC
+
+/** A request to a worker process; `type` names the handler that answers it. */
+export type Request = { type: string } & Record<string, unknown>;
+type Reply = { id: number; answer?: unknown; error?: string } | { event: string; data?: unknown };
+
+/** A promise that rejects after `ms` (unless cleared). */
+export function timeout(ms: number, message: string): { promise: Promise<never>; clear(): void } {
+  let timer: NodeJS.Timeout | undefined;
+  const promise = new Promise<never>((_resolve, reject) => {
+    timer = setTimeout(() => reject(new Error(message)), ms);
+  });
+  promise.catch(() => undefined);
+  return { promise, clear: () => clearTimeout(timer) };
+}
+
+export interface WorkerProcess {
+  name: string;
+  /** Resolves the handler's answer; rejects on its error, after `timeoutMs`, or when the process exits. */
+  request<T = unknown>(request: Request, timeoutMs?: number): Promise<T>;
+  /** Rejects when the process reports a failure (event `failed`) or exits unasked. */
+  failed: Promise<never>;
+  /** Receives the process's other events. */
+  onEvent: ((event: string, data: unknown) => void) | undefined;
+  /** Asks the process to leave (its `leave`), and kills it if it has not within 15 s. */
+  stop(): Promise<void>;
+}
+
+/**
+ * Forks `count` processes of `script` (run through tsx, WORKER_NAME w1, w2, ... and `env` in their
+ * environment) and waits until each has sent `ready`; if one fails to start, stops the others and throws.
+ */
+export async function forkWorkers(
+  script: URL,
+  count: number,
+  env: Record<string, string>,
+  execArgv: string[] = [],
+): Promise<WorkerProcess[]> {
+  const started = await Promise.allSettled(
+    Array.from({ length: count }, (_, i) => forkWorker(script, `w${i + 1}`, env, execArgv)),
+  );
+  const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
+  const failure = started.find((s): s is PromiseRejectedResult => s.status === "rejected");
+  if (failure) {
+    await Promise.all(workers.map((w) => w.stop()));
+    throw failure.reason;
+  }
+  return workers;
+}
+
+async function forkWorker(
+  script: URL,
+  name: string,
+  env: Record<string, string>,
+  execArgv: string[],
+): Promise<WorkerProcess> {
+  const label = `${basename(fileURLToPath(script), ".ts")} ${name}`;
+  const child = fork(fileURLToPath(script), [], {
+    execArgv: ["--import", "tsx", ...execArgv],
+    env: { ...process.env, ...env, WORKER_NAME: name },
+    // The child's stdout goes to our stderr: our stdout carries only the results.
+    stdio: ["ignore", 2, 2, "ipc"],
+  });
+  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
+  const alive = () => child.exitCode === null && child.signalCode === null;
+  const kill = async () => {
+    if (alive()) child.kill("SIGKILL");
+    await exited;
+  };
+  let leaving = false;
+  let fail!: (error: Error) => void;
+  const failed = new Promise<never>((_resolve, reject) => (fail = reject));
+  failed.catch(() => undefined);
+  let ready!: () => void;
+  const isReady = new Promise<void>((resolve) => (ready = resolve));
+  const waiting = new Map<number, { resolve(answer: unknown): void; reject(error: Error): void }>();
+  let nextId = 1;
+
+  const worker: WorkerProcess = {
+    name,
+    failed,
+    onEvent: undefined,
+    request: <T>(request: Request, timeoutMs = 60_000) =>
+      new Promise<T>((resolve, reject) => {
+        if (!alive()) return reject(new Error(`${label} is not running`));
+        const id = nextId++;
+        const timer = setTimeout(() => {
+          waiting.delete(id);
+          reject(new Error(`${label}: no answer to '${request.type}'`));
+        }, timeoutMs);
+        waiting.set(id, {
+          resolve: (answer) => (clearTimeout(timer), resolve(answer as T)),
+          reject: (error) => (clearTimeout(timer), reject(error)),
+        });
+        child.send({ id, request });
+      }),
+    async stop() {
+      if (!alive()) return;
+      leaving = true;
+      await worker.request({ type: "leave" }, 15_000).catch(() => undefined);
+      await Promise.race([exited, sleep(5_000)]);
+      await kill();
+    },
+  };
+  child.on("message", (reply: Reply) => {
+    if ("event" in reply) {
+      if (reply.event === "ready") ready();
+      else if (reply.event === "failed") fail(new Error(`${label}: ${String(reply.data)}`));
+      else worker.onEvent?.(reply.event, reply.data);
+      return;
+    }
+    const waiter = waiting.get(reply.id);
+    waiting.delete(reply.id);
+    if (reply.error !== undefined) waiter?.reject(new Error(`${label}: ${reply.error}`));
+    else waiter?.resolve(reply.answer);
+  });
+  child.once("exit", (code, signal) => {
+    const error = new Error(`${label} exited (${signal ?? code})`);
+    for (const waiter of waiting.values()) waiter.reject(error);
+    waiting.clear();
+    if (!leaving) fail(error);
+  });
+  const notReady = timeout(60_000, `${label} was not ready within 60 s`);
+  try {
+    await Promise.race([isReady, failed, notReady.promise]);
+  } catch (error) {
+    await kill();
+    throw error;
+  } finally {
+    notReady.clear();
+  }
+  return worker;
+}
+
+/**
+ * A worker process's side: answers each request with its handler's result (or its error). On `leave`, or
+ * when the parent goes away, runs `leave` and exits. Returns the function that sends events: `ready` once
+ * set up, `failed` when a run cannot finish, any other for `onEvent`.
+ */
+export function serveParent<R extends Request>(
+  handlers: { [K in R["type"]]: (request: Extract<R, { type: K }>) => unknown },
+  leave: () => Promise<void>,
+): (event: string, data?: unknown) => void {
+  const send = (reply: Reply, then?: () => void) =>
+    process.send!(reply, undefined, {}, () => then?.());
+  const exit = (then: (code: number) => void) => {
+    // Leave anyway if stopping hangs.
+    setTimeout(() => process.exit(1), 10_000).unref();
+    leave().then(
+      () => then(0),
+      () => then(1),
+    );
+  };
+  process.on("message", ({ id, request }: { id: number; request: R }) => {
+    if (request.type === "leave") {
+      exit((code) => send({ id }, () => process.exit(code)));
+      return;
+    }
+    const handler = handlers[request.type as R["type"]] as (request: R) => unknown;
+    Promise.resolve()
+      .then(() => handler(request))
+      .then(
+        (answer) => send({ id, answer }),
+        (error: unknown) =>
+          send({
+            id,
+            error: error instanceof Error ? (error.stack ?? error.message) : String(error),
+          }),
+      );
+  });
+  process.on("disconnect", () => exit((code) => process.exit(code)));
+  return (event, data) => send({ event, data });
+}
+
+/** Whether this module is the script node was started with (not imported by another). */
+export const isMain = (url: string): boolean =>
+  process.argv[1] !== undefined && url === pathToFileURL(process.argv[1]).href;

@@ -6,8 +6,6 @@
  */
 import { existsSync, readdirSync, statSync } from "node:fs";
 import type * as Library from "../src/index.js";
-import type * as Exclusive from "../src/exclusive.js";
-import type * as Options from "../src/options.js";
 
 export const libraryBuild: "src" | "dist" = process.env.BENCH_LIB === "src" ? "src" : "dist";
 
@@ -43,9 +41,3 @@ async function load<T>(module: string): Promise<T> {
 }
 
 export const library = await load<typeof Library>("index");
-
-/** Internals, for bench/profile.ts only. */
-export const internals = async () => ({
-  exclusive: await load<typeof Exclusive>("exclusive"),
-  options: await load<typeof Options>("options"),
-});

@@ -40,6 +40,7 @@ import {
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 import {
   OUR_MATCH,
@@ -54,7 +55,7 @@ import {
 } from "./peers-common.js";
 import { openOurs } from "./peers-ours.js";
 
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 const SECTION = "peers";
 
 const SIZES = {
@@ -474,77 +475,7 @@ function tables(
       ...settings.ours.map((s) => `ours: ${s}`),
     ],
   };
-  const sendDetail: Table = {
-    title: "Peer: every send run (round 0 = warm-up, not counted), sends/s",
-    columns: [
-      { header: "policy", align: "left" },
-      { header: "keys", align: "left" },
-      { header: "round", align: "right" },
-      { header: "pg-boss", align: "right" },
-      { header: "ours", align: "right" },
-    ],
-    rows: POLICIES.flatMap((policy) =>
-      (["fresh", "duplicate"] as const).flatMap((mode) =>
-        Array.from({ length: ROUNDS + 1 }, (_, r) => {
-          const get = (side: PeerId) =>
-            sends.find(
-              (s) => s.policy === policy && s.mode === mode && s.round === r && s.side === side,
-            );
-          return [
-            policy,
-            mode,
-            String(r),
-            fmtInt(get("pg-boss")?.opsPerSecond ?? Number.NaN),
-            fmtInt(get("ours")?.opsPerSecond ?? Number.NaN),
-          ];
-        }),
-      ),
-    ),
-  };
-  const contendedDetail: Table = {
-    title: "Peer: every contended run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "concurrency", align: "right" },
-      { header: "round", align: "right" },
-      { header: "side", align: "left" },
-      { header: "jobs", align: "right" },
-      { header: "makespan ms", align: "right" },
-      { header: "ideal ms", align: "right" },
-      { header: "hand-off p50", align: "right" },
-      { header: "p99", align: "right" },
-      { header: "max", align: "right" },
-      { header: "overlaps", align: "right" },
-      { header: "parks", align: "right" },
-    ],
-    rows: contended.map((c) => [
-      String(c.concurrency),
-      String(c.round),
-      c.side,
-      fmtInt(c.jobs),
-      fmtInt(c.makespanMs),
-      fmtInt(c.idealMs),
-      fmtFixed(c.handoffP50Ms, 1),
-      fmtFixed(c.handoffP99Ms, 1),
-      fmtFixed(c.handoffMaxMs, 1),
-      String(c.overlaps),
-      c.side === "ours" ? fmtInt(c.parks) : "",
-    ]),
-  };
-  const pickupDetail: Table = {
-    title: "Peer: idle pickup samples, ms",
-    columns: [
-      { header: "side", align: "left" },
-      { header: "samples", align: "left" },
-    ],
-    rows: (["pg-boss", "ours"] as const).map((side) => [
-      side,
-      pickups
-        .filter((p) => p.side === side)
-        .map((p) => fmtFixed(p.ms, 1))
-        .join(" "),
-    ]),
-  };
-  return [summary, sendDetail, contendedDetail, pickupDetail];
+  return [summary];
 }
 
 function goals(rows: Row[], contended: ContendedRunFigures[]): Goal[] {

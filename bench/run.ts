@@ -1,9 +1,10 @@
 /**
  * `npm run bench [-- <section id>...]`: starts PostgreSQL once (DATABASE_URL if set, else an embedded
  * server in a temp directory), creates a throwaway database on it, runs the sections, prints their tables
- * and goals, and writes every figure with the machine's description to bench/results.json
- * (bench/results.quick.json with BENCH_QUICK=1, which shrinks the job counts for a smoke run;
- * bench/results.partial.json when only some sections or variants ran).
+ * and goals, and writes a summary (every printed row and goal) to bench/results.json, or to
+ * bench/results.partial.json when only some sections or variants ran or with BENCH_QUICK=1 (which shrinks
+ * the job counts for a smoke run). Every figure of every run, with the machine's description, goes to
+ * bench/results.full.json (not committed).
  *
  * BENCH_ROUNDS: measured rounds per configuration (default 3). BENCH_LIB=src: measure src/ through tsx
  * rather than the build in dist/ (which `npm run bench` builds first); see library.ts.
@@ -18,6 +19,7 @@ import {
   fmtFixed,
   formatTable,
   now,
+  summaryRows,
   openBench,
   writeJsonAtomic,
   type Goal,
@@ -45,11 +47,13 @@ async function main(): Promise<void> {
   }
   const sections = wanted.length > 0 ? SECTIONS.filter((s) => wanted.includes(s.id)) : SECTIONS;
   // Only a full run replaces results.json (the figures the README quotes); a part of one goes beside it.
-  const partial = sections.length < SECTIONS.length || process.env.BENCH_CONTENTION !== undefined;
-  const output = new URL(
-    quick ? "./results.quick.json" : partial ? "./results.partial.json" : "./results.json",
+  const partial =
+    quick || sections.length < SECTIONS.length || process.env.BENCH_CONTENTION !== undefined;
+  const summaryFile = new URL(
+    partial ? "./results.partial.json" : "./results.json",
     import.meta.url,
   );
+  const fullFile = new URL("./results.full.json", import.meta.url);
 
   const started = now();
   const bench = await openBench(log, quick);
@@ -57,6 +61,7 @@ async function main(): Promise<void> {
     const { ctx, machine } = bench;
     process.stdout.write(`${describeMachine(machine)}\n`);
     const results: Record<string, { title: string; seconds: number; figures: unknown }> = {};
+    const rows: Record<string, string[]> = {};
     const goals: Goal[] = [];
     for (const section of sections) {
       log(`section ${section.id}: ${section.title}`);
@@ -65,21 +70,26 @@ async function main(): Promise<void> {
       const seconds = Math.round(now() - t0) / 1000;
       results[section.id] = { title: section.title, seconds, figures: result.figures };
       goals.push(...result.goals);
-      for (const table of result.tables) process.stdout.write(`\n${formatTable(table)}\n`);
+      for (const table of result.tables) {
+        process.stdout.write(`\n${formatTable(table)}\n`);
+        rows[table.title] = summaryRows(table);
+      }
     }
 
+    const goalLines = goals.map(
+      (g) =>
+        `${g.met ? "met   " : "MISSED"}  ${g.section} ${g.name}: ${g.target}, measured ${fmtFixed(g.value, 2)}`,
+    );
     if (goals.length > 0) {
       process.stdout.write("\nGoals (reported, not enforced)\n");
-      for (const g of goals) {
-        process.stdout.write(
-          `  ${g.met ? "met   " : "MISSED"}  ${g.section} ${g.name}: ${g.target}, measured ${fmtFixed(g.value, 2)}\n`,
-        );
-      }
+      for (const line of goalLines) process.stdout.write(`  ${line}\n`);
     }
     const seconds = Math.round(now() - started) / 1000;
     process.stdout.write(`\nTotal time: ${seconds.toFixed(1)} s${quick ? " (BENCH_QUICK)" : ""}\n`);
-    await writeJsonAtomic(output, { quick, seconds, machine, goals, sections: results });
-    log(`wrote ${fileURLToPath(output)}`);
+    const run = { date: machine.date, commit: machine.commit, machine: describeMachine(machine) };
+    await writeJsonAtomic(summaryFile, { ...run, quick, seconds, goals: goalLines, rows });
+    await writeJsonAtomic(fullFile, { quick, seconds, machine, goals, sections: results });
+    log(`wrote ${fileURLToPath(summaryFile)} and ${fileURLToPath(fullFile)}`);
   } finally {
     await bench.close();
   }

@@ -13,10 +13,10 @@
  * apart in pg_stat_activity: the lock session, the Locks instance's own pool (its migration check and
  * enqueues) and graphile-worker's pool.
  *
- * Controlled over IPC by request/answer messages carrying an `id`: `start` (starts the runner; answers once
- * `run()` resolved), `stop` (takes this process's CPU time and lock statements since `start` first, then
- * stops the runner, collects garbage if it can, and answers the run's report), `exit` (releases the lock
- * session, answers and exits). Unsolicited: `ready` (the lock session is open), `progress` (jobs completed
+ * Requests (serveParent in lib.ts): `start` (starts the runner; answers once `run()` resolved), `stop`
+ * (takes this process's CPU time and lock statements since `start` first, then stops the runner, collects
+ * garbage if it can, and answers the run's report), `leave` (releases the lock session and exits). Events:
+ * `ready` (the lock session is open), `progress` (jobs completed
  * so far in the run, at most every PROGRESS_INTERVAL_MS while jobs complete: the bench starts polling the
  * job table only once every job is reported, as it does in one process, instead of scanning the table
  * while the runners work) and `failed` (a job failed, or the runner stopped by itself: the run cannot
@@ -24,9 +24,9 @@
  */
 import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
-import { pathToFileURL } from "node:url";
 import { Logger, run, type Runner, type Task, type WorkerEvents } from "graphile-worker";
 import type { Locks } from "../src/index.js";
+import { isMain, serveParent } from "./lib.js";
 import { library } from "./library.js";
 
 /** What the bench's connections are named after: `gwl-bench-tp/<process>/<role>`. */
@@ -101,8 +101,6 @@ export interface ProcessReport {
   conflicts: number;
   /** Locks this process still held once its runner had stopped (must be 0). */
   heldAfterRun: number;
-  /** The lock session's backend pid at `stop`. */
-  lockSessionPid: number | null;
   /** V8 heap used after the runner stopped, after a full garbage collection when `gc` is true. */
   heapUsedBytes: number;
   gc: boolean;
@@ -111,7 +109,6 @@ export interface ProcessReport {
 export type ParentMessage =
   | {
       type: "start";
-      id: number;
       /** Numbers the run, so that a late `progress` message of an earlier one is not counted. */
       run: number;
       variant: ProcessVariant;
@@ -119,14 +116,13 @@ export type ParentMessage =
       concurrency: number;
       worker: WorkerOptions;
     }
-  | { type: "stop"; id: number }
-  | { type: "exit"; id: number };
+  | { type: "stop" };
 
-export type ChildMessage =
-  | { type: "ready"; lockSessionPid: number | null }
-  | { type: "progress"; run: number; completed: number }
-  | { type: "failed"; message: string }
-  | { type: "answer"; id: number; error?: string; report?: ProcessReport };
+/** A `progress` event's data. */
+export interface Progress {
+  run: number;
+  completed: number;
+}
 
 /** A no-op task. */
 const noop: Task = async () => undefined;
@@ -155,9 +151,6 @@ async function main(): Promise<void> {
   if (!url) throw new Error("throughput-worker: DATABASE_URL is not set");
   const name = process.env.WORKER_NAME ?? String(process.pid);
   const quiet = new Logger(() => () => undefined);
-
-  const send = (message: ChildMessage, then?: () => void) =>
-    process.send!(message, undefined, {}, () => then?.());
 
   const locks = makeNamedLocks(url, name, quiet);
   let conflicts = 0;
@@ -190,7 +183,7 @@ async function main(): Promise<void> {
     let progressScheduled = false;
     const reportProgress = () => {
       progressScheduled = false;
-      send({ type: "progress", run: message.run, completed: counts.completed });
+      send("progress", { run: message.run, completed: counts.completed } satisfies Progress);
     };
     events.on("job:complete", ({ error }) => {
       counts.lastComplete = performance.now();
@@ -202,8 +195,7 @@ async function main(): Promise<void> {
         counts.completed++;
         return;
       }
-      if (counts.failed++ === 0)
-        send({ type: "failed", message: `a job failed: ${String(error)}` });
+      if (counts.failed++ === 0) send("failed", `a job failed: ${String(error)}`);
     });
     const detach = message.variant === "wrapped" ? locks.attach({ events }) : () => undefined;
     const statementsBefore = locks.status().statements;
@@ -238,11 +230,10 @@ async function main(): Promise<void> {
     current = thisRun;
     void runner.promise.then(
       () => {
-        if (!thisRun.stopping) send({ type: "failed", message: "the runner stopped by itself" });
+        if (!thisRun.stopping) send("failed", "the runner stopped by itself");
       },
       (error: unknown) => {
-        if (!thisRun.stopping)
-          send({ type: "failed", message: `the runner failed: ${String(error)}` });
+        if (!thisRun.stopping) send("failed", `the runner failed: ${String(error)}`);
       },
     );
   };
@@ -273,7 +264,6 @@ async function main(): Promise<void> {
       lockStatements,
       conflicts: conflicts - thisRun.conflictsBefore,
       heldAfterRun: status.held.length,
-      lockSessionPid: status.pid,
       heapUsedBytes: process.memoryUsage().heapUsed,
       gc: gc !== undefined,
     };
@@ -289,43 +279,12 @@ async function main(): Promise<void> {
     await locks.release().catch(() => undefined);
   };
 
-  const answer = (id: number, work: () => Promise<ProcessReport | void>) => {
-    work().then(
-      (report) => send({ type: "answer", id, ...(report ? { report } : {}) }),
-      (error: unknown) =>
-        send({
-          type: "answer",
-          id,
-          error: error instanceof Error ? (error.stack ?? error.message) : String(error),
-        }),
-    );
-  };
-
-  process.on("message", (message: ParentMessage) => {
-    switch (message.type) {
-      case "start":
-        answer(message.id, () => start(message));
-        break;
-      case "stop":
-        answer(message.id, stop);
-        break;
-      case "exit":
-        void shutDown().then(() => send({ type: "answer", id: message.id }, () => process.exit(0)));
-        break;
-    }
-  });
-  // The bench went away (killed, or failed without stopping us): nothing to report to, just leave. The
-  // timer makes sure we do, even if stopping hangs.
-  process.on("disconnect", () => {
-    setTimeout(() => process.exit(1), 10_000).unref();
-    void shutDown().finally(() => process.exit(0));
-  });
-
+  const send = serveParent<ParentMessage>({ start, stop }, shutDown);
   await locks.connect();
-  send({ type: "ready", lockSessionPid: locks.status().pid });
+  send("ready");
 }
 
-if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href) {
+if (isMain(import.meta.url)) {
   main().catch((error: unknown) => {
     console.error(`[throughput-worker ${process.env.WORKER_NAME ?? process.pid}] failed:`, error);
     process.exit(1);

@@ -34,10 +34,8 @@
  * against after a plain run (after a full GC, in the worker processes, which run with --expose-gc), the
  * locks still held after a run, and lock statements per executed job.
  */
-import { fork } from "node:child_process";
 import { EventEmitter } from "node:events";
 import { readFile } from "node:fs/promises";
-import { fileURLToPath } from "node:url";
 import pg from "pg";
 import { run } from "graphile-worker";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
@@ -53,14 +51,17 @@ import {
   quietLogger,
   resetJobs,
   round,
-  sleep,
   spread,
   waitUntilNoJobs,
+  forkWorkers,
+  timeout,
   type BenchContext,
+  type WorkerProcess,
   type Goal,
   type Section,
   type SectionResult,
   type Table,
+  benchRounds,
 } from "./lib.js";
 import {
   APPLICATION_PREFIX,
@@ -69,16 +70,15 @@ import {
   makeNamedLocks,
   parseApplicationName,
   withApplicationName,
-  type ChildMessage,
   type ConnectionRole,
-  type ParentMessage,
+  type Progress,
   type ProcessReport,
   type ProcessVariant,
 } from "./throughput-worker.js";
 
 export const TASK = "noop";
 /** Measured rounds per configuration (BENCH_ROUNDS overrides). */
-const ROUNDS = Math.max(1, Number(process.env.BENCH_ROUNDS ?? 3) || 3);
+const ROUNDS = benchRounds(3);
 
 export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
 
@@ -99,7 +99,7 @@ export interface Config {
 }
 
 /**
- * B's settings are the best of a sweep for plain graphile-worker (bench/tune.ts, 60,000 jobs per run) on
+ * B's settings are the best of a sweep for plain graphile-worker (60,000 jobs per run) on
  * the 2-core development machine: localQueue.size 24 / 100 / 250 / 500 / 1000 / 2000 gave about 15k / 28k
  * / 30k / 18k / 24k / 24k jobs/s with completeJobBatchDelay 0; at size 250, delays of 0…10 ms were all
  * within noise (26k–29k), -1 (no batching) 12k; maxPoolSize 26 instead of 10 did not help. Wrapped and
@@ -159,9 +159,7 @@ const MAIN_PROCESS = "main";
 /** How often pg_stat_activity is sampled during a multi-process run. */
 const SAMPLE_INTERVAL_MS = 250;
 
-export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn" | ProfileVariantId;
-/** Variants of bench/profile.ts only. */
-export type ProfileVariantId = "nolock" | "async" | "keyonly";
+export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn";
 
 export interface Variant {
   id: VariantId;
@@ -343,15 +341,6 @@ function makeNaiveConn(pool: pg.Pool): { task: Task; statements(): number; confl
   });
 }
 
-function timeout(ms: number, message: string): { promise: Promise<never>; clear(): void } {
-  let timer: NodeJS.Timeout | undefined;
-  const promise = new Promise<never>((_resolve, reject) => {
-    timer = setTimeout(() => reject(new Error(message)), ms);
-  });
-  promise.catch(() => undefined);
-  return { promise, clear: () => clearTimeout(timer) };
-}
-
 /** One measured run: insert, start the runner, wait until every job is gone, stop. */
 export async function measure(
   ctx: BenchContext,
@@ -360,10 +349,10 @@ export async function measure(
   jobs: number,
   roundNumber: number,
   /**
-   * For instruments (bench/profile.ts, the session cost): called just before `run()`, and once the table
+   * For the session cost: called once the table
    * is empty (awaited, after the run's figures were taken, before the runner stops).
    */
-  hooks: { started?(): void; drained?(): unknown } = {},
+  hooks: { drained?(): unknown } = {},
 ): Promise<RunFigures> {
   await resetJobs(ctx.pool);
   await insertJobs(ctx.pool, TASK, jobs);
@@ -400,7 +389,6 @@ export async function measure(
     60_000 + jobs * 5,
     `${config.id}/${variant.id}: ${jobs} jobs did not complete in time`,
   );
-  hooks.started?.();
   const cpuBefore = process.cpuUsage();
   const t0 = now();
   let runner: Runner | undefined;
@@ -500,173 +488,20 @@ export interface ConfigFigures {
 // ---------------------------------------------------------------------------------------------------------
 // Worker processes (A3, B3)
 
-const WORKER_SCRIPT = fileURLToPath(new URL("./throughput-worker.ts", import.meta.url));
-
-/** A message to a worker without its id (Omit over each member of the union). */
-type ParentRequest = ParentMessage extends infer M
-  ? M extends ParentMessage
-    ? Omit<M, "id">
-    : never
-  : never;
-type ChildAnswer = Extract<ChildMessage, { type: "answer" }>;
-
-interface WorkerProcess {
-  name: string;
-  /** Rejects when the process reports that its run cannot finish, or exits when it should not. */
-  failed: Promise<never>;
-  /** Jobs completed in run `run`, as last reported. */
-  progress: { run: number; completed: number };
-  /** Called on every progress report. */
-  onProgress: (() => void) | undefined;
-  /** Resolves the answer; rejects on an error answer, after `timeoutMs`, or when the process exits. */
-  request(message: ParentRequest, timeoutMs?: number): Promise<ChildAnswer>;
-  /** Asks the process to exit (it stops its runner, releases its lock session), kills it if it does not. */
-  stop(): Promise<void>;
-}
-
-/** Forks a worker process and waits until its lock session is open; kills it if that does not happen. */
-async function startWorker(ctx: BenchContext, name: string): Promise<WorkerProcess> {
-  const child = fork(WORKER_SCRIPT, [], {
-    // --expose-gc: the heap figures of the session cost are taken after a full collection.
-    execArgv: ["--import", "tsx", "--expose-gc"],
-    env: { ...process.env, DATABASE_URL: ctx.url, WORKER_NAME: name },
-    // The child's stdout goes to our stderr: our stdout carries only the results.
-    stdio: ["ignore", 2, 2, "ipc"],
-  });
-  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
-  const alive = () => child.exitCode === null && child.signalCode === null;
-  const kill = async () => {
-    if (alive()) child.kill("SIGKILL");
-    await exited;
-  };
-
-  let leaving = false;
-  let rejectFailed!: (error: Error) => void;
-  const failed = new Promise<never>((_resolve, reject) => {
-    rejectFailed = reject;
-  });
-  failed.catch(() => undefined);
-  let ready!: () => void;
-  const isReady = new Promise<void>((resolve) => {
-    ready = resolve;
-  });
-  const waiting = new Map<
-    number,
-    { resolve(answer: ChildAnswer): void; reject(error: Error): void }
-  >();
-  const worker: WorkerProcess = {
-    name,
-    failed,
-    progress: { run: 0, completed: 0 },
-    onProgress: undefined,
-    request,
-    async stop() {
-      if (!alive()) return;
-      leaving = true;
-      try {
-        await request({ type: "exit" }, 15_000);
-        await Promise.race([exited, sleep(5_000)]);
-      } catch {
-        // Killed below.
-      }
-      await kill();
-    },
-  };
-
-  child.on("message", (message: ChildMessage) => {
-    switch (message.type) {
-      case "ready":
-        ready();
-        break;
-      case "progress":
-        worker.progress = { run: message.run, completed: message.completed };
-        worker.onProgress?.();
-        break;
-      case "failed":
-        rejectFailed(new Error(`throughput worker ${name}: ${message.message}`));
-        break;
-      case "answer":
-        waiting.get(message.id)?.resolve(message);
-        waiting.delete(message.id);
-        break;
-    }
-  });
-  child.once("exit", (code, signal) => {
-    const error = new Error(`throughput worker ${name} exited (${signal ?? code})`);
-    for (const w of waiting.values()) w.reject(error);
-    waiting.clear();
-    if (!leaving) rejectFailed(error);
-  });
-
-  let nextId = 1;
-  function request(message: ParentRequest, timeoutMs = 60_000): Promise<ChildAnswer> {
-    return new Promise<ChildAnswer>((resolve, reject) => {
-      if (!alive()) {
-        reject(new Error(`throughput worker ${name} is not running`));
-        return;
-      }
-      const id = nextId++;
-      const timer = setTimeout(() => {
-        waiting.delete(id);
-        reject(new Error(`throughput worker ${name}: no answer to '${message.type}'`));
-      }, timeoutMs);
-      const settle = () => clearTimeout(timer);
-      waiting.set(id, {
-        resolve(answer) {
-          settle();
-          if (answer.error) reject(new Error(`throughput worker ${name}: ${answer.error}`));
-          else resolve(answer);
-        },
-        reject(error) {
-          settle();
-          reject(error);
-        },
-      });
-      child.send({ ...message, id } as ParentMessage);
-    });
-  }
-
-  const notReady = timeout(60_000, `throughput worker ${name} was not ready within 60 s`);
-  try {
-    await Promise.race([isReady, failed, notReady.promise]);
-  } catch (error) {
-    await kill();
-    throw error;
-  } finally {
-    notReady.clear();
-  }
-  return worker;
-}
-
-/** Starts `count` worker processes; if any fails to start, stops the others and throws. */
-async function startWorkers(ctx: BenchContext, count: number): Promise<WorkerProcess[]> {
-  const started = await Promise.allSettled(
-    Array.from({ length: count }, (_, i) => startWorker(ctx, `w${i + 1}`)),
-  );
-  const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
-  const failure = started.find((s): s is PromiseRejectedResult => s.status === "rejected");
-  if (failure) {
-    await stopWorkers(workers);
-    throw failure.reason;
-  }
-  return workers;
-}
-
-async function stopWorkers(workers: WorkerProcess[]): Promise<void> {
-  await Promise.all(workers.map((w) => w.stop()));
-}
+const WORKER_SCRIPT = new URL("./throughput-worker.ts", import.meta.url);
 
 /** Resolves once the workers reported `jobs` completed jobs between them in run `run`. */
 function allCompleted(workers: WorkerProcess[], run: number, jobs: number): Promise<void> {
+  const completed = new Map<string, number>();
   return new Promise<void>((resolve) => {
-    const check = () => {
-      const completed = workers.reduce(
-        (sum, w) => sum + (w.progress.run === run ? w.progress.completed : 0),
-        0,
-      );
-      if (completed >= jobs) resolve();
-    };
-    for (const w of workers) w.onProgress = check;
+    for (const w of workers) {
+      w.onEvent = (event, data) => {
+        const progress = data as Progress;
+        if (event !== "progress" || progress.run !== run) return;
+        completed.set(w.name, progress.completed);
+        if ([...completed.values()].reduce((sum, n) => sum + n, 0) >= jobs) resolve();
+      };
+    }
   });
 }
 
@@ -717,8 +552,9 @@ async function measureProcesses(
     // With the runners still running: their pools are open, as they were during the run.
     const samples = await sampling.finish();
     const memory = await backendMemory(ctx, samples.at(-1)!);
-    const answers = await Promise.all(workers.map((w) => w.request({ type: "stop" })));
-    const reports = answers.map((a) => a.report!);
+    const reports = await Promise.all(
+      workers.map((w) => w.request<ProcessReport>({ type: "stop" })),
+    );
     const executed = reports.reduce((sum, r) => sum + r.completed, 0);
     if (executed !== jobs) {
       ctx.log(`warning: ${config.id}/${variant}: ${executed} job(s) completed, ${jobs} inserted`);
@@ -727,7 +563,7 @@ async function measureProcesses(
   } finally {
     sampling.cancel();
     limit.clear();
-    for (const w of workers) w.onProgress = undefined;
+    for (const w of workers) w.onEvent = undefined;
   }
 }
 
@@ -1056,13 +892,16 @@ export const throughput: Section = {
     }
     // Started after the one-process runs, so that idle worker processes do not share their machine.
     ctx.log(`throughput: starting ${PROCESSES} worker processes`);
-    const workers = await startWorkers(ctx, PROCESSES);
+    // --expose-gc: the heap figures of the session cost are taken after a full collection.
+    const workers = await forkWorkers(WORKER_SCRIPT, PROCESSES, { DATABASE_URL: ctx.url }, [
+      "--expose-gc",
+    ]);
     try {
       for (const config of PROCESS_CONFIGS) {
         results.push(await runInProcesses(ctx, config, workers));
       }
     } finally {
-      await stopWorkers(workers);
+      await Promise.all(workers.map((w) => w.stop()));
     }
     const costs = results.map(sessionCost);
     return {
@@ -1079,7 +918,7 @@ function summarise(
   runs: RunFigures[],
 ): ConfigFigures {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: Exclude<VariantId, ProfileVariantId>): VariantFigures | undefined => {
+  const per = (variant: VariantId): VariantFigures | undefined => {
     const mine = measured.filter((r) => r.variant === variant);
     if (mine.length === 0) return undefined;
     const rates = mine.map((r) => r.jobsPerSecond);
@@ -1178,39 +1017,7 @@ function tables(results: ConfigFigures[]): Table[] {
       "node CPU summed over the processes. No naive variant there: it is a one-process comparison of coalescing.",
     ],
   };
-  const detail: Table = {
-    title: "Execution overhead: every run (round 0 = warm-up, not counted)",
-    columns: [
-      { header: "config", align: "left" },
-      { header: "round", align: "right" },
-      { header: "variant", align: "left" },
-      { header: "jobs", align: "right" },
-      { header: "seconds", align: "right" },
-      { header: "jobs/s", align: "right" },
-      { header: "start-up ms", align: "right" },
-      { header: "lock stmts", align: "right" },
-      { header: "node CPU µs/job", align: "right" },
-      { header: "jobs per process", align: "right" },
-    ],
-    rows: results.flatMap((c) =>
-      c.runs.map((r) => [
-        c.id,
-        String(r.round),
-        r.variant,
-        fmtInt(r.jobs),
-        r.seconds.toFixed(2),
-        fmtInt(r.jobsPerSecond),
-        fmtInt(r.startupMs),
-        r.variant === "plain" ? "" : fmtInt(r.lockStatements),
-        fmtInt(r.nodeCpuUsPerJob),
-        r.processes?.map((p) => fmtInt(p.completed)).join(" / ") ?? "",
-      ]),
-    ),
-    notes: [
-      "start-up ms: to the first job (several processes: the first in any, from its receiving the start signal).",
-    ],
-  };
-  return [summary, detail];
+  return [summary];
 }
 
 function goals(results: ConfigFigures[]): Goal[] {

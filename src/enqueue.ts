@@ -1,6 +1,7 @@
 /**
- * Enqueueing. Plain jobs go through graphile-worker's public `add_job`; unique jobs through this library's
- * `add_unique_job(s)` (sql/000002.sql). The preemptive check is part of the same statement: a condition
+ * Enqueueing. A job with a job key of the caller's goes through graphile-worker's public `add_job`; every
+ * other job (unique or not) through this library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql), which
+ * insert into graphile-worker's job table directly. The preemptive check is part of the same statement: a condition
  * that does not depend on the function's result, which PostgreSQL evaluates once, before calling it. It
  * only reads pg_locks.
  */
@@ -42,7 +43,7 @@ export interface EnqueuePlan {
   /**
    * A job of a `reschedule` task (one slot, not unique, no `runAt`): its key, and how long it may wait in
    * line before its safety net fetches it (the task's `reschedule.maxDelay`). In a bulk enqueue, such a job
-   * after the first of its key is added waiting in line (sql/000008.sql).
+   * after the first of its key is added waiting in line (enqueue_jobs in sql/000001.sql).
    */
   line?: { key: bigint; safetyNetMs: number } | null;
 }
@@ -114,7 +115,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   let name: string;
   let text: string;
   let values: unknown[];
-  // Without a job key of the caller's, the library's own direct insert (add_unique_job, which bypasses
+  // Without a job key of the caller's, the library's own direct insert (enqueue_job, which bypasses
   // uniqueness for a null key) is about twice as fast as graphile-worker's general add_job path.
   if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
     name = lockKeys ? "add_unique_checked" : "add_unique";
@@ -184,7 +185,7 @@ export async function addJobs(
   let plain = 0;
   const parkPos: number[] = [];
   const parkKeys: string[] = [];
-  // The batch's JSON (an array of bulk_job_spec, sql/000011.sql), written item by item: fields left out are
+  // The batch's JSON (an array of batch_item, sql/000001.sql), written item by item: fields left out are
   // read as null by the database, and a unique job's flags without flags of the caller's are one of three
   // constant texts.
   const items = plans.map((plan, index) => {
@@ -261,7 +262,7 @@ export async function addJobs(
   return results;
 }
 
-/** The last row of a bulk enqueue that did more than add every item (sql/000011.sql), one entry per row. */
+/** The last row of a bulk enqueue that did more than add every item (enqueue_jobs), one entry per row. */
 interface BulkTrailer {
   ord: number[];
   outcome: string[];

@@ -19,6 +19,11 @@ export const ErrorCodes = {
   INVALID_ARGUMENT: "GWL_INVALID_ARGUMENT",
   /** graphile-worker's schema is not installed in the database. */
   SCHEMA_MISSING: "GWL_SCHEMA_MISSING",
+  /**
+   * graphile-worker's schema is at a migration level this library was not tested with; see
+   * {@link UntestedWorkerSchemaError}.
+   */
+  WORKER_SCHEMA_UNTESTED: "GWL_WORKER_SCHEMA_UNTESTED",
   /** The `Locks` instance was released. */
   RELEASED: "GWL_RELEASED",
 } as const;
@@ -103,5 +108,33 @@ export class UniqueConflictError extends LocksError {
     this.uniqueKey = uniqueKey;
     this.existingJobId = existingJobId;
     this.existingJob = existingJob;
+  }
+}
+
+/**
+ * graphile-worker's schema is at a migration level this library was not tested with. The library writes
+ * into graphile-worker's private job table, whose shape may change with any release, so it refuses to run
+ * rather than guess; `allowUntestedWorkerSchema: true` overrides.
+ */
+export class UntestedWorkerSchemaError extends LocksError {
+  readonly workerSchema: string;
+  /** graphile-worker's migration level found (the highest id of `<workerSchema>.migrations`; 0: none). */
+  readonly level: number;
+  /** The graphile-worker versions this library is tested with, and the migration level of each. */
+  readonly tested: ReadonlyArray<{ version: string; level: number }>;
+  constructor(
+    workerSchema: string,
+    level: number,
+    tested: ReadonlyArray<{ version: string; level: number }>,
+    options?: { cause?: unknown },
+  ) {
+    super(
+      ErrorCodes.WORKER_SCHEMA_UNTESTED,
+      `graphile-worker's schema '${workerSchema}' is at migration ${level}, which graphile-worker-locks was not tested with: it supports ${tested.map((t) => `graphile-worker ${t.version} (migration ${t.level})`).join(" and ")}. Use a supported graphile-worker version, or set \`allowUntestedWorkerSchema: true\` once you have checked this one`,
+      options,
+    );
+    this.workerSchema = workerSchema;
+    this.level = level;
+    this.tested = tested;
   }
 }

@@ -5,7 +5,7 @@
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "./errors.js";
 import type { LocksContext } from "./context.js";
-import type { AcquireResult, Hold, HoldInfo } from "./session.js";
+import type { AcquireResult, Hold, HoldInfo } from "./holds.js";
 import { slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
 import type { AddJobResult } from "./enqueue.js";
@@ -145,10 +145,11 @@ export function makeExclusiveTask<TPayload>(
     slotKeys(taskIdentifier, options.key(job.payload as TPayload), options.limit, runtimePath);
   const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo =>
     options.onConflict !== "reschedule"
-      ? { taskIdentifier, jobId: job.id, wakeKey: null }
+      ? { taskIdentifier, jobId: job.id, reschedule: false }
       : {
           taskIdentifier,
           jobId: job.id,
+          reschedule: true,
           wakeKey: slots[0]!,
           // Early wakes for single keys (a semaphore's next job may find any of its slots free).
           prewakeAfterMs: slots.length === 1 ? holdTime.prewakeAfterMs() : null,
@@ -177,7 +178,7 @@ export function makeExclusiveTask<TPayload>(
         const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
         const now = Date.now();
         const earliest = new Date(now + Math.round(base * (1 - jitter * Math.random())));
-        // The safety net is later for a job further back in line (see park_job in sql/000004.sql).
+        // The safety net is later for a job further back in line (see park_job in sql/000001.sql).
         const latest = new Date(now + maxDelay);
         const parked = await helpers.withPgClient(async (client) => {
           const { rows } = await client.query<{ id: string; run_at: Date }>(ctx.sql.parkJob, [
@@ -213,7 +214,7 @@ export function makeExclusiveTask<TPayload>(
 
   /** Runs the task while `hold` is held, then releases it. */
   const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
-    if (hold.info.wakeKey !== null) conflicts.clear(hold.info.wakeKey.toString());
+    if (hold.info.reschedule) conflicts.clear(hold.info.wakeKey.toString());
     if (ctx.listening("lock:acquired"))
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
     const measured = timed || listening();

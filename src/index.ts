@@ -23,15 +23,16 @@ export {
   lockFlag,
   KEY_VERSION,
 } from "./key.js";
-export { migrate } from "./migrate.js";
+export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
 export type { MigrateOptions } from "./migrate.js";
-export type { HandoffCounts } from "./session.js";
+export type { HandoffCounts } from "./handoff.js";
 export {
   ErrorCodes,
   LocksError,
   LockConflictError,
   InvalidArgumentError,
   UniqueConflictError,
+  UntestedWorkerSchemaError,
 } from "./errors.js";
 export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
 export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";

@@ -20,7 +20,7 @@ import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } fro
 import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
 import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
 import { assertIdentifier, assertJsonSafe, lockFlag, slotKeys } from "./key.js";
-import { migrate } from "./migrate.js";
+import { migrateChecked } from "./migrate.js";
 import {
   resolveExclusiveOptions,
   validateLocksTimings,
@@ -32,8 +32,9 @@ import {
 } from "./options.js";
 import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
-import { LockSession, type HandoffCounts } from "./session.js";
-import { makeSql } from "./sql.js";
+import type { HandoffCounts } from "./handoff.js";
+import { LockSession } from "./session.js";
+import { assertSchemaName, makeSql } from "./sql.js";
 import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
 /** A row of the held-locks view. */
@@ -149,6 +150,32 @@ interface Definition {
 
 const SWEEP_INTERVAL_MS = 60_000;
 
+const DEADLOCK_DETECTED = "40P01";
+const DEADLOCK_RETRIES = 5;
+
+/**
+ * A bulk enqueue, tried again when PostgreSQL broke a deadlock by aborting it. The batch takes its keys in
+ * key order (enqueue_jobs in sql/000001.sql), which rules out the deadlocks of two batches inserting keys in opposite orders;
+ * what remains is rare (a batch's second pass over keys that an older job freed meanwhile). On the pool the
+ * statement is its own transaction, so an aborted one wrote nothing and is safe to repeat; on the caller's
+ * client it may be part of the caller's transaction, which the abort ended, so the error is theirs.
+ */
+async function addJobsRetryingDeadlocks(
+  db: Queryable,
+  sql: ReturnType<typeof makeSql>,
+  plans: readonly EnqueuePlan[],
+  ownTransaction: boolean,
+): Promise<AddJobResult[]> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await addJobs(db, sql, plans);
+    } catch (error) {
+      const code = (error as { code?: string }).code;
+      if (!ownTransaction || code !== DEADLOCK_DETECTED || attempt > DEADLOCK_RETRIES) throw error;
+    }
+  }
+}
+
 export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
     throw new InvalidArgumentError("`makeLocks` needs `connectionString` or `pgPool`");
@@ -156,6 +183,8 @@ export function makeLocks(options: LocksOptions): Locks {
   validateLocksTimings(options);
   const schema = options.schema ?? "graphile_worker_locks";
   const workerSchema = options.workerSchema ?? "graphile_worker";
+  assertSchemaName("schema", schema);
+  assertSchemaName("workerSchema", workerSchema);
   const logger = options.logger ?? new Logger(consoleLogFactory);
   const ownPool = !options.pgPool;
   const pool: Pool =
@@ -166,12 +195,30 @@ export function makeLocks(options: LocksOptions): Locks {
   const events = makeEmitter();
   let released = false;
 
+  // Every entry point installs the schema (and checks graphile-worker's) before its first statement, once
+  // per instance: after that, `isMigrated` keeps the check off the hot path.
   let migrated: Promise<void> | undefined;
+  let isMigrated = false;
   const ensureMigrated = (): Promise<void> => {
-    migrated ??= migrate({ pgPool: pool, schema, workerSchema }).catch((error: unknown) => {
-      migrated = undefined;
-      throw error;
-    });
+    migrated ??= migrateChecked({
+      pgPool: pool,
+      schema,
+      workerSchema,
+      allowUntestedWorkerSchema: options.allowUntestedWorkerSchema ?? false,
+    }).then(
+      (check) => {
+        isMigrated = true;
+        if (!check.tested) {
+          logger.warn(
+            `graphile-worker-locks: graphile-worker's schema '${workerSchema}' is at migration ${check.level}, which this library was not tested with; going ahead because \`allowUntestedWorkerSchema\` is set`,
+          );
+        }
+      },
+      (error: unknown) => {
+        migrated = undefined;
+        throw error;
+      },
+    );
     return migrated;
   };
 
@@ -333,13 +380,14 @@ export function makeLocks(options: LocksOptions): Locks {
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();
-      await ensureMigrated();
+      if (!isMigrated) await ensureMigrated();
       return lockAvailable(pool, sql, keys);
     },
     async addJob(taskIdentifier, payload, spec) {
       assertOpen();
       const p = plan(taskIdentifier, payload, spec);
-      if (p.unique) await ensureMigrated();
+      // (every enqueue statement calls this library's functions, unique or not)
+      if (!isMigrated) await ensureMigrated();
       const db: Queryable = spec?.pgClient ?? pool;
       const result = await addJob(db, sql, p);
       report(result, p);
@@ -431,11 +479,11 @@ export function makeLocks(options: LocksOptions): Locks {
         // enqueue has no preemptive check.
         return plan(item.identifier, item.payload, item, false);
       });
-      await ensureMigrated();
+      if (!isMigrated) await ensureMigrated();
       const db: Queryable = addOptions?.pgClient ?? pool;
       let results: AddJobResult[];
       try {
-        results = await addJobs(db, sql, plans);
+        results = await addJobsRetryingDeadlocks(db, sql, plans, !addOptions?.pgClient);
       } catch (error) {
         const e = error as { code?: string; detail?: string; hint?: string };
         if (e.code !== "GWLUQ") throw error;
@@ -486,6 +534,8 @@ export function makeLocks(options: LocksOptions): Locks {
     forbiddenFlags: () => session.heldFlags(),
     async connect() {
       assertOpen();
+      // (here, so that a schema that cannot be installed rejects with its own error)
+      await ensureMigrated();
       await session.warmUp();
     },
     attach(runner) {

@@ -77,6 +77,14 @@ export interface LocksOptions {
   schema?: string;
   /** graphile-worker's schema; must match the runner's `schema`. @defaultValue `"graphile_worker"` */
   workerSchema?: string;
+  /**
+   * Whether to run against a graphile-worker schema at a migration level this library was not tested with
+   * (graphile-worker 0.17.3: 19, 0.18.0: 20), instead of refusing with an `UntestedWorkerSchemaError` at the
+   * first use. The library writes into graphile-worker's private job table, whose shape may change with any
+   * release: only set it after checking that version yourself. A warning is logged when it applies.
+   * @defaultValue `false`
+   */
+  allowUntestedWorkerSchema?: boolean;
   /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<pid>"` */
   applicationName?: string;
   /** Where warnings go. @defaultValue graphile-worker's console logger */

@@ -10,7 +10,8 @@
  * the moment it is fetched.
  */
 import type { Job, WorkerEvents } from "graphile-worker";
-import type { AcquireReceiver, AcquireResult, HoldInfo, LockSession } from "./session.js";
+import type { AcquireReceiver, AcquireResult, HoldInfo } from "./holds.js";
+import type { LockSession } from "./session.js";
 
 /** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
 export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;

@@ -16,8 +16,7 @@
  *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
  *   round trip, never a re-entrant "success".
  * - Requests are coalesced: while one statement is in flight, every lock and unlock request queues up, and
- *   the next statement carries all of them (`lockBatch` in sql.ts, or `lockBatchPlain` when they are only
- *   plain locks and unlocks). One statement is in flight at a time.
+ *   the next statement carries all of them (batch.ts). One statement is in flight at a time.
  * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
@@ -25,63 +24,33 @@
  *   releases everything) rather than reused.
  * - While the session is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE: no job
  *   ever runs unlocked.
- * - A key passes without an unlock only from a finished hold to the job that hold woke early (`prewoken`,
- *   waiting in `handovers`): the old hold is settled before the new one is made, and PostgreSQL sees the key
- *   held throughout. A job woken early by another session waits in `awaitingRelease`, its key still
- *   `pending`, for the release's notification or its time limit, then tries the key again.
+ * - A key passes without an unlock only from a finished hold to the job that hold woke early (handoff.ts):
+ *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
+ *   woken early by another session waits, its key still `pending`, for the release's notification or its
+ *   time limit, then tries the key again.
  */
 import pg from "pg";
 import type { ClientConfig } from "pg";
+import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
 import { lockLost, lockSessionUnavailable } from "./errors.js";
-import { lockFlag } from "./key.js";
+import { Handoff, type HandoffCounts } from "./handoff.js";
+import {
+  Acquisition,
+  HoldImpl,
+  LOST,
+  RELEASED,
+  UNVERIFIED,
+  type AcquireReceiver,
+  type AcquireResult,
+  type HoldInfo,
+  type HoldOwner,
+  type LockRequest,
+} from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
-import type { Sql } from "./sql.js";
+import { lockFlag } from "./key.js";
+import { BatchOp, type Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "closed";
-
-/** What a hold is for, written to the holder registry for operators. */
-export interface HoldInfo {
-  taskIdentifier: string;
-  jobId: string | null;
-  /** The key whose waiters (parked rescheduled jobs) to wake on release, if any. */
-  wakeKey: bigint | null;
-  /**
-   * For a `reschedule` hold whose key has a line: when, counted from the start of the hold, to wake the first
-   * job in line early, so that it is fetched while this one still runs (null: only at the release).
-   */
-  prewakeAfterMs?: number | null;
-  /** For a job woken early: how long it waits for its key's release before it parks again. */
-  releaseWaitMs?: number;
-}
-
-export interface ReleaseResult {
-  /** True when PostgreSQL confirmed the unlock. */
-  released: boolean;
-  /** `ok`; `lost` when the session died first (the lock went with it); `unverified` when the unlock returned false. */
-  outcome: "ok" | "lost" | "unverified";
-}
-
-/** A key held by this process on the lock session. */
-export interface Hold {
-  readonly key: bigint;
-  readonly info: HoldInfo;
-  readonly since: Date;
-  /** Whether the connection this hold was taken on is gone, and the key with it. */
-  readonly lost: boolean;
-  /** Aborts (with a GWL_LOCK_LOST error) if the session is lost while the key is held. */
-  readonly signal: AbortSignal;
-  /**
-   * Aborts (with a GWL_LOCK_LOST error) when the connection this hold was taken on is lost: one signal
-   * shared by every hold of that connection, so it may also abort after this hold was released.
-   */
-  readonly sessionSignal: AbortSignal;
-  /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
-  release(): Promise<ReleaseResult>;
-  /** Releases the key like `release()`, for a caller that does not wait for the answer (no promise made). */
-  releaseQuietly(): void;
-}
-
-export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; local: boolean };
 
 export interface LockSessionOptions {
   sql: Sql;
@@ -90,7 +59,7 @@ export interface LockSessionOptions {
   client: ClientConfig;
   /** Ensures the library's schema exists; called before the first connection. */
   prepare(): Promise<void>;
-  onLost(holds: Hold[], error: Error): void;
+  onLost(holds: HoldImpl[], error: Error): void;
   onConnected(): void;
   onWarning(message: string, error?: unknown): void;
   heartbeatIntervalMs: number;
@@ -102,177 +71,7 @@ export interface LockSessionOptions {
   reconnectDelayMs: { min: number; max: number };
 }
 
-const OK: ReleaseResult = Object.freeze({ released: true, outcome: "ok" });
-const LOST: ReleaseResult = Object.freeze({ released: false, outcome: "lost" });
-const UNVERIFIED: ReleaseResult = Object.freeze({ released: false, outcome: "unverified" });
-
-class HoldImpl implements Hold {
-  private controller: AbortController | undefined;
-  /** The timer of this hold's early wake of the next job in line (see planPrewake). */
-  prewakeTimer: NodeJS.Timeout | undefined;
-  /** The statement carrying this hold's early wake, until it answered. */
-  prewaking: Promise<void> | null = null;
-  private lostReason: Error | undefined;
-  private readonly sinceMs = Date.now();
-  lost = false;
-  /** The unlock was asked for (and until `result`, is on its way). */
-  releaseRequested = false;
-  private result: ReleaseResult | undefined;
-  private answered: Promise<ReleaseResult> | undefined;
-  private resolveAnswered: ((result: ReleaseResult) => void) | undefined;
-  constructor(
-    readonly session: LockSession,
-    readonly key: bigint,
-    readonly keyText: string,
-    readonly generation: number,
-    readonly info: HoldInfo,
-  ) {}
-  get since(): Date {
-    return new Date(this.sinceMs);
-  }
-  /** Made on first use: most jobs never look at it. */
-  get signal(): AbortSignal {
-    if (!this.controller) {
-      this.controller = new AbortController();
-      if (this.lostReason) this.controller.abort(this.lostReason);
-    }
-    return this.controller.signal;
-  }
-  get sessionSignal(): AbortSignal {
-    return this.lost ? this.signal : this.session.lossSignal();
-  }
-  cancelPrewake(): void {
-    if (this.prewakeTimer) clearTimeout(this.prewakeTimer);
-    this.prewakeTimer = undefined;
-  }
-  markLost(reason: Error): void {
-    this.cancelPrewake();
-    this.lost = true;
-    this.lostReason = reason;
-    this.controller?.abort(reason);
-  }
-  release(): Promise<ReleaseResult> {
-    this.releaseQuietly();
-    this.answered ??= this.result
-      ? Promise.resolve(this.result)
-      : new Promise<ReleaseResult>((resolve) => (this.resolveAnswered = resolve));
-    return this.answered;
-  }
-  releaseQuietly(): void {
-    if (this.releaseRequested) return;
-    this.releaseRequested = true;
-    this.session.release(this);
-  }
-  /** The unlock's answer (called once, by the session). */
-  settle(result: ReleaseResult): void {
-    this.result = result;
-    this.resolveAnswered?.(result);
-  }
-}
-
-interface LockRequest {
-  slots: string[];
-  /** The same keys as bigints, kept to avoid parsing them back. */
-  keys: bigint[];
-  info: HoldInfo;
-  resolve(result: AcquireResult): void;
-  reject(error: Error): void;
-  /** How many times this request, woken early, has waited for its key's release (see awaitRelease). */
-  waits?: number;
-}
-
-/** Who takes an acquisition's outcome without a promise: null when it failed (see acquireInto). */
-export interface AcquireReceiver {
-  settle(result: AcquireResult | null): void;
-}
-
-/**
- * A queued lock request and its outcome, which goes to its receiver, if any, and to a promise made only when
- * someone awaits it. Lock-ahead takes it by receiver: per prefetched job, two promises, two closures and a
- * microtask fewer than a promise and its `then` (measured with the session alone: about a quarter less memory
- * allocated per key). Settles once; later calls are ignored, as a promise's would be.
- */
-class Acquisition implements LockRequest {
-  waits?: number;
-  private done = false;
-  private value: AcquireResult | undefined;
-  private error: Error | undefined;
-  private made: Promise<AcquireResult> | undefined;
-  private resolveMade: ((result: AcquireResult) => void) | undefined;
-  private rejectMade: ((error: Error) => void) | undefined;
-  constructor(
-    readonly slots: string[],
-    readonly keys: bigint[],
-    readonly info: HoldInfo,
-    private readonly receiver: AcquireReceiver | undefined,
-  ) {}
-  resolve(result: AcquireResult): void {
-    if (this.done) return;
-    this.done = true;
-    this.value = result;
-    this.receiver?.settle(result);
-    this.resolveMade?.(result);
-  }
-  reject(error: Error): void {
-    if (this.done) return;
-    this.done = true;
-    this.error = error;
-    this.receiver?.settle(null);
-    this.rejectMade?.(error);
-  }
-  promise(): Promise<AcquireResult> {
-    this.made ??= !this.done
-      ? new Promise<AcquireResult>((resolve, reject) => {
-          this.resolveMade = resolve;
-          this.rejectMade = reject;
-        })
-      : this.error
-        ? Promise.reject(this.error)
-        : Promise.resolve(this.value!);
-    return this.made;
-  }
-}
-
-/** A request that waits for its key (a job woken early waits for its holder to finish). */
-interface Waiting {
-  request: LockRequest;
-  timer: NodeJS.Timeout;
-}
-
-/** What the session has done about hand-offs, for `locks.status()`. */
-export interface HandoffCounts {
-  /** Early wakes of the next job in line that woke a job. */
-  prewakes: number;
-  /** Keys passed from a finished job to the next one in this process, without an unlock. */
-  handedOver: number;
-  /** Keys taken by a job woken early after waiting for another session's release. */
-  afterRelease: number;
-  /** Early wakes left to an idle worker of this process to fetch (a runner given to `locks.attach`). */
-  wokenHere: number;
-}
-
-/**
- * A PostgreSQL array literal of integers (keys, job ids; null as NULL). node-postgres would quote every
- * element and run two regular expressions over it: measured alone, with batches of 126 locks and 126 unlocks,
- * this saves about 0.3 µs of Node.js CPU per key. Every element is an integer by construction (a bigint, or
- * the decimal text of one: graphile-worker's job ids, a key's text).
- */
-function integerArray(values: ReadonlyArray<bigint | string | null>): string {
-  let literal = "{";
-  for (let i = 0; i < values.length; i++) {
-    if (i > 0) literal += ",";
-    const value = values[i];
-    literal += value === null ? "NULL" : String(value);
-  }
-  return literal + "}";
-}
-
-/** How long a job woken early waits for its key (every such job is a `reschedule` job, whose info sets it). */
-function releaseWaitMs(info: HoldInfo): number {
-  return info.releaseWaitMs ?? 100;
-}
-
-export class LockSession {
+export class LockSession implements HoldOwner {
   private state: SessionState = "idle";
   private client: pg.Client | null = null;
   private connecting: Promise<void> | null = null;
@@ -290,22 +89,9 @@ export class LockSession {
   private heartbeatPending = false;
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
-  /** `reschedule` jobs waiting for a hold's release, by hold (see acquireSlowly). */
-  private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
-  /** Keys whose first waiter a hold of this process woke early, with the woken job's id. */
-  private readonly prewoken = new Map<string, string>();
-  /** Holds whose key's first waiter to wake early, in the next statement. */
-  private prewakeQueue: HoldImpl[] = [];
-  /** Jobs woken early that wait for a hold of this process to pass them its key (see release). */
-  private readonly handovers = new Map<string, Waiting>();
-  /** Jobs woken early that wait for another session's release of their key (see awaitRelease). */
-  private readonly awaitingRelease = new Map<string, Waiting>();
-  /** For keys being acquired: the number of the last release notification seen for each. */
-  private readonly releaseNotices = new Map<string, number>();
-  private notices = 0;
-  readonly handoffs: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0, wokenHere: 0 };
+  private readonly handoff: Handoff;
   private registryDirty = false;
   private readonly timers: NodeJS.Timeout[] = [];
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
@@ -315,7 +101,29 @@ export class LockSession {
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   statements = 0;
 
-  constructor(private readonly options: LockSessionOptions) {}
+  constructor(private readonly options: LockSessionOptions) {
+    this.handoff = new Handoff(
+      {
+        holdOf: (key) => this.holds.get(key),
+        isPending: (key) => this.pending.has(key),
+        retryLock: (request) => {
+          this.lockQueue.push(request);
+          this.scheduleFlush();
+        },
+        scheduleFlush: () => this.scheduleFlush(),
+        passKey: (from, request) => {
+          this.holds.delete(from.keyText);
+          from.settle(RELEASED);
+          // The next job was woken from a line, so it is taken to have one behind it.
+          request.resolve({
+            acquired: true,
+            hold: this.grant(request, from.keyText, from.generation, true),
+          });
+        },
+      },
+      options.idleWorkers,
+    );
+  }
 
   get currentState(): SessionState {
     return this.state;
@@ -324,6 +132,11 @@ export class LockSession {
   /** The backend pid of the current connection, if connected. */
   get pid(): number | null {
     return (this.client as unknown as { processID?: number } | null)?.processID ?? null;
+  }
+
+  /** What the session has done about hand-offs, for `locks.status()`. */
+  get handoffs(): HandoffCounts {
+    return this.handoff.counts;
   }
 
   /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
@@ -352,15 +165,10 @@ export class LockSession {
   heldFlags(): string[] {
     const flags: string[] = [];
     for (const hold of this.holds.values()) {
-      if (hold.info.wakeKey !== null && !hold.releaseRequested && !this.prewoken.has(hold.keyText))
+      if (hold.info.reschedule && !hold.releaseRequested && !this.handoff.isPrewoken(hold.keyText))
         flags.push(lockFlag(hold.keyText));
     }
     return flags;
-  }
-
-  /** Whether this process holds, or is acquiring or releasing, any of `keys`. */
-  holdsAny(keys: readonly bigint[]): boolean {
-    return keys.some((k) => !this.isFree(k.toString()));
   }
 
   /** Whether no job of this process holds, acquires or releases `key`. */
@@ -409,7 +217,7 @@ export class LockSession {
       if (free.length > 0) break;
       // A job that waits its turn (`reschedule`) does not give up on a key another job of this process is
       // only trying to take: that attempt may fail (it may not be that job's turn), and this one's may not.
-      if (info.wakeKey !== null) {
+      if (info.reschedule) {
         const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
         if (acquiring) {
           await acquiring.promise().catch(() => undefined);
@@ -419,28 +227,14 @@ export class LockSession {
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) {
-        // The job a hold of this process woke early waits for that hold to pass it the key. It may come
-        // before the early wake's answer (a worker fetching at that moment): then wait for the answer first.
-        const key = keys[0]!;
-        if (keys.length === 1 && info.wakeKey !== null && info.jobId !== null) {
-          const waking = this.holds.get(key)?.prewaking;
-          if (waking) {
-            await waking;
-            continue;
-          }
-          if (this.prewoken.get(key) === info.jobId && !this.handovers.has(key))
-            return this.awaitHandover(key, slots, info);
-        }
-        return { acquired: false, local: true };
+        const handedOver =
+          keys.length === 1 ? this.handoff.onLocalConflict(keys[0]!, slots, info) : null;
+        if (!handedOver) return { acquired: false, local: true };
+        const result = await handedOver;
+        if (result === "retry") continue;
+        return result;
       }
-      // Jobs that wait their turn and meet the same release go on in job id order (the enqueue order of
-      // first fetches), the job woken early first: the first takes the key, the others will find it held
-      // and park behind it.
-      const line = info.wakeKey !== null && info.jobId !== null ? this.lineFor(releasing) : null;
-      const me = line ? BigInt(info.jobId!) : 0n;
-      line?.add(me);
-      // The job woken early for this key goes first (its place in line is older than any fresh job's id).
-      const early = line ? this.prewoken.get(keys[0]!) : undefined;
+      const turn = this.handoff.joinLine(releasing, keys[0]!, info);
       this.successorsWaiting++;
       this.scheduleFlush();
       try {
@@ -448,15 +242,7 @@ export class LockSession {
       } finally {
         this.successorsWaiting--;
       }
-      if (line) {
-        const first =
-          early !== undefined && line.has(BigInt(early))
-            ? BigInt(early)
-            : [...line].reduce((a, b) => (b < a ? b : a));
-        line.delete(me);
-        if (line.size === 0) this.successorLines.delete(releasing);
-        if (first !== me) return { acquired: false, local: true };
-      }
+      if (turn && !turn.first()) return { acquired: false, local: true };
     }
     return this.queueLock(
       free,
@@ -464,84 +250,6 @@ export class LockSession {
       info,
       undefined,
     ).promise();
-  }
-
-  /**
-   * Waits, up to the job's `releaseWaitMs`, for the hold of `key` to pass it the key when it is released
-   * (release); resolves a local conflict (the job parks again) when the wait runs out.
-   */
-  private awaitHandover(
-    key: string,
-    slots: readonly bigint[],
-    info: HoldInfo,
-  ): Promise<AcquireResult> {
-    return new Promise<AcquireResult>((resolve, reject) => {
-      const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
-      this.waitIn(this.handovers, request, () => resolve({ acquired: false, local: true }));
-    });
-  }
-
-  /** Parks `request` in `waiting` under its key for its `releaseWaitMs`, then takes it out and calls `onTimeout`. */
-  private waitIn(waiting: Map<string, Waiting>, request: LockRequest, onTimeout: () => void): void {
-    const key = request.slots[0]!;
-    const timer = setTimeout(() => {
-      if (waiting.get(key)?.timer !== timer) return;
-      waiting.delete(key);
-      onTimeout();
-    }, releaseWaitMs(request.info));
-    waiting.set(key, { request, timer });
-  }
-
-  /** Sends `request` with the next lock statement again. */
-  private retryLock(request: LockRequest): void {
-    this.lockQueue.push(request);
-    this.scheduleFlush();
-  }
-
-  /**
-   * A job woken early found its key still held by another session: it waits for the release's notification
-   * (or, at most, its `releaseWaitMs`) and tries again, its key still pending meanwhile. A notification that
-   * came while its statement was on its way means the key is already free: it tries again at once.
-   */
-  private awaitRelease(request: LockRequest, noticesAtSend: number): void {
-    request.waits = (request.waits ?? 0) + 1;
-    if ((this.releaseNotices.get(request.slots[0]!) ?? 0) > noticesAtSend) this.retryLock(request);
-    else this.waitIn(this.awaitingRelease, request, () => this.retryLock(request));
-  }
-
-  /** A release notification: a key that a job woken early may be waiting for is free. */
-  private onReleaseNotice(key: string): void {
-    if (!this.pending.has(key)) return;
-    this.releaseNotices.set(key, ++this.notices);
-    const waiting = this.awaitingRelease.get(key);
-    if (!waiting) return;
-    clearTimeout(waiting.timer);
-    this.awaitingRelease.delete(key);
-    this.retryLock(waiting.request);
-  }
-
-  /** Starts the timer of `hold`'s early wake of the next job in line, if its task has one. */
-  private planPrewake(hold: HoldImpl): void {
-    const after = hold.info.prewakeAfterMs;
-    if (after === null || after === undefined) return;
-    if (after <= 0) {
-      this.prewakeQueue.push(hold);
-      this.scheduleFlush();
-      return;
-    }
-    hold.prewakeTimer = setTimeout(() => {
-      hold.prewakeTimer = undefined;
-      if (this.holds.get(hold.keyText) !== hold || hold.releaseRequested) return;
-      this.prewakeQueue.push(hold);
-      this.scheduleFlush();
-    }, after);
-  }
-
-  /** The job ids of `reschedule` jobs waiting for `hold`'s release. */
-  private lineFor(hold: HoldImpl): Set<bigint> {
-    let line = this.successorLines.get(hold);
-    if (!line) this.successorLines.set(hold, (line = new Set()));
-    return line;
   }
 
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
@@ -560,8 +268,7 @@ export class LockSession {
 
   /**
    * Queues the unlock of `hold`; its answer goes to `hold.settle`. When the job its hold woke early waits in
-   * this process, the key passes to that job instead, without an unlock: PostgreSQL sees the key held
-   * throughout, and the finished job's hold ends before the next job's begins.
+   * this process, the key passes to that job instead, without an unlock.
    */
   release(hold: HoldImpl): void {
     hold.cancelPrewake();
@@ -569,24 +276,7 @@ export class LockSession {
       hold.settle(LOST);
       return;
     }
-    const key = hold.keyText;
-    if (this.holds.get(key) === hold) {
-      const next = this.handovers.get(key);
-      if (next) {
-        this.prewoken.delete(key);
-        clearTimeout(next.timer);
-        this.handovers.delete(key);
-        this.holds.delete(key);
-        hold.settle(OK);
-        this.handoffs.handedOver++;
-        // The next job was woken from a line, so it is taken to have one behind it.
-        next.request.resolve({
-          acquired: true,
-          hold: this.grant(next.request, key, hold.generation, true),
-        });
-        return;
-      }
-    }
+    if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
     this.unlockQueue.push(hold);
     this.scheduleFlush();
   }
@@ -639,7 +329,7 @@ export class LockSession {
       await client.query(this.options.sql.cleanHolders);
       client.on("notification", (message) => {
         if (message.channel === this.options.sql.releaseChannel && message.payload)
-          this.onReleaseNotice(message.payload);
+          this.handoff.onReleaseNotice(message.payload);
       });
       await client.query(`listen ${this.options.sql.releaseChannel}`);
     } catch (error) {
@@ -784,7 +474,7 @@ export class LockSession {
     this.holds.clear();
     this.pending.clear();
     const unavailable = lockSessionUnavailable("the connection was lost", error);
-    this.dropWaiting(unavailable);
+    this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const reason = lockLost(error);
@@ -812,9 +502,9 @@ export class LockSession {
   private onlyQuietUnlocks(): boolean {
     return (
       this.lockQueue.length === 0 &&
-      this.prewakeQueue.length === 0 &&
+      !this.handoff.hasPrewakes() &&
       this.successorsWaiting === 0 &&
-      this.unlockQueue.every((hold) => hold.info.wakeKey === null)
+      this.unlockQueue.every((hold) => !hold.info.reschedule)
     );
   }
 
@@ -836,72 +526,30 @@ export class LockSession {
       clearTimeout(this.unlockTimer);
       this.unlockTimer = null;
     }
-    if (
-      this.lockQueue.length === 0 &&
-      this.unlockQueue.length === 0 &&
-      this.prewakeQueue.length === 0
-    )
+    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
     const client = this.client;
     const generation = this.generation;
-    const noticesAtSend = this.notices;
-    const unlocks = this.unlockQueue.splice(0);
-    const locks = this.lockQueue.splice(0);
-    // A hold that ended since its early wake was queued has woken its line at its release already.
-    const prewakes = this.prewakeQueue
-      .splice(0)
-      .filter((hold) => this.holds.get(hold.keyText) === hold && !hold.releaseRequested);
-    const waking = unlocks.filter((hold) => hold.info.wakeKey !== null);
-    // Jobs woken early are fetched by idle workers of this process when there are enough of them (nudged
-    // when the wakes are answered); otherwise every worker hears of them.
-    const idle = this.options.idleWorkers;
-    const wakeHere = prewakes.length > 0 && idle !== undefined && idle.count >= prewakes.length;
+    const noticesAtSend = this.handoff.notices;
+    const { prewakes, wakeHere } = this.handoff.takePrewakes();
+    const batch = makeBatch(
+      this.unlockQueue.splice(0),
+      this.lockQueue.splice(0),
+      prewakes,
+      wakeHere,
+    );
+    const { unlocks, singles, multis } = batch;
+    const locks = [...singles, ...multis];
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
       const prewaking = new Promise<void>((resolve) => (answered = resolve));
       for (const hold of prewakes) hold.prewaking = prewaking;
     }
-    const singles: LockRequest[] = [];
-    const multis: LockRequest[] = [];
-    for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
-
-    const { lockBatch, lockBatchPlain } = this.options.sql;
-    const plain =
-      multis.length === 0 &&
-      waking.length === 0 &&
-      prewakes.length === 0 &&
-      singles.every((r) => r.info.wakeKey === null);
-
-    // $1 and $2 of both statements.
-    const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
-    const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
 
     this.statements++;
     this.inFlightSince = performance.now();
     this.inFlight = client
-      .query<{ op: number; i: number; key: string | null }>(
-        plain
-          ? {
-              name: lockBatchPlain.name,
-              text: lockBatchPlain.text,
-              values: [unlockKeys, singleKeys],
-            }
-          : {
-              name: lockBatch.name,
-              text: lockBatch.text,
-              values: [
-                unlockKeys,
-                singleKeys,
-                multis.map((r) => r.slots.join(",")),
-                integerArray(waking.map((hold) => hold.info.wakeKey!)),
-                // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
-                integerArray(singles.map((r) => (r.info.wakeKey === null ? null : r.info.jobId))),
-                integerArray(prewakes.map((hold) => hold.keyText)),
-                integerArray(waking.map((hold) => hold.info.jobId)),
-                !wakeHere,
-              ],
-            },
-      )
+      .query<BatchRow>(batchQuery(this.options.sql, batch))
       .then(
         ({ rows }) => {
           if (generation !== this.generation) {
@@ -911,31 +559,21 @@ export class LockSession {
             for (const hold of unlocks) hold.settle(LOST);
             return;
           }
-          // Rows name the failed unlocks and single locks, and every semaphore request's slot (see
-          // lockBatch for the rest).
-          const failedUnlocks = new Set<number>();
-          const singleRows = new Map<number, number>();
-          for (const row of rows) {
-            if (row.op === 0) failedUnlocks.add(row.i);
-            else if (row.op === 1 || row.op === 4 || row.op === 5) singleRows.set(row.i, row.op);
-            else if (row.op === 2) this.settleLock(multis[row.i - 1]!, row.key, generation, false);
-            else if (row.op === 6) {
-              // (a hold released meanwhile has told the woken job at its release, in the database)
-              const hold = prewakes[row.i - 1]!;
-              if (this.holds.get(hold.keyText) === hold && !hold.releaseRequested)
-                this.prewoken.set(hold.keyText, row.key!);
-              this.handoffs.prewakes++;
-              // (should no worker be idle any more, the release announces the job if it is still unfetched)
-              if (wakeHere && idle.nudge()) this.handoffs.wokenHere++;
-            }
-          }
-          unlocks.forEach((hold, index) => this.settleUnlock(hold, !failedUnlocks.has(index + 1)));
+          const answer = decodeBatch(rows);
+          for (const [i, key] of answer.slots)
+            this.settleLock(multis[i - 1]!, key, generation, false);
+          for (const [i, jobId] of answer.prewoken)
+            this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
+          unlocks.forEach((hold, index) =>
+            this.settleUnlock(hold, !answer.failedUnlocks.has(index + 1)),
+          );
           singles.forEach((r, index) => {
-            const op = singleRows.get(index + 1);
-            if (op === undefined || op === 5) {
-              if (r.waits) this.handoffs.afterRelease++;
-              this.settleLock(r, r.slots[0]!, generation, op === 5);
-            } else if (op === 4 && (r.waits ?? 0) < 2) this.awaitRelease(r, noticesAtSend);
+            const op = answer.singles.get(index + 1);
+            if (op === undefined || op === BatchOp.LOCKED_WITH_LINE) {
+              if (r.waits) this.handoff.counts.afterRelease++;
+              this.settleLock(r, r.slots[0]!, generation, op === BatchOp.LOCKED_WITH_LINE);
+            } else if (op === BatchOp.WAIT_FOR_RELEASE && (r.waits ?? 0) < 2)
+              this.handoff.awaitRelease(r, noticesAtSend);
             else this.settleLock(r, null, generation, false);
           });
         },
@@ -969,7 +607,7 @@ export class LockSession {
   ): void {
     for (const k of request.slots) {
       this.pending.delete(k);
-      if (this.releaseNotices.size > 0) this.releaseNotices.delete(k);
+      this.handoff.answered(k);
     }
     if (key === null) {
       request.resolve({ acquired: false, local: false });
@@ -990,27 +628,14 @@ export class LockSession {
     );
     this.holds.set(key, hold);
     this.registryDirty = true;
-    if (line) this.planPrewake(hold);
+    if (line) this.handoff.planPrewake(hold);
     return hold;
-  }
-
-  /** The connection is gone: jobs waiting for a key fail as if they had asked now, and early wakes are moot. */
-  private dropWaiting(error: Error): void {
-    for (const waiting of [...this.handovers.values(), ...this.awaitingRelease.values()]) {
-      clearTimeout(waiting.timer);
-      waiting.request.reject(error);
-    }
-    this.handovers.clear();
-    this.awaitingRelease.clear();
-    this.releaseNotices.clear();
-    this.prewoken.clear();
-    this.prewakeQueue = [];
   }
 
   private settleUnlock(hold: HoldImpl, ok: boolean): void {
     if (this.holds.get(hold.keyText) === hold) {
       this.holds.delete(hold.keyText);
-      this.prewoken.delete(hold.keyText);
+      this.handoff.released(hold.keyText);
     }
     this.registryDirty = true;
     if (!ok) {
@@ -1018,7 +643,7 @@ export class LockSession {
         `pg_advisory_unlock(${hold.keyText}) returned false: the lock session did not hold the key it was releasing`,
       );
     }
-    hold.settle(ok ? OK : UNVERIFIED);
+    hold.settle(ok ? RELEASED : UNVERIFIED);
   }
 
   /**
@@ -1036,7 +661,7 @@ export class LockSession {
     await Promise.allSettled([...this.sideQueries]);
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
-    this.dropWaiting(unavailable);
+    this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const open = [...this.holds.values()];

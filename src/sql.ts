@@ -1,10 +1,36 @@
 /**
  * Every SQL statement the library sends, built once per `Locks` instance from the two escaped schema names.
  */
+import { createHash } from "node:crypto";
+import { InvalidArgumentError } from "./errors.js";
 
 /** Quotes a PostgreSQL identifier. */
 export function escapeIdentifier(name: string): string {
   return `"${name.replaceAll('"', '""')}"`;
+}
+
+/** PostgreSQL's longest identifier, in bytes (a longer one is cut short, silently naming another schema). */
+const MAX_IDENTIFIER_BYTES = 63;
+
+/**
+ * Checks a schema name option: any characters PostgreSQL can hold in a quoted identifier (so not NUL),
+ * 1 to 63 bytes. The name is then used exactly as given, quoted.
+ */
+export function assertSchemaName(option: string, name: unknown): asserts name is string {
+  if (typeof name !== "string" || name.length === 0) {
+    throw new InvalidArgumentError(
+      `\`${option}\` must be a non-empty string, got ${typeof name === "string" ? '""' : String(name)}`,
+    );
+  }
+  if (name.includes("\0")) {
+    throw new InvalidArgumentError(`\`${option}\` must not contain a NUL character`);
+  }
+  const bytes = Buffer.byteLength(name, "utf8");
+  if (bytes > MAX_IDENTIFIER_BYTES) {
+    throw new InvalidArgumentError(
+      `\`${option}\` is ${bytes} bytes long; PostgreSQL names are at most ${MAX_IDENTIFIER_BYTES} bytes (a longer one would be cut short)`,
+    );
+  }
 }
 
 const THIS_DATABASE = "(select oid from pg_catalog.pg_database where datname = current_database())";
@@ -21,8 +47,29 @@ function heldCount(classids: string, objids: string): string {
         and l.database = ${THIS_DATABASE})`;
 }
 
-/** The first branch of both lock batches: the unlocks of $1 that PostgreSQL answered false (op 0). */
-const FAILED_UNLOCKS = `select 0 as op, t.i::int as i, null::text as key
+/**
+ * What each row of a lock statement's answer says (its `op` column), with `i` the request's place (from 1)
+ * among the statement's unlocks, single keys, semaphore requests or early wakes.
+ */
+export const BatchOp = {
+  /** The unlock of $1[i] returned false. */
+  UNLOCK_FAILED: 0,
+  /** The single key $2[i] was not taken. */
+  LOCK_FAILED: 1,
+  /** Semaphore request $3[i] took the slot `key` (null: none). */
+  SLOT: 2,
+  /** How many parked jobs the releases woke (`i`); nothing to decode. */
+  WOKEN: 3,
+  /** The single key $2[i] was not taken, and its `reschedule` job is the one woken early: it waits for the release. */
+  WAIT_FOR_RELEASE: 4,
+  /** The single key $2[i] was taken by a `reschedule` job, and others wait in line for it. */
+  LOCKED_WITH_LINE: 5,
+  /** The early wake of $6[i]'s line woke job `key`. */
+  PREWOKEN: 6,
+} as const;
+
+/** The first branch of both lock statements: the unlocks of $1 that PostgreSQL answered false. */
+const FAILED_UNLOCKS = `select ${BatchOp.UNLOCK_FAILED} as op, t.i::int as i, null::text as key
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)`;
 
@@ -39,13 +86,19 @@ const ADD_JOB_ARGS = `identifier => $1::text,
 export function makeSql(schema: string, workerSchema: string, preparedStatements = true) {
   const s = escapeIdentifier(schema);
   const w = escapeIdentifier(workerSchema);
+  // Prepared statement names are cut at 63 bytes by PostgreSQL: the schemas go in as a short digest.
+  const schemas = createHash("sha256")
+    .update(`${schema}\0${workerSchema}`)
+    .digest("hex")
+    .slice(0, 16);
   return {
     escapedSchema: s,
     escapedWorkerSchema: w,
 
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
-     * statements are off. Names include both schemas: one pool may serve several `Locks` instances.
+     * statements are off. Names include both schemas (as a digest): one pool may serve several `Locks`
+     * instances.
      */
     statement(
       name: string,
@@ -53,33 +106,33 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       values: unknown[],
     ): { name?: string; text: string; values: unknown[] } {
       return preparedStatements
-        ? { name: `gwl_${name}/${schema}/${workerSchema}`, text, values }
+        ? { name: `gwl_${name}_${schemas}`, text, values }
         : { text, values };
     },
 
     /**
      * One round trip for every lock and unlock request that queued up while the previous one was in
      * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
-     * list of slot keys tried in order; $4: keys whose waiters to wake (see sql/000003.sql), with $7 the
-     * job ids that released them (sql/000006.sql), which runs after the unlocks; $5: for each single key
+     * list of slot keys tried in order; $4: keys whose waiters to wake (release_waiters), with $7 the
+     * job ids that released them, which runs after the unlocks; $5: for each single key
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
-     * ahead of it (sql/000004.sql), or null; $6: held keys whose first waiter to wake early (prewake), with
+     * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
      * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
-     * sql/000007.sql).
+     * prewake). The functions are in sql/000001.sql, sections 3 and 4.
      */
     lockBatch: {
-      name: `gwl_lock_batch_v7`,
+      name: `gwl_lock_batch`,
       // Only failures come back for unlocks and single keys (rows are the costly part of a busy batch):
-      // every request without a row succeeded, except that a \`reschedule\` job's success comes back (op 5)
-      // when others wait in line for the key, and its failure says (op 4) whether it was woken early and
-      // should wait for the release. Semaphore requests answer with the slot they took; op 6 names the
-      // job each early wake woke.
+      // every request without a row succeeded, except that a \`reschedule\` job's success comes back
+      // (LOCKED_WITH_LINE) when others wait in line for the key, and its failure says (WAIT_FOR_RELEASE)
+      // whether it was woken early and should wait for the release. Semaphore requests answer with the slot
+      // they took; PREWOKEN names the job each early wake woke.
       text: `${FAILED_UNLOCKS}
       union all
       select case
-          when r.got then 5
-          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then 4
-          else 1
+          when r.got then ${BatchOp.LOCKED_WITH_LINE}
+          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
+          else ${BatchOp.LOCK_FAILED}
         end, r.i::int, null
         from (
           select t.k, t.job, t.i, case
@@ -95,24 +148,24 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
           select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
         ) is not null)
       union all
-      select 2, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
+      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
       union all
-      select 3, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
       union all
-      select 6, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
     },
 
     /**
      * `lockBatch` for the common batch: unlocks of holds without a line and single keys without a job
-     * waiting its turn, nothing else. The same answers (op 0, op 1), from a statement PostgreSQL runs in about
+     * waiting its turn, nothing else. The same answers (UNLOCK_FAILED, LOCK_FAILED), from a statement PostgreSQL runs in about
      * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
      */
     lockBatchPlain: {
-      name: `gwl_lock_plain_v1`,
+      name: `gwl_lock_plain`,
       text: `${FAILED_UNLOCKS}
       union all
-      select 1, t.i::int, null
+      select ${BatchOp.LOCK_FAILED}, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_try_advisory_lock(t.k)`,
     },
@@ -155,24 +208,24 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   ) where ${heldCount("$10", "$11")} < $12::int`,
 
     /**
-     * One unique enqueue (see sql/000002.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
+     * One enqueue (enqueue_job in sql/000001.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
      * of `lockAvailable`). The job's columns are expanded from the function's result, so a new column of
      * graphile-worker's table comes along without a change here.
      */
     addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.add_unique_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
-        $8::text, $9::text, $10::float8, $11::text, null)::${s}.unique_job_spec) r
+      from ${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
+        $8::text, $9::text, $10::float8, $11::text, null)::${s}.job_spec, true) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
     /**
-     * A batch of enqueues in one statement (sql/000011.sql): $1 a JSON array of bulk_job_spec, $2 its length,
+     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of batch_item, $2 its length,
      * $3 how many are `first`, $4 and $5 the batch's distinct task identifiers and queue names (which the items
      * name by place), $6 and $7 for each item added waiting in line its place among the items without a
      * unique key and its lock key, or nulls. Answers with rows of graphile-worker's job table, one per item
      * in order, or (when not every item was added) with a trailing row that places them.
      */
-    addUniqueJobs: `select * from ${s}.add_unique_jobs_flat($1::json, $2::int, $3::int, $4::text[], $5::text[],
+    addUniqueJobs: `select * from ${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[],
       $6::int[], $7::bigint[])`,
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,

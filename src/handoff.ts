@@ -1,0 +1,255 @@
+/**
+ * The reschedule hand-off: how the key of a `reschedule` job passes to the next job in its line with as few
+ * round trips as possible. The lock session (session.ts) calls it on a local conflict, on a release, on a
+ * release notification, and around each lock statement; it owns no connection.
+ *
+ * - Early wake: a hold whose key has a line wakes the first waiter shortly before it expects to finish
+ *   (`planPrewake`; the wake rides the next lock statement). `prewoken` remembers which job was woken for
+ *   which key held here. When idle workers of this process's attached runners can fetch the woken jobs,
+ *   they are nudged instead of every worker being notified (`IdleWorkers`).
+ * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
+ *   `handovers`; the hold's release passes it the key without an unlock (`handOver`).
+ * - Across sessions: a job woken early that finds its key held by another session waits in
+ *   `awaitingRelease` for the release's notification (`onReleaseNotice`) or its time limit, then tries
+ *   again, its key still pending meanwhile.
+ * - Successor lines: `reschedule` jobs of this process that meet the same release go on in job id order, the
+ *   job woken early first (`joinLine`).
+ */
+import type { IdleWorkers } from "./idle.js";
+import type { AcquireResult, HoldImpl, HoldInfo, LockRequest } from "./holds.js";
+
+/** What the session has done about hand-offs, for `locks.status()`. */
+export interface HandoffCounts {
+  /** Early wakes of the next job in line that woke a job. */
+  prewakes: number;
+  /** Keys passed from a finished job to the next one in this process, without an unlock. */
+  handedOver: number;
+  /** Keys taken by a job woken early after waiting for another session's release. */
+  afterRelease: number;
+  /** Early wakes left to an idle worker of this process to fetch (a runner given to `locks.attach`). */
+  wokenHere: number;
+}
+
+/** What the hand-off needs of the lock session. */
+export interface HandoffHost {
+  /** This process's hold of `key`, if any. */
+  holdOf(key: string): HoldImpl | undefined;
+  /** Whether a lock request of this process for `key` is on its way. */
+  isPending(key: string): boolean;
+  /** Sends `request` with the next lock statement again. */
+  retryLock(request: LockRequest): void;
+  /** Makes sure a lock statement goes out soon. */
+  scheduleFlush(): void;
+  /** Gives `key` to `request` in memory: `from`, whose key it was, has ended. */
+  passKey(from: HoldImpl, request: LockRequest): void;
+}
+
+/** A request that waits for its key (a job woken early waits for its holder to finish). */
+interface Waiting {
+  request: LockRequest;
+  timer: NodeJS.Timeout;
+}
+
+/** A `reschedule` request's place among this process's jobs that wait for the same release. */
+export interface SuccessorTurn {
+  /** Whether this request goes first, once the release answered; leaves the line. */
+  first(): boolean;
+}
+
+/** How long a job woken early waits for its key. */
+function releaseWaitMs(info: HoldInfo): number {
+  return info.reschedule ? info.releaseWaitMs : 100;
+}
+
+export class Handoff {
+  readonly counts: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0, wokenHere: 0 };
+  /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
+  private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
+  /** Keys whose first waiter a hold of this process woke early, with the woken job's id. */
+  private readonly prewoken = new Map<string, string>();
+  /** Holds whose key's first waiter to wake early, in the next statement. */
+  private prewakeQueue: HoldImpl[] = [];
+  /** Jobs woken early that wait for a hold of this process to pass them its key (see handOver). */
+  private readonly handovers = new Map<string, Waiting>();
+  /** Jobs woken early that wait for another session's release of their key (see awaitRelease). */
+  private readonly awaitingRelease = new Map<string, Waiting>();
+  /** For keys being acquired: the number of the last release notification seen for each. */
+  private readonly releaseNotices = new Map<string, number>();
+  /** How many release notifications this session has seen. */
+  notices = 0;
+
+  constructor(
+    private readonly host: HandoffHost,
+    private readonly idleWorkers: IdleWorkers | undefined,
+  ) {}
+
+  /** Whether the next job in line for `key`, held here, was woken early. */
+  isPrewoken(key: string): boolean {
+    return this.prewoken.has(key);
+  }
+
+  /** Whether early wakes wait for the next statement. */
+  hasPrewakes(): boolean {
+    return this.prewakeQueue.length > 0;
+  }
+
+  /**
+   * A `reschedule` job whose key a hold of this process has not begun to release: if that hold woke it
+   * early, it waits for the hold to pass it the key (or, when it came before the early wake's answer, for
+   * that answer, then tries again: "retry"). Null for any other job, which has met a local conflict.
+   */
+  onLocalConflict(
+    key: string,
+    slots: readonly bigint[],
+    info: HoldInfo,
+  ): Promise<AcquireResult | "retry"> | null {
+    if (!info.reschedule || info.jobId === null) return null;
+    const waking = this.host.holdOf(key)?.prewaking;
+    if (waking) return waking.then(() => "retry" as const);
+    if (this.prewoken.get(key) !== info.jobId || this.handovers.has(key)) return null;
+    return new Promise<AcquireResult>((resolve, reject) => {
+      const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
+      this.waitIn(this.handovers, request, () => resolve({ acquired: false, local: true }));
+    });
+  }
+
+  /**
+   * A `reschedule` request that meets `hold`'s release joins the line of this process's jobs waiting for
+   * it; null for any other request (it just tries once the release answered).
+   */
+  joinLine(hold: HoldImpl, key: string, info: HoldInfo): SuccessorTurn | null {
+    if (!info.reschedule || info.jobId === null) return null;
+    let line = this.successorLines.get(hold);
+    if (!line) this.successorLines.set(hold, (line = new Set()));
+    const me = BigInt(info.jobId);
+    line.add(me);
+    // The job woken early for this key goes first (its place in line is older than any fresh job's id).
+    const early = this.prewoken.get(key);
+    return {
+      first: () => {
+        const first =
+          early !== undefined && line.has(BigInt(early))
+            ? BigInt(early)
+            : [...line].reduce((a, b) => (b < a ? b : a));
+        line.delete(me);
+        if (line.size === 0) this.successorLines.delete(hold);
+        return first === me;
+      },
+    };
+  }
+
+  /**
+   * At `hold`'s release: when the job it woke early waits in this process, the key passes to that job
+   * without an unlock (PostgreSQL sees the key held throughout). Returns whether it did.
+   */
+  handOver(hold: HoldImpl): boolean {
+    const key = hold.keyText;
+    const next = this.handovers.get(key);
+    if (!next) return false;
+    this.prewoken.delete(key);
+    clearTimeout(next.timer);
+    this.handovers.delete(key);
+    this.counts.handedOver++;
+    this.host.passKey(hold, next.request);
+    return true;
+  }
+
+  /** `key`'s hold here has ended (unlocked). */
+  released(key: string): void {
+    this.prewoken.delete(key);
+  }
+
+  /** A lock request for `key` has been answered. */
+  answered(key: string): void {
+    if (this.releaseNotices.size > 0) this.releaseNotices.delete(key);
+  }
+
+  /** Starts the timer of `hold`'s early wake of the next job in line, if its task has one. */
+  planPrewake(hold: HoldImpl): void {
+    const after = hold.info.reschedule ? hold.info.prewakeAfterMs : null;
+    if (after === null) return;
+    if (after <= 0) {
+      this.prewakeQueue.push(hold);
+      this.host.scheduleFlush();
+      return;
+    }
+    hold.prewakeTimer = setTimeout(() => {
+      hold.prewakeTimer = undefined;
+      if (this.host.holdOf(hold.keyText) !== hold || hold.releaseRequested) return;
+      this.prewakeQueue.push(hold);
+      this.host.scheduleFlush();
+    }, after);
+  }
+
+  /**
+   * The early wakes for the next statement, and whether idle workers of this process will fetch the woken
+   * jobs (nudged when the wakes are answered) rather than every worker hearing of them.
+   */
+  takePrewakes(): { prewakes: HoldImpl[]; wakeHere: boolean } {
+    // A hold that ended since its early wake was queued has woken its line at its release already.
+    const prewakes = this.prewakeQueue
+      .splice(0)
+      .filter((hold) => this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested);
+    const idle = this.idleWorkers;
+    const wakeHere = prewakes.length > 0 && idle !== undefined && idle.count >= prewakes.length;
+    return { prewakes, wakeHere };
+  }
+
+  /** `hold`'s early wake woke job `jobId`. */
+  prewoke(hold: HoldImpl, jobId: string, wakeHere: boolean): void {
+    // (a hold released meanwhile has told the woken job at its release, in the database)
+    if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested)
+      this.prewoken.set(hold.keyText, jobId);
+    this.counts.prewakes++;
+    // (should no worker be idle any more, the release announces the job if it is still unfetched)
+    if (wakeHere && this.idleWorkers?.nudge()) this.counts.wokenHere++;
+  }
+
+  /**
+   * A job woken early found its key still held by another session: it waits for the release's notification
+   * (or, at most, its `releaseWaitMs`) and tries again, its key still pending meanwhile. A notification that
+   * came while its statement was on its way (after `noticesAtSend`) means the key is already free: it tries
+   * again at once.
+   */
+  awaitRelease(request: LockRequest, noticesAtSend: number): void {
+    request.waits = (request.waits ?? 0) + 1;
+    if ((this.releaseNotices.get(request.slots[0]!) ?? 0) > noticesAtSend)
+      this.host.retryLock(request);
+    else this.waitIn(this.awaitingRelease, request, () => this.host.retryLock(request));
+  }
+
+  /** A release notification: a key that a job woken early may be waiting for is free. */
+  onReleaseNotice(key: string): void {
+    if (!this.host.isPending(key)) return;
+    this.releaseNotices.set(key, ++this.notices);
+    const waiting = this.awaitingRelease.get(key);
+    if (!waiting) return;
+    clearTimeout(waiting.timer);
+    this.awaitingRelease.delete(key);
+    this.host.retryLock(waiting.request);
+  }
+
+  /** The connection is gone: jobs waiting for a key fail as if they had asked now, and early wakes are moot. */
+  dropAll(error: Error): void {
+    for (const waiting of [...this.handovers.values(), ...this.awaitingRelease.values()]) {
+      clearTimeout(waiting.timer);
+      waiting.request.reject(error);
+    }
+    this.handovers.clear();
+    this.awaitingRelease.clear();
+    this.releaseNotices.clear();
+    this.prewoken.clear();
+    this.prewakeQueue = [];
+  }
+
+  /** Parks `request` in `waiting` under its key for its `releaseWaitMs`, then takes it out and calls `onTimeout`. */
+  private waitIn(waiting: Map<string, Waiting>, request: LockRequest, onTimeout: () => void): void {
+    const key = request.slots[0]!;
+    const timer = setTimeout(() => {
+      if (waiting.get(key)?.timer !== timer) return;
+      waiting.delete(key);
+      onTimeout();
+    }, releaseWaitMs(request.info));
+    waiting.set(key, { request, timer });
+  }
+}

@@ -1,0 +1,231 @@
+/**
+ * The lock session's loss and reconnection: holders abort, nothing runs unlocked, a late release frees
+ * nothing.
+ * Real PostgreSQL, real graphile-worker runners, separate connections.
+ */
+import net from "node:net";
+import { describe, expect, it } from "vitest";
+import { lockKey } from "../../src/index.js";
+import { deferred, waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { nextEvent, startRunner } from "../support/runner.js";
+
+const h = useExclusiveHarness();
+const { db, cleanups, newLocks, runner, jobRows } = h;
+
+describe("lock loss", () => {
+  it("pg_terminate_backend of the lock session: abort fires, lock:lost, reconnect, and a late release frees nothing", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 50, max: 200 } });
+    const aborted = deferred<unknown>();
+    const finishA = deferred();
+    const finishB = deferred();
+    const startedB = deferred<boolean>();
+    const task = locks.exclusive(
+      "victim",
+      async (p: { k: string; role: string }, helpers) => {
+        if (p.role === "A") {
+          helpers.abortSignal!.addEventListener("abort", () =>
+            aborted.resolve(helpers.abortSignal!.reason),
+          );
+          await finishA.promise; // ignores the abort for a while: its release comes late
+        } else {
+          // A job of the new connection gets a live signal (the old connection's one has aborted).
+          startedB.resolve(helpers.abortSignal!.aborted);
+          await finishB.promise;
+        }
+      },
+      { key: (p) => p.k },
+    );
+    await runner({ connectionString: db.url, concurrency: 3, taskList: { victim: task } });
+    const lost = nextEvent(locks, "lock:lost");
+    const acquiredA = nextEvent(locks, "lock:acquired");
+    await task.addJob({ k: "k", role: "A" });
+    await acquiredA;
+    const oldPid = locks.status().pid!;
+    const reconnected = nextEvent(locks, "session:connected");
+    await db.pool().query("select pg_terminate_backend($1)", [oldPid]);
+
+    const reason = (await aborted.promise) as { code?: string };
+    expect(reason.code).toBe("GWL_LOCK_LOST");
+    const lostEvent = await lost;
+    expect(lostEvent.holds.map((h) => h.taskIdentifier)).toEqual(["victim"]);
+    await reconnected;
+    const newPid = locks.status().pid!;
+    expect(newPid).not.toBe(oldPid);
+
+    // B takes the same key on the new session while A is still running.
+    await task.addJob({ k: "k", role: "B" });
+    expect(await startedB.promise).toBe(false);
+    const releasedA = nextEvent(locks, "lock:released", (e) => e.outcome === "lost");
+    finishA.resolve();
+    await releasedA;
+    const held = await locks.heldLocks();
+    expect(held.filter((h) => h.lockKey === lockKey("victim", "k")).map((h) => h.pid)).toEqual([
+      newPid,
+    ]);
+    expect(await task.lockAvailable({ k: "k", role: "" })).toBe(false);
+    finishB.resolve();
+    await waitFor(() => task.lockAvailable({ k: "k", role: "" }), { message: "B to release" });
+  });
+
+  it("the same worker's next job after a reconnection gets a live abort signal", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 50, max: 200 } });
+    const seen: Array<{ id: number; aborted: boolean }> = [];
+    const release = deferred();
+    const task = locks.exclusive("one_worker", async (p: { id: number }, helpers) => {
+      const signal = helpers.abortSignal!;
+      if (p.id === 1)
+        await Promise.race([
+          release.promise,
+          new Promise((r) => signal.addEventListener("abort", r)),
+        ]);
+      seen.push({ id: p.id, aborted: signal.aborted });
+    });
+    // One worker: job 2 runs where job 1 ran, after the connection job 1 held its lock on was lost.
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { one_worker: task } });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({ id: 1 });
+    await acquired;
+    const reconnected = nextEvent(locks, "session:connected");
+    await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
+    await reconnected;
+    await task.addJob({ id: 2 });
+    await waitFor(async () => seen.length === 2, { message: "both jobs to run" });
+    expect(seen).toEqual([
+      { id: 1, aborted: true },
+      { id: 2, aborted: false },
+    ]);
+    release.resolve();
+  });
+
+  it("a connection that goes silent (no reset, no answer) is given up after heartbeatTimeout: holders abort", async () => {
+    // A TCP proxy in front of PostgreSQL whose connections can be frozen: bytes stop flowing both ways,
+    // nothing is closed, as when a network drops packets.
+    const target = new URL(db.url);
+    const frozen = new Set<net.Socket>();
+    const sockets: net.Socket[] = [];
+    const proxy = net.createServer((inbound) => {
+      const outbound = net.connect(Number(target.port), target.hostname);
+      sockets.push(inbound, outbound);
+      for (const [from, to] of [
+        [inbound, outbound],
+        [outbound, inbound],
+      ] as const) {
+        from.on("error", () => undefined);
+        from.on("data", (chunk) => {
+          if (!frozen.has(inbound)) to.write(chunk);
+        });
+        // (a frozen connection does not pass its close on either: the network is gone, not the peer)
+        from.on("close", () => {
+          if (!frozen.has(inbound)) to.destroy();
+        });
+      }
+    });
+    await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
+    cleanups.push(async () => {
+      for (const socket of sockets) socket.destroy();
+      await new Promise((resolve) => proxy.close(resolve));
+    });
+    const proxied = new URL(db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String((proxy.address() as net.AddressInfo).port);
+
+    const locks = newLocks({
+      lockConnectionString: proxied.toString(),
+      // (generous enough that a test machine busy with the other test files is not taken for a dead one)
+      heartbeatInterval: 200,
+      heartbeatTimeout: 2000,
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const aborted = deferred<{ code?: string }>();
+    const task = locks.exclusive("silent", async (_p, helpers) => {
+      const signal = helpers.abortSignal!;
+      await new Promise<void>((resolve) =>
+        signal.addEventListener("abort", () => {
+          aborted.resolve(signal.reason as { code?: string });
+          resolve();
+        }),
+      );
+    });
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { silent: task } });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({});
+    await acquired;
+    const oldPid = locks.status().pid!;
+    const lost = nextEvent(locks, "lock:lost");
+    const reconnected = nextEvent(locks, "session:connected");
+    for (const socket of sockets) frozen.add(socket);
+
+    expect((await aborted.promise).code).toBe("GWL_LOCK_LOST");
+    expect((await lost).error.message).toMatch(/heartbeat|unanswered/);
+    // The old backend never heard of it and still holds the key: another job of the key cannot start
+    // until PostgreSQL ends that backend (here by hand; in life, its own keepalive or a DBA).
+    expect(await task.lockAvailable({})).toBe(false);
+    await db.pool().query("select pg_terminate_backend($1)", [oldPid]);
+    await reconnected;
+    expect(locks.status().pid).not.toBe(oldPid);
+    await waitFor(() => task.lockAvailable({}), { message: "the old backend's lock to go" });
+  });
+
+  it("while the session is down no job runs unlocked: it fails with GWL_LOCK_SESSION_UNAVAILABLE and is retried", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 3000, max: 3000 } });
+    const ran: Array<{ id: number; attempts: number }> = [];
+    const holding = deferred();
+    const task = locks.exclusive("down", async (p: { id: number; hold?: boolean }, helpers) => {
+      ran.push({ id: p.id, attempts: helpers.job.attempts });
+      if (p.hold) await holding.promise;
+    });
+    const r = await runner({ connectionString: db.url, concurrency: 2, taskList: { down: task } });
+    cleanups.push(async () => holding.resolve()); // (runs before the runner's stop, should the test fail)
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({ id: 1, hold: true });
+    await acquired;
+    const lost = nextEvent(locks, "lock:lost");
+    await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
+    expect((await lost).holds).toHaveLength(1);
+    // The session reconnects in 1.5 to 3 s; a job that starts meanwhile must not run unlocked.
+    const failed = new Promise<{ code?: string }>((resolve) =>
+      r.events.once("job:error", ({ error }) => resolve(error as never)),
+    );
+    const { job } = await task.addJob({ id: 2 });
+    expect((await failed).code).toBe("GWL_LOCK_SESSION_UNAVAILABLE");
+    // Hold graphile-worker's own retry (due in e^1 s) until the session is back, so that it runs once.
+    // (rescheduleJobs skips locked jobs: wait until the failure is written and the job unlocked.)
+    await waitFor(
+      async () => {
+        const [row] = (await jobRows()).filter((j) => j.id === job!.id);
+        return row && row.locked_by === null && row.attempts === 1;
+      },
+      { message: "the failure to be recorded" },
+    );
+    await h.utils.rescheduleJobs([job!.id], { runAt: new Date(Date.now() + 3_600_000) });
+    expect(ran.map((x) => x.id)).toEqual([1]);
+    await waitFor(async () => locks.status().state === "ready", { message: "reconnection" });
+    await h.utils.rescheduleJobs([job!.id], { runAt: new Date() });
+    await waitFor(async () => ran.length === 2, { message: "the retry to run" });
+    expect(ran[1]).toEqual({ id: 2, attempts: 2 });
+    holding.resolve();
+  });
+
+  it("graphile-worker's own shutdown abort reaches the task through the combined signal", async () => {
+    const locks = newLocks();
+    const aborted = deferred<void>();
+    const task = locks.exclusive("shutdown", async (_p, helpers) => {
+      await new Promise<void>((resolve) =>
+        helpers.abortSignal!.addEventListener("abort", () => resolve()),
+      );
+      aborted.resolve();
+    });
+    const r = await startRunner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { shutdown: task },
+      preset: { worker: { gracefulShutdownAbortTimeout: 100 } },
+    });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({});
+    await acquired;
+    await Promise.all([r.stop(), aborted.promise]);
+    await waitFor(async () => locks.status().held.length === 0, { message: "the release" });
+  });
+});

@@ -1,0 +1,57 @@
+/**
+ * Empty databases (from template0: neither graphile-worker's schema nor this library's), for tests of what
+ * happens on first use. Each is dropped, with its connections, when the file is done.
+ */
+import { randomBytes } from "node:crypto";
+import { readdirSync } from "node:fs";
+import pg from "pg";
+import { afterAll, inject } from "vitest";
+import { databaseUrl } from "../../scripts/postgres.js";
+import { withAdmin } from "./admin.js";
+
+/** The library's latest migration: the number of files in `sql/` (numbered from 1). */
+export const LATEST_MIGRATION = readdirSync(new URL("../../sql/", import.meta.url)).filter((f) =>
+  /^\d{6}\.sql$/.test(f),
+).length;
+
+export interface ScratchDatabases {
+  /** Creates an empty database and returns its URL. */
+  create(): Promise<string>;
+  /** A pool (max 4) to a database made by `create`, closed when the file is done. */
+  pool(url: string): pg.Pool;
+}
+
+export function useScratchDatabases(): ScratchDatabases {
+  const names: string[] = [];
+  const pools: pg.Pool[] = [];
+  afterAll(async () => {
+    await Promise.all(pools.map((p) => p.end().catch(() => undefined)));
+    await withAdmin(inject("baseUrl"), async (admin) => {
+      for (const name of names) {
+        await admin.query(`drop database if exists ${pg.escapeIdentifier(name)} with (force)`);
+      }
+    });
+  });
+  return {
+    async create() {
+      const name = `gwl_s_${randomBytes(6).toString("hex")}`;
+      await withAdmin(inject("baseUrl"), (admin) =>
+        admin.query(`create database ${pg.escapeIdentifier(name)} template template0`),
+      );
+      names.push(name);
+      return databaseUrl(inject("baseUrl"), name);
+    },
+    pool(url) {
+      const pool = new pg.Pool({
+        connectionString: url,
+        max: 4,
+        application_name: "gwl-test-helper",
+      });
+      // (the database is dropped with force at the end: a terminated backend must not crash the worker)
+      pool.on("error", () => undefined);
+      pool.on("connect", (client) => client.on("error", () => undefined));
+      pools.push(pool);
+      return pool;
+    },
+  };
+}
