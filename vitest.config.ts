@@ -1,6 +1,16 @@
 import { defineConfig } from "vitest/config";
+import { graphileWorkerPackage, requestedGraphileWorker } from "./test/support/graphile-worker.js";
+
+const graphileWorker = graphileWorkerPackage(requestedGraphileWorker());
 
 export default defineConfig({
+  // TEST_GRAPHILE_WORKER picks the graphile-worker every import of it gets (see test/support/graphile-worker.ts).
+  resolve: {
+    alias:
+      graphileWorker === "graphile-worker"
+        ? []
+        : [{ find: /^graphile-worker$/, replacement: graphileWorker }],
+  },
   test: {
     globalSetup: ["test/globalSetup.ts"],
     include: ["test/**/*.test.ts"],

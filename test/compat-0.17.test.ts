@@ -8,7 +8,7 @@ import pg from "pg";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
 import { makeLocks, type Locks } from "../src/index.js";
 import { databaseUrl } from "../scripts/postgres.js";
-import { withAdmin } from "./support/admin.js";
+import { dropDatabase, withAdmin } from "./support/admin.js";
 import { waitFor } from "./support/db.js";
 
 const name = `gwl_c17_${randomBytes(5).toString("hex")}`;
@@ -42,7 +42,7 @@ afterAll(async () => {
     "select count(*)::int as n from pg_locks where locktype = 'advisory' and database = (select oid from pg_database where datname = current_database())",
   );
   await pool?.end();
-  await admin((c) => c.query(`drop database if exists ${name} with (force)`));
+  await admin((c) => dropDatabase(c, name));
   expect(rows[0]!.n).toBe(0);
 });
 

@@ -9,7 +9,7 @@ import pg from "pg";
 import type { TestProject } from "vitest/node";
 import { databaseUrl, startPostgres } from "../scripts/postgres.js";
 import { migrate } from "../src/migrate.js";
-import { withAdmin } from "./support/admin.js";
+import { dropDatabase, withAdmin } from "./support/admin.js";
 
 declare module "vitest" {
   export interface ProvidedContext {
@@ -124,8 +124,4 @@ async function closeConnections(admin: pg.Client, database: string): Promise<voi
     }
     await new Promise((resolve) => setTimeout(resolve, 50));
   }
-}
-
-async function dropDatabase(admin: pg.Client, database: string): Promise<void> {
-  await admin.query(`drop database if exists ${pg.escapeIdentifier(database)} with (force)`);
 }

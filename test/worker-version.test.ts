@@ -2,7 +2,8 @@
  * The version guard: the library writes into graphile-worker's private job table, so it runs only on the
  * migration levels of the graphile-worker versions it is tested with, unless told otherwise.
  */
-import * as gw18 from "graphile-worker";
+// (not "graphile-worker", which TEST_GRAPHILE_WORKER=0.17 sends to 0.17: see test/support/graphile-worker.ts)
+import * as gw18 from "graphile-worker-0.18";
 import * as gw17 from "graphile-worker-0.17";
 import { describe, expect, it } from "vitest";
 import {

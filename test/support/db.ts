@@ -6,7 +6,7 @@ import { randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, expect, inject } from "vitest";
 import { databaseUrl } from "../../scripts/postgres.js";
-import { withAdmin as withServerAdmin } from "./admin.js";
+import { dropDatabase, withAdmin as withServerAdmin } from "./admin.js";
 
 export interface TestDatabase {
   /** Connection URL of this file's database (available from `beforeAll` on). */
@@ -64,11 +64,7 @@ export function useTestDatabase(): TestDatabase {
       helperPool = undefined;
       await withAdmin(async (admin) => {
         await Promise.race([ended, sleep(1_000)]);
-        await admin.query(
-          "select pg_terminate_backend(pid) from pg_stat_activity where datname = $1 and pid <> pg_backend_pid()",
-          [name],
-        );
-        await admin.query(`drop database if exists ${pg.escapeIdentifier(name)} with (force)`);
+        await dropDatabase(admin, name);
       });
     }
   });

@@ -2,6 +2,8 @@ import { fork, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 
 const WORKER = fileURLToPath(new URL("../fixtures/worker.ts", import.meta.url));
+/** Gives the worker processes the graphile-worker TEST_GRAPHILE_WORKER selects, as vitest does here. */
+const GRAPHILE_WORKER_HOOK = fileURLToPath(new URL("./graphile-worker-hook.mjs", import.meta.url));
 
 export interface WorkerProcessOptions {
   name: string;
@@ -17,6 +19,8 @@ export interface WorkerProcess {
   readonly name: string;
   readonly pid: number;
   readonly child: ChildProcess;
+  /** Where `graphile-worker` resolved to in that process (a file URL). */
+  readonly graphileWorker: string;
   /** Graceful stop: the runner finishes its jobs, records are flushed, locks released. */
   stop(): Promise<void>;
   /** Resolves when the process has exited (after a kill). */
@@ -29,7 +33,7 @@ export async function startWorkerProcess(
   options: WorkerProcessOptions,
 ): Promise<WorkerProcess> {
   const child = fork(WORKER, [], {
-    execArgv: ["--import", "tsx"],
+    execArgv: ["--import", "tsx", "--import", GRAPHILE_WORKER_HOOK],
     env: {
       ...process.env,
       DATABASE_URL: url,
@@ -45,8 +49,8 @@ export async function startWorkerProcess(
   const exited = new Promise<number | null>((resolve) =>
     child.once("exit", (code) => resolve(code)),
   );
-  await new Promise<void>((resolve, reject) => {
-    child.once("message", () => resolve());
+  const ready = await new Promise<{ graphileWorker: string }>((resolve, reject) => {
+    child.once("message", (message) => resolve(message as { graphileWorker: string }));
     child.once("exit", (code) =>
       reject(new Error(`worker ${options.name} exited early with ${code}`)),
     );
@@ -55,6 +59,7 @@ export async function startWorkerProcess(
     name: options.name,
     pid: child.pid!,
     child,
+    graphileWorker: ready.graphileWorker,
     exited,
     async stop() {
       if (child.exitCode !== null || child.signalCode !== null) return;

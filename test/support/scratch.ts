@@ -7,7 +7,7 @@ import { readdirSync } from "node:fs";
 import pg from "pg";
 import { afterAll, inject } from "vitest";
 import { databaseUrl } from "../../scripts/postgres.js";
-import { withAdmin } from "./admin.js";
+import { dropDatabase, withAdmin } from "./admin.js";
 
 /** The library's latest migration: the number of files in `sql/` (numbered from 1). */
 export const LATEST_MIGRATION = readdirSync(new URL("../../sql/", import.meta.url)).filter((f) =>
@@ -28,7 +28,7 @@ export function useScratchDatabases(): ScratchDatabases {
     await Promise.all(pools.map((p) => p.end().catch(() => undefined)));
     await withAdmin(inject("baseUrl"), async (admin) => {
       for (const name of names) {
-        await admin.query(`drop database if exists ${pg.escapeIdentifier(name)} with (force)`);
+        await dropDatabase(admin, name);
       }
     });
   });
