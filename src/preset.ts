@@ -340,7 +340,7 @@ export const LocksPreset: GraphileConfig.Preset = {
 };
 
 /** The `worker` options of a preset and the presets it extends (later ones win, as graphile-config does). */
-function resolveWorkerOptions(preset: GraphileConfig.Preset): GraphileConfig.WorkerOptions {
+export function resolveWorkerOptions(preset: GraphileConfig.Preset): GraphileConfig.WorkerOptions {
   const resolved: GraphileConfig.WorkerOptions = {};
   const visit = (p: GraphileConfig.Preset) => {
     for (const parent of p.extends ?? []) visit(parent);
