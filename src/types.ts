@@ -8,3 +8,11 @@ import "graphile-worker";
 export type TaskPayload<TIdentifier extends string> = TIdentifier extends keyof GraphileWorker.Tasks
   ? GraphileWorker.Tasks[TIdentifier]
   : unknown;
+
+/** The task identifiers declared in `GraphileWorker.Tasks`. */
+export type DeclaredTask = keyof GraphileWorker.Tasks & string;
+
+/** `TIdentifier`, unless it is declared in `GraphileWorker.Tasks` (then the typed overload applies). */
+export type UndeclaredTask<TIdentifier extends string> = TIdentifier extends DeclaredTask
+  ? never
+  : TIdentifier;

@@ -7,7 +7,6 @@ import { InvalidArgumentError } from "../errors.js";
 import type { Locks } from "../locks.js";
 import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
 import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
-import type { TaskPayload } from "../types.js";
 
 /**
  * The rules of one task in `worker.locks.tasks` (or a task file's `locks` export): every option of
@@ -27,7 +26,8 @@ export interface TaskLocksOptions<TPayload = unknown> extends ExclusiveOptions<T
 export type TaskLocksOptionsMap = {
   [K in keyof GraphileWorker.Tasks]?: TaskLocksOptions<GraphileWorker.Tasks[K]>;
 } & {
-  [taskIdentifier: string]: TaskLocksOptions<TaskPayload<string>> | undefined;
+  // eslint-disable-next-line @typescript-eslint/no-explicit-any -- an undeclared task's payload is whatever its rules say
+  [taskIdentifier: string]: TaskLocksOptions<any> | undefined;
 };
 
 const UNIQUE_KEYS = [
