@@ -3,7 +3,7 @@ import { defineConfig, globalIgnores } from "eslint/config";
 import tseslint from "typescript-eslint";
 
 export default defineConfig(
-  globalIgnores(["dist/", "node_modules/", "coverage/", ".ci/node24/"]),
+  globalIgnores(["dist/", "node_modules/", "coverage/", ".ci/node24/", "test/.preset/"]),
   tseslint.configs.recommended,
   {
     rules: {

@@ -37,3 +37,12 @@ export {
 export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
 export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";
 export type { ErrorCode } from "./errors.js";
+export {
+  LocksPreset,
+  LocksPlugin,
+  makeLocksFromPreset,
+  validateLocksPresetOptions,
+  payloadWithoutCron,
+} from "./preset.js";
+export type { LocksPresetOptions, TaskLocksOptions, TaskLocksOptionsMap } from "./preset.js";
+export type { TaskPayload } from "./types.js";

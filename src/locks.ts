@@ -35,6 +35,7 @@ import { Prefetcher } from "./prefetch.js";
 import type { HandoffCounts } from "./handoff.js";
 import { LockSession } from "./session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
+import type { DeclaredTask, TaskPayload, UndeclaredTask } from "./types.js";
 import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
 /** A row of the held-locks view. */
@@ -64,9 +65,17 @@ export interface AddJobsItem extends AddJobSpec {
 }
 
 export interface Locks {
-  /** Wraps a task so that at most `limit` jobs per key run at once, across every process. */
-  exclusive<TPayload = unknown>(
-    taskIdentifier: string,
+  /**
+   * Wraps a task so that at most `limit` jobs per key run at once, across every process. A task declared in
+   * `GraphileWorker.Tasks` takes its payload type from there.
+   */
+  exclusive<TIdentifier extends DeclaredTask>(
+    taskIdentifier: TIdentifier,
+    task: (payload: GraphileWorker.Tasks[TIdentifier], helpers: JobHelpers) => unknown,
+    options?: ExclusiveOptions<GraphileWorker.Tasks[TIdentifier]>,
+  ): ExclusiveTask<GraphileWorker.Tasks[TIdentifier]>;
+  exclusive<TPayload = unknown, TIdentifier extends string = string>(
+    taskIdentifier: UndeclaredTask<TIdentifier>,
     task: (payload: TPayload, helpers: JobHelpers) => unknown,
     options?: ExclusiveOptions<TPayload>,
   ): ExclusiveTask<TPayload>;
@@ -79,12 +88,19 @@ export interface Locks {
   /** Registers a task's rules without its function, for processes that only enqueue. */
   define<TPayload = unknown>(taskIdentifier: string, options: DefineOptions<TPayload>): void;
   /** Whether a job of this task with this payload could take its lock now. Advisory, side-effect free. */
-  lockAvailable(taskIdentifier: string, payload: unknown): Promise<boolean>;
+  lockAvailable<TIdentifier extends string>(
+    taskIdentifier: TIdentifier,
+    payload: TaskPayload<TIdentifier>,
+  ): Promise<boolean>;
   /**
    * Adds a job under the rules of the task defined on this instance under `taskIdentifier` (and the
    * spec's overrides): the preemptive check for exclusive tasks, and uniqueness.
    */
-  addJob(taskIdentifier: string, payload: unknown, spec?: AddJobSpec): Promise<AddJobResult>;
+  addJob<TIdentifier extends string>(
+    taskIdentifier: TIdentifier,
+    payload: TaskPayload<TIdentifier>,
+    spec?: AddJobSpec,
+  ): Promise<AddJobResult>;
   /**
    * Adds many jobs in one statement, deduplicated within the batch and against existing jobs, with an
    * outcome per item in input order. No preemptive check. With `onDuplicate: "raise"` on any item, a
@@ -485,7 +501,12 @@ export function makeLocks(options: LocksOptions): Locks {
 
   return {
     events,
-    exclusive(taskIdentifier, task, taskOptions) {
+    exclusive(
+      taskIdentifier: string,
+      task: (payload: never, helpers: JobHelpers) => unknown,
+      taskOptions?: ExclusiveOptions<never>,
+      // eslint-disable-next-line @typescript-eslint/no-explicit-any -- one implementation of both overloads
+    ): ExclusiveTask<any> {
       assertTask(taskIdentifier, task);
       const resolved = resolveExclusiveOptions(taskOptions, options.defaults);
       define(
@@ -495,7 +516,8 @@ export function makeLocks(options: LocksOptions): Locks {
       );
       const exclusive = makeExclusiveTask(ctx, taskIdentifier, task, resolved);
       exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTask<never>);
-      return exclusive;
+      // eslint-disable-next-line @typescript-eslint/no-explicit-any -- see the signature
+      return exclusive as unknown as ExclusiveTask<any>;
     },
     unique(taskIdentifier, task, uniqueOptions) {
       assertTask(taskIdentifier, task);

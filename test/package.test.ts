@@ -86,24 +86,26 @@ afterAll(async () => {
 });
 
 describe("npm pack", () => {
-  it("ships what `exports`, `main` and `types` name, the migrations and the README, and nothing else", async () => {
+  it("ships what `exports`, `main`, `types` and `bin` name, the migrations and the README, and nothing else", async () => {
     const dir = join(unpacked, "package");
     const manifest = JSON.parse(await readFile(join(dir, "package.json"), "utf8")) as {
       main: string;
       types: string;
+      bin: Record<string, string>;
       exports: Record<string, string | Record<string, string>>;
     };
     const files = await filesUnder(dir);
     const named = [
       manifest.main,
       manifest.types,
+      ...Object.values(manifest.bin),
       ...Object.values(manifest.exports).flatMap((target) =>
         typeof target === "string" ? [target] : Object.values(target),
       ),
     ].map((path) => path.replace(/^\.\//, ""));
     for (const path of named) expect(files, `${path} is named by package.json`).toContain(path);
 
-    const sources = (await readdir(join(root, "src"))).filter((f) => f.endsWith(".ts")).sort();
+    const sources = (await filesUnder(join(root, "src"))).filter((f) => f.endsWith(".ts"));
     const migrations = (await readdir(join(root, "sql"))).filter((f) => f.endsWith(".sql")).sort();
     expect(files).toEqual(
       [

@@ -1,0 +1,214 @@
+/**
+ * The operator CLI, run as published: the `bin` of the built package, in a child process, against an
+ * empty database and against this file's database with a held key and a parked job.
+ */
+import { execFile } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import { readFile, writeFile } from "node:fs/promises";
+import { promisify } from "node:util";
+import pg from "pg";
+import { run, type JobHelpers } from "graphile-worker";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { inject } from "vitest";
+import { databaseUrl } from "../scripts/postgres.js";
+import { makeLocks } from "../src/index.js";
+import { withAdmin } from "./support/admin.js";
+import { buildPackage, type BuiltPackage } from "./support/build.js";
+import { useTestDatabase } from "./support/db.js";
+
+const db = useTestDatabase();
+let built: BuiltPackage;
+let bin: string;
+const emptyName = `gwl_empty_${randomBytes(4).toString("hex")}`;
+let emptyUrl: string;
+
+beforeAll(async () => {
+  built = await buildPackage("cli");
+  const pkg = JSON.parse(await readFile(`${built.dir}package.json`, "utf8")) as {
+    bin: Record<string, string>;
+  };
+  bin = `${built.dir}${pkg.bin["graphile-worker-locks"]!.replace(/^\.\//, "")}`;
+  await withAdmin(inject("baseUrl"), (admin) =>
+    admin.query(`create database ${pg.escapeIdentifier(emptyName)}`),
+  );
+  emptyUrl = databaseUrl(inject("baseUrl"), emptyName);
+}, 120_000);
+
+afterAll(async () => {
+  await withAdmin(inject("baseUrl"), (admin) =>
+    admin.query(`drop database if exists ${pg.escapeIdentifier(emptyName)} with (force)`),
+  );
+  await built?.remove();
+});
+
+interface Result {
+  code: number;
+  stdout: string;
+  stderr: string;
+}
+
+async function cli(args: string[], env: Record<string, string> = {}): Promise<Result> {
+  try {
+    const { stdout, stderr } = await promisify(execFile)(process.execPath, [bin, ...args], {
+      env: { ...process.env, DATABASE_URL: "", ...env },
+      timeout: 30_000,
+    });
+    return { code: 0, stdout, stderr };
+  } catch (error) {
+    const e = error as { code: number; stdout: string; stderr: string };
+    return { code: e.code, stdout: e.stdout, stderr: e.stderr };
+  }
+}
+
+async function schemas(url: string): Promise<string[]> {
+  return withAdmin(url, async (client) => {
+    const { rows } = await client.query<{ nspname: string }>(
+      "select nspname from pg_namespace where nspname like 'graphile%' order by 1",
+    );
+    return rows.map((r) => r.nspname);
+  });
+}
+
+describe("graphile-worker-locks CLI on an empty database", () => {
+  it("status and check say what is missing, exit non-zero, and write nothing; migrate names what it needs", async () => {
+    const status = await cli(["status", "-c", emptyUrl]);
+    expect(status.code).toBe(1);
+    expect(status.stderr).toMatch(/schema 'graphile_worker_locks' is not installed/);
+
+    const check = await cli(["check"], { DATABASE_URL: emptyUrl });
+    expect(check.code).toBe(1);
+    expect(check.stdout).toMatch(/FAIL graphile-worker schema: .*not installed/);
+    expect(check.stdout).toMatch(/FAIL graphile-worker-locks schema: .*not installed/);
+    expect(check.stdout).toMatch(/fix: run `graphile-worker-locks migrate`/);
+    expect(check.stdout).toMatch(/ok {3}lock session connection: direct/);
+    expect(await schemas(emptyUrl)).toEqual([]);
+
+    const migrate = await cli(["migrate", "-c", emptyUrl]);
+    expect(migrate.code).toBe(1);
+    expect(migrate.stderr).toMatch(/graphile-worker's schema 'graphile_worker' is not installed/);
+
+    const usage = await cli(["frobnicate", "-c", emptyUrl]);
+    expect(usage.code).toBe(2);
+    expect(usage.stderr).toMatch(/unknown command 'frobnicate'/);
+    expect(await cli([])).toMatchObject({ code: 2 });
+  }, 60_000);
+});
+
+describe("graphile-worker-locks CLI on a database in use", () => {
+  it("migrate, then status answers who holds a job's key and who waits; check passes", async () => {
+    // A fresh library schema name, so that migrate has something to install.
+    const configPath = `${built.dir}graphile.config.mjs`;
+    await writeFile(
+      configPath,
+      `export default {
+  worker: {
+    connectionString: ${JSON.stringify(db.url)},
+    locks: {
+      schema: "gwl_cli",
+      tasks: { charge_card: { onConflict: "reschedule", key: (p) => ({ userId: p.userId }) } },
+    },
+  },
+};
+`,
+    );
+    const migrate = await cli(["migrate", "-C", configPath]);
+    expect(migrate.stderr).toBe("");
+    expect(migrate.stdout).toMatch(/schema 'gwl_cli' is at level \d+/);
+
+    const locks = makeLocks({ connectionString: db.url, schema: "gwl_cli" });
+    let started!: () => void;
+    const running = new Promise<void>((resolve) => (started = resolve));
+    let finish!: () => void;
+    const finished = new Promise<void>((resolve) => (finish = resolve));
+    const chargeCard = locks.exclusive(
+      "charge_card",
+      async (_payload: { userId: number }, _helpers: JobHelpers) => {
+        started();
+        await finished;
+      },
+      { onConflict: "reschedule", key: (p) => ({ userId: p.userId }) },
+    );
+    const runner = await run({
+      connectionString: db.url,
+      concurrency: 2,
+      pollInterval: 100,
+      taskList: { charge_card: chargeCard },
+      noHandleSignals: true,
+    });
+    try {
+      const first = await chargeCard.addJob({ userId: 1 });
+      await running;
+      await chargeCard.addJob({ userId: 1 });
+      // wait until the second job met the held key and parked
+      for (let i = 0; ; i++) {
+        const { rows } = await db.pool().query("select 1 from gwl_cli.waiters");
+        const holders = await db.pool().query("select 1 from gwl_cli.lock_holders");
+        if (rows.length === 1 && holders.rows.length === 1) break;
+        if (i > 300) throw new Error("the second job never parked");
+        await new Promise((r) => setTimeout(r, 50));
+      }
+
+      const status = await cli([
+        "status",
+        "charge_card",
+        '{"userId":1}',
+        "-C",
+        configPath,
+        "--json",
+      ]);
+      expect(status.stderr).toBe("");
+      const parsed = JSON.parse(status.stdout) as {
+        keys: string[];
+        held: Array<{
+          lockKey: string;
+          taskIdentifier: string;
+          jobId: string;
+          applicationName: string;
+        }>;
+        lines: Array<{ lockKey: string; waiting: number }>;
+        sessions: Array<{ pid: number }>;
+      };
+      expect(parsed.keys).toEqual([chargeCard.lockKey({ userId: 1 }).toString()]);
+      expect(parsed.held).toHaveLength(1);
+      expect(parsed.held[0]).toMatchObject({
+        lockKey: parsed.keys[0],
+        taskIdentifier: "charge_card",
+        jobId: first.job!.id,
+      });
+      expect(parsed.held[0]!.applicationName).toMatch(/^graphile-worker-locks\//);
+      expect(parsed.lines).toEqual([
+        expect.objectContaining({ lockKey: parsed.keys[0], waiting: 1 }),
+      ]);
+      expect(parsed.sessions).toHaveLength(1);
+
+      // Another key: nothing held, nobody waiting.
+      const other = await cli([
+        "status",
+        "charge_card",
+        '{"userId":2}',
+        "-C",
+        configPath,
+        "--json",
+      ]);
+      expect(JSON.parse(other.stdout)).toMatchObject({ held: [], lines: [] });
+
+      const text = await cli(["status", "-C", configPath]);
+      expect(text.stdout).toMatch(
+        /Held locks \(1\):\n {2}key -?\d+ {2}task charge_card {2}job \d+/,
+      );
+      expect(text.stdout).toMatch(/Parked jobs \(1\):/);
+
+      const check = await cli(["check", "-C", configPath]);
+      expect(check.stdout).toMatch(/ok {3}graphile-worker-locks schema/);
+      expect(check.code, check.stdout).toBe(0);
+      const crowded = await cli(["check", "-C", configPath, "--processes", "1000", "--json"]);
+      expect(crowded.code).toBe(1);
+      const findings = JSON.parse(crowded.stdout) as Array<{ check: string; ok: boolean }>;
+      expect(findings.filter((f) => !f.ok).map((f) => f.check)).toEqual(["max_connections"]);
+    } finally {
+      finish();
+      await runner.stop();
+      await locks.release();
+    }
+  }, 90_000);
+});

@@ -1,0 +1,287 @@
+/**
+ * `LocksPreset` for real: the `graphile-worker` CLI in separate processes with a `graphile.config.ts`, a
+ * `tasks/` folder (TypeScript and JavaScript) and a crontab; and `run({ preset })` in this process.
+ */
+import { register } from "tsx/esm/api";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { buildPackage, type BuiltPackage } from "./support/build.js";
+import { run, WorkerPreset, makeWorkerUtils } from "graphile-worker";
+import { LocksPreset, makeLocksFromPreset, InvalidArgumentError } from "../src/index.js";
+import { useTestDatabase } from "./support/db.js";
+import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
+import {
+  recordingTask,
+  startCliWorker,
+  writeProject,
+  type Project,
+} from "./support/presetProject.js";
+
+const db = useTestDatabase();
+const projects: Project[] = [];
+let built: BuiltPackage;
+beforeAll(async () => {
+  built = await buildPackage("preset");
+}, 120_000);
+afterAll(async () => {
+  await Promise.all(projects.map((p) => p.remove()));
+  await built?.remove();
+});
+/** Removes what a test left behind (jobs and records), whether it passed or not. */
+async function cleanUp() {
+  await db.pool().query("delete from graphile_worker._private_jobs");
+  await db.pool().query("delete from test_executions");
+}
+
+async function waitFor(what: string, check: () => Promise<boolean>, timeoutMs = 90_000) {
+  const deadline = Date.now() + timeoutMs;
+  while (!(await check())) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+}
+
+const jobsLeft = async (task: string) =>
+  Number(
+    (
+      await db
+        .pool()
+        .query<{ n: string }>(
+          "select count(*) as n from graphile_worker.jobs where task_identifier = $1",
+          [task],
+        )
+    ).rows[0]!.n,
+  );
+
+/** Each key's executions never overlap, and each `n` in `expected` ran exactly once. */
+async function expectExclusiveAndComplete(task: string, expected: number[]) {
+  const executions = await readExecutions(db.pool(), task);
+  for (const [key, highest] of maxConcurrencyPerKey(executions)) {
+    expect(highest, `executions of ${task} key ${key} overlapped`).toBe(1);
+  }
+  const { rows } = await db
+    .pool()
+    .query<{ note: string }>("select note from test_executions where task = $1", [task]);
+  expect(rows.map((r) => Number(r.note)).sort((a, b) => a - b)).toEqual(expected);
+}
+
+const CHARGE_CARD_TS = `import type { Task } from "graphile-worker";
+const task: Task = async (payload: any, helpers) => {${recordingTask("charge_card", "p.userId")}};
+export default task;
+`;
+// Rules beside the function, in the task file.
+const REPORT_JS = `export const locks = {
+  onConflict: "reschedule",
+  key: (p) => ({ r: p.r }),
+  reschedule: { minDelay: 20, maxDelay: 200 },
+};
+export default async (payload, helpers) => {${recordingTask("report", "p.r")}};
+`;
+const WORKER = `concurrentJobs: 4,
+    pollInterval: 200,
+    locks: {
+      applicationName: "graphile-worker-locks/preset-" + (process.env.WORKER_NAME ?? "in-process"),
+      tasks: {
+        charge_card: {
+          onConflict: "reschedule",
+          key: (p) => ({ userId: p.userId }),
+          reschedule: { minDelay: 20, maxDelay: 200 },
+        },
+      },
+    },`;
+
+const range = (n: number) => Array.from({ length: n }, (_, i) => i);
+
+describe("LocksPreset through the graphile-worker CLI", () => {
+  it("2 processes x concurrency 4: no overlap per key, every job run once (rules from the preset and from a task file)", async () => {
+    const project = await writeProject({
+      entry: built.entry,
+      worker: WORKER,
+      tasks: { "charge_card.ts": CHARGE_CARD_TS, "report.js": REPORT_JS },
+    });
+    projects.push(project);
+    const { default: preset } = (await import(project.configPath)) as {
+      default: GraphileConfig.Preset;
+    };
+
+    // Enqueue-only side: the same preset gives `locks.addJob` the task's rules.
+    const utils = await makeWorkerUtils({ connectionString: db.url });
+    const locks = makeLocksFromPreset(preset, { connectionString: db.url });
+    try {
+      for (const n of range(40)) {
+        const { outcome, job } = await locks.addJob("charge_card", { userId: n % 4, n, ms: 15 });
+        expect(outcome).toBe("added");
+        // A reschedule task's job carries its key's flag: the preset's rules reached the enqueue.
+        expect(Object.keys(job!.flags ?? {})[0]).toMatch(/^gwl:lock:/);
+        await utils.addJob("report", { r: n % 3, n, ms: 15 });
+      }
+    } finally {
+      await locks.release();
+      await utils.release();
+    }
+
+    const workers = [
+      startCliWorker(project, db.url, "cli-a"),
+      startCliWorker(project, db.url, "cli-b"),
+    ];
+    try {
+      await waitFor(
+        "the jobs to drain",
+        async () => (await jobsLeft("charge_card")) + (await jobsLeft("report")) === 0,
+      );
+      await expectExclusiveAndComplete("charge_card", range(40));
+      await expectExclusiveAndComplete("report", range(40));
+      // Both processes took part.
+      const { rows } = await db
+        .pool()
+        .query<{ worker: string }>("select distinct worker from test_executions order by worker");
+      expect(rows.map((r) => r.worker)).toEqual(["cli-a", "cli-b"]);
+    } finally {
+      const codes = await Promise.all(workers.map((w) => w.stop()));
+      const outputs = workers.map((w) => w.output()).join("\n");
+      await cleanUp();
+      for (const code of codes) expect([0, "SIGINT"], outputs).toContain(code);
+    }
+  }, 180_000);
+
+  it("a crontab entry of an exclusive task never overlaps itself: backfilled runs that meet the held key are dropped", async () => {
+    const project = await writeProject({
+      entry: built.entry,
+      worker: `concurrentJobs: 4,
+    pollInterval: 200,
+    locks: { tasks: { nightly: { onConflict: "drop" } } },`,
+      tasks: {
+        "nightly.js": `export default async (payload, helpers) => {${recordingTask("nightly", '"nightly"')}};`,
+      },
+      // Every minute, backfilling the last 10 minutes' runs at start-up.
+      crontab: `* * * * * nightly ?fill=10m {ms: 1500}\n`,
+    });
+    projects.push(project);
+    const pool = db.pool();
+    // Every job graphile-worker's cron adds for `nightly`, counted as it is inserted.
+    await pool.query(`
+      create or replace function public.test_count_cron() returns trigger language plpgsql as $$
+      begin
+        if (select identifier from graphile_worker._private_tasks where id = new.task_id) = 'nightly' then
+          insert into public.test_events (job_id, kind, detail) values (new.id, 'cron:added', new.payload);
+        end if;
+        return new;
+      end $$;
+      create trigger test_count_cron after insert on graphile_worker._private_jobs
+        for each row execute function public.test_count_cron();`);
+    // The crontab has been known for 10 minutes, so its missed runs are backfilled at once on start.
+    await pool.query(
+      "insert into graphile_worker._private_known_crontabs (identifier, known_since) values ('nightly', now() - interval '10 minutes')",
+    );
+
+    const workers = [
+      startCliWorker(project, db.url, "cron-a"),
+      startCliWorker(project, db.url, "cron-b"),
+    ];
+    try {
+      await waitFor(
+        "the backfilled runs",
+        async () =>
+          Number(
+            (
+              await pool.query<{ n: string }>(
+                "select count(*) as n from test_events where kind = 'cron:added'",
+              )
+            ).rows[0]!.n,
+          ) >= 9,
+      );
+      await waitFor("the cron jobs to drain", async () => (await jobsLeft("nightly")) === 0);
+      const added = Number(
+        (
+          await pool.query<{ n: string }>(
+            "select count(*) as n from test_events where kind = 'cron:added'",
+          )
+        ).rows[0]!.n,
+      );
+      const executions = await readExecutions(pool, "nightly");
+      expect(executions.length).toBeGreaterThanOrEqual(1);
+      // At most one run at a time, and the runs that met the held key were dropped, not run.
+      expect(maxConcurrencyPerKey(executions).get("nightly")).toBe(1);
+      expect(executions.length).toBeLessThan(added);
+    } finally {
+      const codes = await Promise.all(workers.map((w) => w.stop()));
+      for (const code of codes) {
+        expect([0, "SIGINT"], workers.map((w) => w.output()).join("\n")).toContain(code);
+      }
+      await pool.query("drop trigger if exists test_count_cron on graphile_worker._private_jobs");
+      await cleanUp();
+    }
+  }, 180_000);
+});
+
+describe("LocksPreset through run({ preset }) in this process", () => {
+  it("two runners share one lock session; no overlap per key; every job run once", async () => {
+    const project = await writeProject({
+      entry: built.entry,
+      worker: WORKER,
+      tasks: { "charge_card.ts": CHARGE_CARD_TS, "report.js": REPORT_JS },
+    });
+    projects.push(project);
+    const { default: preset } = (await import(project.configPath)) as {
+      default: GraphileConfig.Preset;
+    };
+    // This process loads the TypeScript task file as the CLI does under `--import tsx`.
+    const unregister = register();
+    const locks = makeLocksFromPreset(preset, { connectionString: db.url });
+    try {
+      for (const n of range(24)) {
+        await locks.addJob("charge_card", { userId: n % 3, n, ms: 15 });
+        await locks.addJob("report", { r: n % 2, n, ms: 15 });
+      }
+    } finally {
+      await locks.release();
+    }
+    const withUrl: GraphileConfig.Preset = {
+      extends: [preset],
+      worker: { connectionString: db.url },
+    };
+    const runners = [await run({ preset: withUrl }), await run({ preset: withUrl })];
+    try {
+      await waitFor(
+        "the jobs to drain",
+        async () => (await jobsLeft("charge_card")) + (await jobsLeft("report")) === 0,
+      );
+      const { rows } = await db
+        .pool()
+        .query<{ n: string }>(
+          "select count(*) as n from pg_stat_activity where application_name = 'graphile-worker-locks/preset-in-process'",
+        );
+      expect(Number(rows[0]!.n)).toBe(1);
+      await expectExclusiveAndComplete("charge_card", range(24));
+      await expectExclusiveAndComplete("report", range(24));
+    } finally {
+      await Promise.all(runners.map((r) => r.stop()));
+      await unregister();
+      await cleanUp();
+    }
+  }, 120_000);
+});
+
+describe("LocksPreset configuration errors", () => {
+  it("a wrong option is a typed error at start-up naming the task and the option", async () => {
+    const preset: GraphileConfig.Preset = {
+      extends: [WorkerPreset, LocksPreset],
+      worker: {
+        connectionString: db.url,
+        taskList: {},
+        locks: { tasks: { charge_card: { onConflict: "later" as never } } },
+      } as GraphileConfig.WorkerOptions,
+    };
+    const error = await run({ preset, taskList: {} }).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    expect(error).toBeInstanceOf(InvalidArgumentError);
+    expect(String((error as Error).message)).toMatch(/charge_card/);
+    expect(String((error as Error).message)).toMatch(/onConflict/);
+    expect(() =>
+      makeLocksFromPreset({
+        worker: { connectionString: db.url, locks: { tasks: { x: { limt: 2 } as never } } },
+      }),
+    ).toThrow(/task 'x'.*unknown option `limt`/);
+  });
+});

@@ -1,0 +1,112 @@
+/**
+ * A graphile-worker project on disk, as a user of the preset has one: a `graphile.config.mjs` extending
+ * `WorkerPreset` and `LocksPreset`, a `tasks/` folder (TypeScript and JavaScript task files) and optionally a
+ * `crontab`. Every task records the start and end of each execution with the database's clock into
+ * `test_executions` (`lock_key`: the key the test groups by, `note`: the payload's `n`).
+ */
+import { spawn, type ChildProcess } from "node:child_process";
+import { mkdir, rm, writeFile } from "node:fs/promises";
+import { randomBytes } from "node:crypto";
+import { fileURLToPath } from "node:url";
+
+const ROOT = fileURLToPath(new URL("../../", import.meta.url));
+export const GRAPHILE_WORKER_BIN = `${ROOT}node_modules/.bin/graphile-worker`;
+
+/** The body of a task that records its execution; `keyExpr` is a JS expression over `p` (the payload). */
+export const recordingTask = (task: string, keyExpr: string) => `
+  const p = payload;
+  const { rows } = await helpers.query(
+    "insert into test_executions (job_id, task, lock_key, worker, attempts, note) values ($1, $2, $3, $4, $5, $6) returning id",
+    [helpers.job.id, ${JSON.stringify(task)}, String(${keyExpr}), process.env.WORKER_NAME ?? "in-process", helpers.job.attempts, String(p.n ?? "")],
+  );
+  await new Promise((resolve) => setTimeout(resolve, p.ms ?? 20));
+  await helpers.query("update test_executions set ended_at = clock_timestamp() where id = $1", [rows[0].id]);
+`;
+
+export interface ProjectFiles {
+  /** The package's built entry (see support/build.ts), imported by the config as a user's would be. */
+  entry: string;
+  /** The `worker` section of the config, as JavaScript source (an object literal's members). */
+  worker: string;
+  /** Task files by file name, e.g. `charge_card.ts`. */
+  tasks: Record<string, string>;
+  crontab?: string;
+}
+
+export interface Project {
+  dir: string;
+  configPath: string;
+  remove(): Promise<void>;
+}
+
+export async function writeProject(files: ProjectFiles): Promise<Project> {
+  const dir = fileURLToPath(
+    new URL(`../.preset/p-${randomBytes(4).toString("hex")}/`, import.meta.url),
+  );
+  await mkdir(`${dir}tasks`, { recursive: true });
+  const configPath = `${dir}graphile.config.mjs`;
+  await writeFile(
+    configPath,
+    `import { WorkerPreset } from "graphile-worker";
+import { LocksPreset } from ${JSON.stringify(files.entry)};
+
+/** @type {GraphileConfig.Preset} */
+const preset = {
+  extends: [WorkerPreset, LocksPreset],
+  worker: {
+    connectionString: process.env.DATABASE_URL,
+    taskDirectory: ${JSON.stringify(`${dir}tasks`)},
+    crontabFile: ${JSON.stringify(`${dir}crontab`)},
+    ${files.worker}
+  },
+};
+
+export default preset;
+`,
+  );
+  for (const [name, source] of Object.entries(files.tasks)) {
+    await writeFile(`${dir}tasks/${name}`, source);
+  }
+  if (files.crontab !== undefined) await writeFile(`${dir}crontab`, files.crontab);
+  return { dir, configPath, remove: () => rm(dir, { recursive: true, force: true }) };
+}
+
+export interface CliWorker {
+  child: ChildProcess;
+  output(): string;
+  /**
+   * SIGINT (graphile-worker's graceful shutdown), then how the process ended: its exit code, or the signal
+   * it re-raised on itself once shut down (graphile-worker does so).
+   */
+  stop(): Promise<number | string | null>;
+  exited: Promise<number | string | null>;
+}
+
+/** Runs the real `graphile-worker` CLI with the project's config (TypeScript files loaded through tsx's ESM loader). */
+export function startCliWorker(project: Project, url: string, name: string): CliWorker {
+  const child = spawn(GRAPHILE_WORKER_BIN, ["-C", project.configPath], {
+    cwd: ROOT,
+    env: {
+      ...process.env,
+      DATABASE_URL: url,
+      WORKER_NAME: name,
+      NODE_OPTIONS: "--import tsx/esm",
+    },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let output = "";
+  child.stdout!.on("data", (d: Buffer) => (output += d.toString()));
+  child.stderr!.on("data", (d: Buffer) => (output += d.toString()));
+  const exited = new Promise<number | string | null>((resolve) =>
+    child.once("exit", (code, signal) => resolve(code ?? signal)),
+  );
+  return {
+    child,
+    output: () => output,
+    exited,
+    async stop() {
+      if (child.exitCode === null && child.signalCode === null) child.kill("SIGINT");
+      return exited;
+    },
+  };
+}
