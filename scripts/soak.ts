@@ -210,6 +210,7 @@ async function main(): Promise<number> {
 
     // Workers.
     const slots: Slot[] = [];
+    const poolNames = new Map<string, string>();
     const unexpectedExits: string[] = [];
     const liveWorkerIds = () => new Set(slots.flatMap((s) => (s.killing ? [] : s.workerIds)));
     const spawnWorker = async (index: number, incarnation: number): Promise<Slot> => {
@@ -239,7 +240,10 @@ async function main(): Promise<number> {
         ready: false,
       };
       child.on("message", (message: SoakMessage) => {
-        if (message.type === "workerId") slot.workerIds.push(message.workerId);
+        if (message.type === "workerId") {
+          slot.workerIds.push(message.workerId);
+          poolNames.set(message.workerId, name);
+        }
         if (message.type === "lost") slot.lost.push(message);
       });
       child.once("exit", (code, signal) => {
@@ -420,14 +424,17 @@ async function main(): Promise<number> {
       log(
         `  ${((Date.now() - loadStart) / 1000).toFixed(1).padStart(5)} s  ${event.kind} ${event.kind === "restart" || event.kind === "partition" ? "" : slots[event.slot]!.name}`,
       );
+      const limit = new AbortController();
       await Promise.race([
         runEvent(event).catch((error: unknown) => {
           notes.push(`${event.kind} at ${event.at} ms failed: ${String(error)}`);
         }),
-        sleep(30_000).then(() =>
-          violations.push(`chaos event ${event.kind} did not finish in 30 s`),
+        sleep(30_000, undefined, { signal: limit.signal }).then(
+          () => violations.push(`chaos event ${event.kind} did not finish in 30 s`),
+          () => undefined,
         ),
       ]);
+      limit.abort();
     }
     const enqueueResult = await Promise.race([enqueued, sleep(60_000).then(() => null)]);
     if (!enqueueResult) violations.push("the enqueuer did not finish");
@@ -440,7 +447,7 @@ async function main(): Promise<number> {
     const drainStart = Date.now();
     let hurried = 0;
     let remaining = -1;
-    while (Date.now() - drainStart < 45_000) {
+    while (Date.now() - drainStart < 30_000) {
       try {
         const { rows } = await admin.query<{ n: number }>(
           "select count(*)::int as n from graphile_worker.jobs where task_identifier like 'soak_%'",
@@ -467,6 +474,21 @@ async function main(): Promise<number> {
       await sleep(500);
     }
     const drainMs = Date.now() - drainStart;
+    const stuck = await admin
+      .query<{ line: string }>(
+        `select format('job %s (%s): locked_by %s, run_at in %s s, attempts %s/%s, last_error %s',
+           id, task_identifier, coalesce(locked_by, '-'),
+           round(extract(epoch from run_at - now())::numeric, 1), attempts, max_attempts,
+           coalesce(left(last_error, 120), '-')) as line
+         from graphile_worker.jobs where task_identifier like 'soak_%' order by id limit 10`,
+      )
+      .catch((error: unknown) => ({ rows: [{ line: `(could not list them: ${String(error)})` }] }));
+    const owner = (line: string) =>
+      line.replace(/locked_by (\S+),/, (all, id: string) => {
+        const name = poolNames.get(id);
+        return name ? `locked_by ${id} (worker ${name}),` : all;
+      });
+    for (const row of stuck.rows) notes.push(`left in the queue: ${owner(row.line)}`);
     // The lock sessions' holder registry is refreshed about twice a second.
     await sleep(1500);
     const leftovers: Record<string, number> = {};
@@ -541,6 +563,14 @@ async function main(): Promise<number> {
     }
     await server.stop();
   }
+}
+
+/** The chaos events of the 5 s before and after `us`, with their distance from it. */
+function describeChaos(recorded: Recorded[], us: bigint): string {
+  const near = recorded
+    .filter((r) => r.us !== null && r.us >= us - 5_000_000n && r.us <= us + 5_000_000n)
+    .map((r) => `${r.kind} ${r.target} at ${Number(r.us! - us) / 1000} ms`);
+  return near.length > 0 ? `; chaos: ${near.join(", ")}` : "";
 }
 
 function countBy(items: string[]): Record<string, number> {
@@ -648,8 +678,14 @@ async function analyse(
         }
         overlaps++;
         if (overlapExamples.length < 5) {
+          const near = recorded
+            .filter((r) => r.us !== null && r.us >= b.start - 3_000_000n && r.us <= a.end!)
+            .map(
+              (r) =>
+                `${r.kind} ${r.target} ${Number(r.us! - b.start) / 1000} ms from the 2nd start`,
+            );
           overlapExamples.push(
-            `${a.lockKey}: job ${a.jobId} on ${a.worker} and job ${b.jobId} on ${b.worker} (${Number(a.end! - b.start) / 1000} ms)`,
+            `${a.lockKey}: job ${a.jobId} on ${a.worker} (${a.aborted ?? a.interrupted ?? "ended"}) and job ${b.jobId} on ${b.worker} (${b.aborted ?? b.interrupted ?? "ended"}), ${Number(a.end! - b.start) / 1000} ms${near.length ? `; chaos: ${near.join(", ")}` : ""}`,
           );
         }
       }
@@ -712,7 +748,7 @@ async function analyse(
         if (why === "ran to the end, then again") {
           const next = runs[i + 1]!;
           repeated.push(
-            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker})`,
+            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker} ${Number(next.start - run.end!) / 1000} ms after its end${describeChaos(recorded, run.end!)})`,
           );
         }
       }
