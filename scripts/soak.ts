@@ -778,21 +778,27 @@ async function analyse(
 
   // Recovery after the restart: from the server accepting connections again to each worker's first
   // execution (by workers that were not restarted meanwhile).
-  let recovery: Record<string, number | null> | null = null;
+  let recovery: Record<string, number | string> | null = null;
   if (context.restartDone !== null) {
     recovery = {};
-    for (const slot of context.slots) {
-      const before = executions.some(
-        (e) => e.worker === slot.name && e.start < context.restartDone!,
+    const done = context.restartDone;
+    // Every worker process that ran jobs before the restart and was still alive at its end.
+    const names = new Set(executions.filter((e) => e.start < done).map((e) => e.worker));
+    for (const name of names) {
+      const killedBefore = recorded.some(
+        (r) => r.kind === "kill" && r.target === name && r.us !== null && r.us < done,
       );
-      if (!before) continue; // started after the restart: not a recovery
+      if (killedBefore) continue;
       const first = executions
-        .filter((e) => e.worker === slot.name && e.start >= context.restartDone!)
+        .filter((e) => e.worker === name && e.start >= done)
         .sort((a, b) => (a.start < b.start ? -1 : 1))[0];
-      recovery[slot.name] = first ? Number(first.start - context.restartDone) / 1000 : null;
-    }
-    for (const [worker, ms] of Object.entries(recovery)) {
-      if (ms === null) violations.push(`worker ${worker} ran nothing after the PostgreSQL restart`);
+      const killedAfter = recorded.find((r) => r.kind === "kill" && r.target === name);
+      if (first) recovery[name] = Number(first.start - done) / 1000;
+      else if (killedAfter) recovery[name] = "killed before it ran again";
+      else {
+        recovery[name] = "ran nothing after the restart";
+        violations.push(`worker ${name} ran nothing after the PostgreSQL restart`);
+      }
     }
   }
 
