@@ -5,12 +5,10 @@
  * `enqueues` row (ref, task, key, outcome, job id), so a row exists exactly when the enqueue committed: an
  * enqueue that fails (PostgreSQL restarting) is retried until its row exists. Choices come from SOAK_SEED.
  */
-import { Logger } from "graphile-worker";
 import pg from "pg";
 import { makeLocks, type ExclusiveOptions } from "../../src/index.js";
-import { makePool, quietLogger } from "../demo-worker.js";
 import { between, seeded } from "./random.js";
-import { SOAK_SCHEMA, type SoakPayload } from "./shared.js";
+import { makePool, SOAK_SCHEMA, soakLogger, type SoakPayload } from "./shared.js";
 
 const url = process.env.DATABASE_URL!;
 const until = Number(process.env.SOAK_UNTIL);
@@ -18,15 +16,8 @@ const random = seeded(Number(process.env.SOAK_SEED ?? 1));
 const rate = Number(process.env.SOAK_RATE ?? 25);
 const KEYS = 6;
 
-const logger =
-  process.env.SOAK_VERBOSE === "1"
-    ? quietLogger("[soak enqueuer]", () => true)
-    : new Logger(() => () => {});
-const pool = makePool(
-  { connectionString: url, max: 2, application_name: "gwl-soak-enqueuer" },
-  logger,
-  "enqueuer pool",
-);
+const logger = soakLogger("[soak enqueuer]");
+const pool = makePool({ connectionString: url, max: 2, application_name: "gwl-soak-enqueuer" });
 const locks = makeLocks({
   pgPool: pool,
   applicationName: "graphile-worker-locks/soak-enqueuer",

@@ -13,10 +13,9 @@
  * `lose` completes one job in ten without running it.
  */
 import { EventEmitter } from "node:events";
-import { Logger, run, type JobHelpers, type Task, type WorkerEvents } from "graphile-worker";
+import { run, type JobHelpers, type Task, type WorkerEvents } from "graphile-worker";
 import { makeLocks } from "../../src/index.js";
-import { makePool, quietLogger } from "../demo-worker.js";
-import { SOAK_SCHEMA, type SoakMessage, type SoakPayload } from "./shared.js";
+import { makePool, SOAK_SCHEMA, soakLogger, type SoakMessage, type SoakPayload } from "./shared.js";
 
 const url = process.env.DATABASE_URL;
 if (!url) throw new Error("soak worker: DATABASE_URL is not set");
@@ -32,20 +31,17 @@ const errorCode = (error: unknown): string | null => {
 };
 
 // Job failures are recorded (job_errors) and counted in the report; SOAK_VERBOSE=1 prints them too.
-const logger =
-  process.env.SOAK_VERBOSE === "1"
-    ? quietLogger(`[soak ${name}]`, () => true)
-    : new Logger(() => () => {});
-const records = makePool(
-  { connectionString: url, max: concurrency + 4, application_name: `gwl-soak-records/${name}` },
-  logger,
-  "records pool",
-);
-const workerPool = makePool(
-  { connectionString: url, max: concurrency + 4, application_name: `gwl-soak-worker/${name}` },
-  logger,
-  "graphile-worker pool",
-);
+const logger = soakLogger(`[soak ${name}]`);
+const records = makePool({
+  connectionString: url,
+  max: concurrency + 4,
+  application_name: `gwl-soak-records/${name}`,
+});
+const workerPool = makePool({
+  connectionString: url,
+  max: concurrency + 4,
+  application_name: `gwl-soak-worker/${name}`,
+});
 
 // Rows written from event listeners: retried while PostgreSQL is away (restart), for up to 20 s.
 const pending = new Set<Promise<unknown>>();
