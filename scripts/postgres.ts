@@ -46,6 +46,11 @@ export interface StartedPostgres {
   url: string;
   /** Stops the server and removes its files. Idempotent; a no-op for a server given by URL. */
   stop(): Promise<void>;
+  /**
+   * Stops the server (fast shutdown: sessions are terminated) and starts it again on the same data
+   * directory and port. Only for the embedded server; absent for a server given by URL or a container.
+   */
+  restart?(): Promise<void>;
 }
 
 const USER = "postgres";
@@ -370,6 +375,23 @@ async function startEmbedded(options: StartPostgresOptions, pkg: string): Promis
       }
     })());
 
+  let serverOptions: ConstructorParameters<typeof EmbeddedPostgres>[0] | undefined;
+  const restart = async (): Promise<void> => {
+    if (stopping || !serverOptions) throw new Error("restart: the server is stopped");
+    const current = server as { process?: ChildProcess } | undefined;
+    const child = current?.process;
+    if (child && isRunning(server)) {
+      const exited = new Promise((resolve) => child.once("exit", resolve));
+      child.kill("SIGINT");
+      await exited;
+    }
+    // (a new instance: stop() on the old one would delete the data directory, persistent being false)
+    const next = new EmbeddedPostgres(serverOptions);
+    server = next;
+    await next.start();
+    postmasterPid = readPostmasterPid(dataDir);
+  };
+
   try {
     const base = {
       databaseDir: dataDir,
@@ -387,7 +409,7 @@ async function startEmbedded(options: StartPostgresOptions, pkg: string): Promis
     // The port is free when we ask, but someone could take it before postgres binds it: retry then.
     for (let attempt = 1; ; attempt++) {
       const port = await freePort();
-      const candidate = new EmbeddedPostgres({
+      const candidateOptions = {
         ...base,
         port,
         postgresFlags: [
@@ -395,12 +417,18 @@ async function startEmbedded(options: StartPostgresOptions, pkg: string): Promis
           ["unix_socket_directories", ""],
           ...SERVER_FLAGS,
         ].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
-      });
+      };
+      const candidate = new EmbeddedPostgres(candidateOptions);
       server = candidate;
       try {
         await candidate.start();
         postmasterPid = readPostmasterPid(dataDir);
-        return { url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`, stop };
+        serverOptions = candidateOptions;
+        return {
+          url: `postgres://${USER}:${PASSWORD}@127.0.0.1:${port}/postgres`,
+          stop,
+          restart,
+        };
       } catch (error) {
         if (isRunning(candidate)) await candidate.stop().catch(() => undefined);
         server = undefined;
