@@ -44,12 +44,10 @@ test(
   "npm run demo exits 0: no key above its limit, every job accounted for",
   { timeout: 60_000 },
   async () => {
-    const started = Date.now();
+    // (the demo stops itself; 45 s is a bound for a hung run, not a speed target)
     const { code, signal, output } = await runDemo(db.url, 45_000);
-    const seconds = (Date.now() - started) / 1000;
 
     expect({ code, signal }, output).toEqual({ code: 0, signal: null });
-    expect(seconds, output).toBeLessThan(30);
     expect(output).toContain("PostgreSQL: DATABASE_URL");
     for (const line of [
       /^ {2}enqueued: +\d+ jobs fired, \d+ added$/m,
