@@ -1,38 +1,10 @@
 /**
- * Section "execution overhead": how many no-op jobs per second graphile-worker runs with and without the
- * exclusive wrapper (a distinct key per job, so every job takes and releases a lock and none conflicts).
- *
- * Method, per configuration: N jobs are pre-inserted, a runner is started, and the clock runs from just
- * before `run()` until the job table is empty (the last `job:complete` event, then polling the table, as
- * completions may be written in the background or in batches); then the runner is stopped and the table
- * truncated. One warm-up run of each variant (not counted), then rounds that alternate the variants
- * (plain, wrapped, naive, plain, ...), so that drift (caches, autovacuum, thermal) hits every variant alike.
- * Figures are medians; the ratio is the ratio of the medians.
- *
- * Variants:
- * - plain: the no-op task as is.
- * - wrapped: `locks.exclusive(...)` around it; lock requests of concurrent jobs are coalesced on the one
- *   lock session. "lock stmts/job" is the number of statements sent on that session per job.
- * - naive: what you would write without the library: per job, `pg_try_advisory_lock` and then
- *   `pg_advisory_unlock` on one dedicated connection (two round trips, same key derivation), which shows
- *   what coalescing buys.
- * - naive, connection per job ("naiveConn"): the same two statements on a connection of the running job's
- *   own, from a pool of one connection per worker (que-locks' design, a session per worker): no queueing
- *   behind other jobs' statements, at the price of a connection per worker.
- *
- * Configurations A3 and B3 are A and B run by 3 worker processes (bench/throughput-worker.ts, same
- * per-process concurrency and options), each with one runner and, wrapped, one Locks instance with
- * `locks.attach()`. The processes are forked once and stay up across runs (each run starts and stops their
- * runners), so process start-up is not measured. N jobs are inserted up front, the clock runs from the
- * start signal until the job table is empty; CPU is the three processes' own, lock statements are summed
- * over their lock sessions. No naive variant there: it is a one-process comparison of coalescing.
- *
- * Lock session cost, in the wrapped runs: the connections each process has open (pg_stat_activity, every
- * connection named by process and role, sampled every SAMPLE_INTERVAL_MS while the runners run in A3 and
- * B3 and once when the table is empty in every configuration), the lock session's backend memory against
- * a graphile-worker pool backend's (from /proc, embedded server only), the Node.js heap after a wrapped run
- * against after a plain run (after a full GC, in the worker processes, which run with --expose-gc), the
- * locks still held after a run, and lock statements per executed job.
+ * Section "execution overhead": no-op jobs per second, graphile-worker alone ("plain") against the task in
+ * `locks.exclusive()` with a distinct key per job ("wrapped") and two naive wrappers (method, variants and
+ * configurations: bench/README.md). N jobs are inserted up front; the clock runs from `run()` (or, in the
+ * worker processes of A3 and B3, the start signal) to an empty job table. A warm-up of each variant, then
+ * rounds alternating the variants, medians. The wrapped runs also give the lock session's cost: connections
+ * by role, backend memory, heap, locks left held.
  */
 import { EventEmitter } from "node:events";
 import { readFile } from "node:fs/promises";
