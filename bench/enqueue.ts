@@ -146,121 +146,77 @@ const dedupe = async ({ utils }: Tools, task: string, key: string) => {
   return job.revision === 0 ? "added" : "duplicate";
 };
 
+type One = NonNullable<Variant["one"]>;
+type Many = NonNullable<Variant["many"]>;
+type Seed = Variant["seed"];
+const single = (id: string, label: string, keys: Keys, one: One, seed?: Seed) =>
+  ({ id, label, kind: "single", keys, one, ...(seed ? { seed } : {}) }) as const;
+const bulk = (id: string, label: string, keys: Keys, many: Many, seed?: Seed) =>
+  ({ id, label, kind: "bulk", keys, many, ...(seed ? { seed } : {}) }) as const;
+
+/** `locks.addJob` with these unique options, with fresh keys and over existing ones. */
 function uniqueSingle(id: string, label: string, unique: UniqueSpec): Array<Omit<Variant, "task">> {
-  const one = async ({ locks }: Tools, task: string, key: string) =>
+  const one: One = async ({ locks }, task, key) =>
     (await locks.addJob(task, payload(key), unique)).outcome;
   return [
-    { id: `${id}/fresh`, label, kind: "single", keys: "fresh", one },
-    {
-      id: `${id}/duplicate`,
-      label,
-      kind: "single",
-      keys: "duplicate",
-      seed: seedWith(locksBulk(unique)),
-      one,
-    },
+    single(`${id}/fresh`, label, "fresh", one),
+    single(`${id}/duplicate`, label, "duplicate", one, seedWith(locksBulk(unique))),
   ];
 }
 
+const gwLabel = "graphile-worker addJob jobKey unsafe_dedupe";
+const uniqueActive = locksBulk({ unique: "active" });
 const VARIANTS: Variant[] = (
   [
-    {
-      id: "addJob",
-      label: "graphile-worker addJob",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ utils }, task, key) => {
-        await utils.addJob(task, payload(key));
-        return "added";
-      },
-    },
-    {
-      id: "dedupe/fresh",
-      label: "graphile-worker addJob jobKey unsafe_dedupe",
-      kind: "single",
-      keys: "fresh",
-      one: dedupe,
-    },
-    {
-      id: "dedupe/duplicate",
-      label: "graphile-worker addJob jobKey unsafe_dedupe",
-      kind: "single",
-      keys: "duplicate",
-      seed: seedWith(gwBulk(true)),
-      one: dedupe,
-    },
-    {
-      id: "preemptive",
-      label: "locks.addJob, preemptive check (exclusive drop task)",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ locks }, task, key) => (await locks.addJob(task, payload(key))).outcome,
-    },
-    {
-      id: "unchecked",
-      label: "locks.addJob, same task, preemptive: false (reference)",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ locks }, task, key) =>
+    single("addJob", "graphile-worker addJob", "fresh", async ({ utils }, task, key) => {
+      await utils.addJob(task, payload(key));
+      return "added";
+    }),
+    single("dedupe/fresh", gwLabel, "fresh", dedupe),
+    single("dedupe/duplicate", gwLabel, "duplicate", dedupe, seedWith(gwBulk(true))),
+    single(
+      "preemptive",
+      "locks.addJob, preemptive check (exclusive drop task)",
+      "fresh",
+      async ({ locks }, task, key) => (await locks.addJob(task, payload(key))).outcome,
+    ),
+    single(
+      "unchecked",
+      "locks.addJob, same task, preemptive: false (reference)",
+      "fresh",
+      async ({ locks }, task, key) =>
         (await locks.addJob(task, payload(key), { preemptive: false })).outcome,
-    },
+    ),
     ...uniqueSingle("queued", "locks.addJob unique: queued", { unique: "queued" }),
     ...uniqueSingle("active", "locks.addJob unique: active", { unique: "active" }),
     ...uniqueSingle("exists", "locks.addJob unique: exists", { unique: "exists" }),
     ...uniqueSingle("uniqueFor", `locks.addJob uniqueFor: ${WINDOW_SECONDS} (alone)`, {
       uniqueFor: WINDOW_SECONDS,
     }),
-    {
-      id: "bulk-gw-plain",
-      label: "graphile-worker addJobs, no job keys",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk(false),
-    },
-    {
-      id: "bulk-gw-keys/fresh",
-      label: "graphile-worker addJobs, distinct job keys",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk(true),
-    },
-    {
-      id: "bulk-gw-libkeys/fresh",
-      label: "graphile-worker addJobs, job keys as the library's",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk("library"),
-    },
-    {
-      id: "bulk-gw-keys/duplicate",
-      label: "graphile-worker addJobs, distinct job keys (existing: replaced)",
-      kind: "bulk",
-      keys: "duplicate",
-      seed: seedWith(gwBulk(true)),
-      many: gwBulk(true),
-    },
-    {
-      id: "bulk-locks-plain",
-      label: "locks.addJobs, no uniqueness (reference)",
-      kind: "bulk",
-      keys: "fresh",
-      many: locksBulk({}),
-    },
-    {
-      id: "bulk-unique/fresh",
-      label: "locks.addJobs unique: active",
-      kind: "bulk",
-      keys: "fresh",
-      many: locksBulk({ unique: "active" }),
-    },
-    {
-      id: "bulk-unique/duplicate",
-      label: "locks.addJobs unique: active",
-      kind: "bulk",
-      keys: "duplicate",
-      seed: seedWith(locksBulk({ unique: "active" })),
-      many: locksBulk({ unique: "active" }),
-    },
+    bulk("bulk-gw-plain", "graphile-worker addJobs, no job keys", "fresh", gwBulk(false)),
+    bulk("bulk-gw-keys/fresh", "graphile-worker addJobs, distinct job keys", "fresh", gwBulk(true)),
+    bulk(
+      "bulk-gw-libkeys/fresh",
+      "graphile-worker addJobs, job keys as the library's",
+      "fresh",
+      gwBulk("library"),
+    ),
+    bulk(
+      "bulk-gw-keys/duplicate",
+      "graphile-worker addJobs, distinct job keys (existing: replaced)",
+      "duplicate",
+      gwBulk(true),
+      seedWith(gwBulk(true)),
+    ),
+    bulk("bulk-locks-plain", "locks.addJobs, no uniqueness (reference)", "fresh", locksBulk({})),
+    bulk("bulk-unique/fresh", "locks.addJobs unique: active", "fresh", uniqueActive),
+    bulk(
+      "bulk-unique/duplicate",
+      "locks.addJobs unique: active",
+      "duplicate",
+      uniqueActive,
+      seedWith(uniqueActive),
+    ),
   ] as Array<Omit<Variant, "task">>
 ).map((v, i) => ({
   ...v,
