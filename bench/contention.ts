@@ -178,95 +178,7 @@ interface Quantiles {
   mean: number;
 }
 
-export interface RunFigures {
-  variant: VariantId;
-  /** 0 for the warm-up. */
-  round: number;
-  jobs: number;
-  /** Time limit of the run (raise), null when it ran until the table was empty. */
-  limitMs: number | null;
-  /** Jobs deleted at the time limit, not executed. */
-  left: number;
-  executed: number;
-  /** Executions of the busiest key. */
-  busiestKey: number;
-  /** The busiest key's executions × the nominal task time. */
-  idealMs: number;
-  /** The busiest key's executions' measured durations, summed (timer overshoot included). */
-  busiestKeyWorkMs: number;
-  /** Mean measured duration of an execution (nominal 20 ms). */
-  meanExecutionMs: number;
-  /** From just before the insert to the end of the last execution. */
-  makespanMs: number;
-  makespanOverIdeal: number;
-  /** From just before the insert to the first execution's start. */
-  firstStartMs: number;
-  /** From just before the insert until the job table was seen empty (or the jobs left were deleted). */
-  drainedMs: number;
-  fetches: number;
-  fetchesPerExecuted: number;
-  fetchesPerJob: number;
-  /** Fetches of any worker that found no job (graphile-worker's `worker:getJob:empty`). */
-  emptyFetches: number;
-  conflicts: number;
-  localConflicts: number;
-  rescheduled: number;
-  reschedulesPerExecuted: number;
-  dropped: number;
-  /** Failed attempts (raise: LockConflictError, retried by graphile-worker). */
-  errors: number;
-  handoffMs: Quantiles;
-  /** Hand-off breakdown, each from the end of execution n. */
-  breakdown: {
-    /** → its unlock statement answered (exclusive variants). */
-    unlockMs: Quantiles;
-    /** → the job of execution n+1 fetched (its row locked by a worker). */
-    nextFetchMs: Quantiles;
-    /** Fetch of execution n+1 → its start (lock taken, for the exclusive variants). */
-    fetchToStartMs: Quantiles;
-  };
-  /**
-   * Hand-offs (end → next started) by where the next execution ran (the same worker process as the one before
-   * it, or another) and by when (before every job had been fetched once, while first fetches park the jobs
-   * of held keys, or after).
-   */
-  handoffWhere: {
-    sameProcess: Quantiles;
-    otherProcess: Quantiles;
-    firstPass: Quantiles;
-    afterFirstPass: Quantiles;
-  };
-  /** What brought the job of each execution after the first of its key. */
-  nextBy: Record<FetchCause, number>;
-  /** Hand-off quantiles by what brought the next job. */
-  handoffByCause: Partial<Record<FetchCause, Quantiles>>;
-  /** Every fetch by its cause: how many, and how many of them executed (the rest: conflict). */
-  fetchesByCause: Record<FetchCause, { fetches: number; executed: number }>;
-  /** When every job had been fetched at least once (from just before the insert). */
-  allFetchedOnceMs: number;
-  /** Hand-offs over 100 ms: how many, and their total (ms), all keys. */
-  slowHandoffs: { n: number; totalMs: number };
-  /** CPU time of the three worker processes during the run (user + system), ms. */
-  workerCpuMs: number;
-  /** The makespan of the key that finished last, decomposed (ms). */
-  lastKey: {
-    key: string;
-    firstStartMs: number;
-    executingMs: number;
-    handoffsMs: number;
-    handoffs: number;
-  };
-  /** Highest number of executions of one key at the same instant (must be 1). */
-  maxPerKey: number;
-  /**
-   * Out of enqueue order, per key: the fewest executions that would have to move for the key's executions
-   * to be in job id order (executions − the longest run in increasing id order among them).
-   */
-  outOfOrder: number;
-  outOfOrderPerKey: Record<string, number>;
-  /** Executions that started after a job of the same key enqueued later (every one an overtaking hurts). */
-  overtaken: number;
-}
+export type RunFigures = ReturnType<typeof analyse>;
 
 /**
  * Why a worker fetched a job: its first fetch; a parked copy woken by a release (its run_at moved back to
@@ -448,7 +360,7 @@ function analyse(
   drainedMs: number,
   records: WorkerRecords[],
   rankOf: Map<number, number>,
-): RunFigures {
+) {
   const task = variant.task;
   const executions: ExecutionRecord[] = [];
   const processOf = new Map<ExecutionRecord, string>();
@@ -471,7 +383,7 @@ function analyse(
   const executedIds = new Set(executions.map((e) => `${e.jobId}/${e.attempts}`));
   const fetchesByCause = Object.fromEntries(
     CAUSES.map((c) => [c, { fetches: 0, executed: 0 }]),
-  ) as RunFigures["fetchesByCause"];
+  ) as Record<FetchCause, { fetches: number; executed: number }>;
   const firstFetchOf = new Map<number, number>();
   for (const f of fetches) {
     const entry = fetchesByCause[causeOf(f)];
@@ -501,7 +413,7 @@ function analyse(
   const fetchToStart: number[] = [];
   const nextBy = Object.fromEntries(CAUSES.map((c) => [c, 0])) as Record<FetchCause, number>;
   const handoffsBy = new Map<FetchCause, number[]>();
-  let lastKey: RunFigures["lastKey"] = {
+  let lastKey = {
     key: "",
     firstStartMs: Number.NaN,
     executingMs: 0,
@@ -640,31 +552,9 @@ function analyse(
 // ---------------------------------------------------------------------------------------------------------
 // The section
 
-export interface VariantFigures {
-  variant: VariantId;
-  rounds: number;
-  /** Medians over the measured rounds. */
-  executed: number;
-  busiestKey: number;
-  idealMs: number;
-  makespanMs: number;
-  makespanSpread: number;
-  makespanOverIdeal: number;
-  drainedMs: number;
-  fetchesPerExecuted: number;
-  fetchesPerJob: number;
-  reschedulesPerExecuted: number;
-  handoffP50Ms: number;
-  handoffP99Ms: number;
-  meanExecutionMs: number;
-  workerCpuMs: number;
-  /** Worst over the rounds. */
-  maxPerKey: number;
-  outOfOrder: number;
-  left: number;
-}
+export type VariantFigures = ReturnType<typeof summarise>;
 
-function summarise(variant: VariantId, runs: RunFigures[]): VariantFigures {
+function summarise(variant: VariantId, runs: RunFigures[]) {
   const mine = runs.filter((r) => r.variant === variant && r.round > 0);
   const m = (f: (r: RunFigures) => number, digits?: number) => {
     const value = median(mine.map(f));

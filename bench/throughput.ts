@@ -120,68 +120,10 @@ const SAMPLE_INTERVAL_MS = 250;
 
 export type VariantId = ProcessVariant;
 
-export interface RunFigures {
-  config: string;
-  variant: VariantId;
-  /** 0 for the warm-up. */
-  round: number;
-  jobs: number;
-  /** From the start signal until the job table was empty. */
-  seconds: number;
-  jobsPerSecond: number;
-  /** From the start signal until the first job started (runner start-up, included in `seconds`). */
-  startupMs: number;
-  /** From the start signal until the last `job:complete` event. */
-  lastCompleteMs: number;
-  /** Statements sent on the lock connection during the run (wrapped, naive). */
-  lockStatements: number;
-  /** Conflicts seen (must be 0: every key is distinct). */
-  conflicts: number;
-  /** CPU time (user + system) of the worker processes together, per job, in microseconds. */
-  nodeCpuUsPerJob: number;
-  /** Each worker process's account of the run. */
-  processes: ProcessReport[];
-  /** Connections, backend memory and locks left held. */
-  session: SessionRunFigures;
-}
+export type RunFigures = ReturnType<typeof processRunFigures>;
 
-export interface VariantFigures {
-  /** Jobs per measured run. */
-  jobs: number;
-  medianJobsPerSecond: number;
-  /** (max − min) / median of the rounds' jobs/s. */
-  spread: number;
-  /** CPU time of the Node.js process(es) per job (µs), median over the rounds. */
-  medianNodeCpuUsPerJob: number;
-  /** Lock statements per job over all rounds. */
-  lockStatementsPerJob: number;
-  /** Jobs per lock statement (the coalescing factor). */
-  jobsPerLockStatement: number;
-}
-
-export interface ConfigFigures {
-  id: string;
-  label: string;
-  processes: number;
-  /** Per process. */
-  concurrency: number;
-  worker: WorkerPreset;
-  rounds: number;
-  /** No naive variant with several processes. */
-  variants: {
-    plain: VariantFigures;
-    wrapped: VariantFigures;
-    naive?: VariantFigures;
-    naiveConn?: VariantFigures;
-  };
-  /** Ratio of the medians. */
-  wrappedOverPlain: number;
-  naiveOverPlain: number | null;
-  naiveConnOverPlain: number | null;
-  goal: number;
-  goalMet: boolean;
-  runs: RunFigures[];
-}
+export type ConfigFigures = ReturnType<typeof summarise>;
+type VariantFigures = ReturnType<typeof variantFigures>;
 
 // ---------------------------------------------------------------------------------------------------------
 // One run in the worker processes
@@ -273,7 +215,7 @@ function processRunFigures(
   reports: ProcessReport[],
   samples: Backend[][],
   memory: BackendMemory[],
-): RunFigures {
+) {
   const sum = (f: (r: ProcessReport) => number) => reports.reduce((total, r) => total + f(r), 0);
   const known = (values: Array<number | null>) => values.filter((v): v is number => v !== null);
   const startups = known(reports.map((r) => r.startupMs));
@@ -335,17 +277,6 @@ export interface BackendMemory extends Backend {
    */
   ussKiB: number;
   pssKiB: number;
-}
-
-export interface SessionRunFigures {
-  /** pg_stat_activity samples taken (the last one once the job table was empty). */
-  samples: number;
-  /** Per process (`main`, or `w1`...), per role. */
-  connections: Record<string, Record<ConnectionRole, Range>>;
-  /** The lock sessions' and graphile-worker's backends at the last sample (embedded server only). */
-  memory: BackendMemory[];
-  /** Locks still held once the run was over, by the process holding the most (must be 0). */
-  heldAfterRun: number;
 }
 
 /** The benchmark's named connections to its database, now. */
@@ -547,22 +478,26 @@ export const throughput: Section = {
   },
 };
 
-function summarise(config: Config, runs: RunFigures[]): ConfigFigures {
+/** One variant's figures over its measured runs (at least one). */
+function variantFigures(mine: RunFigures[]) {
+  const rates = mine.map((r) => r.jobsPerSecond);
+  const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
+  const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
+  return {
+    jobs: mine[0]!.jobs,
+    medianJobsPerSecond: Math.round(median(rates)),
+    spread: round(spread(rates), 3),
+    medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
+    lockStatementsPerJob: round(statements / totalJobs, 4),
+    jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
+  };
+}
+
+function summarise(config: Config, runs: RunFigures[]) {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: VariantId): VariantFigures | undefined => {
+  const per = (variant: VariantId) => {
     const mine = measured.filter((r) => r.variant === variant);
-    if (mine.length === 0) return undefined;
-    const rates = mine.map((r) => r.jobsPerSecond);
-    const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
-    const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
-    return {
-      jobs: mine[0]!.jobs,
-      medianJobsPerSecond: Math.round(median(rates)),
-      spread: round(spread(rates), 3),
-      medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
-      lockStatementsPerJob: round(statements / totalJobs, 4),
-      jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
-    };
+    return mine.length > 0 ? variantFigures(mine) : undefined;
   };
   const plain = per("plain")!;
   const wrapped = per("wrapped")!;
@@ -665,36 +600,9 @@ function goals(results: ConfigFigures[]): Goal[] {
 // ---------------------------------------------------------------------------------------------------------
 // Lock session cost: summary
 
-/** Medians over backends. */
-export interface MemoryFigures {
-  backends: number;
-  vmRssKiB: number;
-  rssAnonKiB: number;
-  ussKiB: number;
-  pssKiB: number;
-}
+export type SessionCostFigures = ReturnType<typeof sessionCost>;
 
-export interface SessionCostFigures {
-  config: string;
-  processes: number;
-  /** The measured wrapped runs these figures come from. */
-  runs: number;
-  /** pg_stat_activity samples over those runs. */
-  samples: number;
-  /** Per role: the fewest and the most connections of that role any process had open in a sample. */
-  connections: Record<ConnectionRole, Range>;
-  /** The lock session's backend, and graphile-worker's pool backends, at the end of each run; null when not readable. */
-  lockBackend: MemoryFigures | null;
-  workerBackend: MemoryFigures | null;
-  /** V8 heap used by a process after a run and a full GC, median; null without --expose-gc. */
-  heapAfterPlainBytes: number | null;
-  heapAfterWrappedBytes: number | null;
-  /** Locks held after a run, the most of any process in any run (must be 0). */
-  heldAfterRun: number;
-  lockStatementsPerJob: number;
-}
-
-function sessionCost(c: ConfigFigures): SessionCostFigures {
+function sessionCost(c: ConfigFigures) {
   const measured = c.runs.filter((r) => r.round > 0);
   const sessions = measured.filter((r) => r.variant === "wrapped").map((r) => r.session);
   const ranges = sessions.flatMap((s) => Object.values(s.connections));
@@ -709,7 +617,7 @@ function sessionCost(c: ConfigFigures): SessionCostFigures {
         : { min: Number.NaN, max: Number.NaN },
     ]),
   ) as Record<ConnectionRole, Range>;
-  const memory = (role: ConnectionRole): MemoryFigures | null => {
+  const memory = (role: ConnectionRole) => {
     const all = sessions.flatMap((s) => s.memory.filter((m) => m.role === role));
     if (all.length === 0) return null;
     const m = (f: (b: BackendMemory) => number) => Math.round(median(all.map(f)));
@@ -747,7 +655,7 @@ const fmtRange = (r: Range) =>
 const fmtMiB = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
 
 function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
-  const memory = (m: MemoryFigures | null) =>
+  const memory = (m: SessionCostFigures["lockBackend"]) =>
     m ? `${fmtMiB(m.ussKiB * 1024)} / ${fmtMiB(m.pssKiB * 1024)}` : "n/a";
   const heap = (c: SessionCostFigures) =>
     c.heapAfterPlainBytes === null || c.heapAfterWrappedBytes === null
