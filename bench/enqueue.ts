@@ -1,40 +1,11 @@
 /**
- * Section "enqueue": how fast jobs are added, one at a time and in bulk, by graphile-worker alone and
- * through this library (the preemptive check, unique jobs), with fresh keys and with keys that all meet
- * an existing job (duplicates).
- *
- * Everyone uses the same pool (`pg.Pool`, max 4) of the same database: graphile-worker's `makeWorkerUtils`
- * and `makeLocks` are both given it (`pgPool`); one such pool for the single phase, another for the bulk
- * phase, a third for seeding duplicates (see openTools). No runner runs: every job stays queued.
- *
- * Method. Each variant has its own task identifier and its own keys, so that all of them can share the job
- * table and be interleaved finely: this machine is noisy, and a burst of other work should hit every
- * variant alike rather than whichever happened to be running. Per round and per phase (single, then
- * bulk): the job tables (and the library's `unique_windows`) are emptied; the keys of every duplicate
- * variant are added up front in bulk (not timed); the tables' statistics are refreshed; then the variants
- * take turns, slice by slice (a fifth of their enqueues each, or one bulk call), the starting variant
- * rotating from slice to slice, and each variant's time is the sum of its slices. Single enqueues are
- * awaited one after another (one connection busy at a time, as in a request handler); bulk ones are
- * `addJobs` calls of `BULK_BATCH` items. Afterwards every variant's rows are counted (and the outcomes
- * checked where the API reports them): a fresh variant must have added all its jobs, a duplicate one none.
- * One warm-up round with fewer enqueues (not counted), then BENCH_ROUNDS rounds (default 5 here: a round
- * takes about 10 s, and single rounds spread by up to ±30 % on a busy machine); medians reported, ratios are
- * ratios of medians.
- *
- * Single variants:
- * - `addJob`: graphile-worker's `workerUtils.addJob` (its `add_job`, which goes through `add_jobs()`).
- * - `addJob jobKey unsafe_dedupe`: the same with a job key per job and `jobKeyMode: "unsafe_dedupe"`, which
- *   `add_job` handles inline (no `add_jobs()`); the closest thing graphile-worker has to a unique job.
- * - `locks.addJob preemptive`: an exclusive `drop` task's enqueue, gated by the preemptive check (reads
- *   `pg_locks`; nothing is held here, so every job is added), and for reference the same without the check.
- * - `locks.addJob unique: queued | active | exists`, and `uniqueFor` alone (a window, a `unique_windows` row).
- * Bulk variants: graphile-worker's `workerUtils.addJobs` (no job keys; distinct job keys; job keys as the
- * library makes them; the same keys again, which replaces), and `locks.addJobs` with `unique: "active"`
- * (fresh keys; the same keys again) and, for reference, without uniqueness. The bench's own keys are the
- * variant's id and a counter (`bulk-gw-keys/fresh:1`, `:2`, ...), so each call's keys land next to each other
- * in graphile-worker's job key index; the library's are 70 characters of a hash, spread over the whole index.
- * The fresh unique row is compared with graphile-worker given those same keys; its goal against the short
- * keys is reported as well.
+ * Section "enqueue": jobs added per second, one at a time and in bulk, by graphile-worker alone and through
+ * this library (preemptive check, unique jobs), with fresh keys and with keys that all meet an existing job
+ * (method: bench/README.md). Each variant has its own task identifier and keys, so that all share the job
+ * table and take turns slice by slice (the starting variant rotating), and noise hits them alike; a
+ * variant's time is the sum of its slices. Single enqueues are awaited one after another; bulk ones are
+ * `addJobs` calls of `bulkBatch` items. Afterwards every variant's rows are counted: a fresh variant must
+ * have added all its jobs, a duplicate one none. No runner runs.
  */
 import pg from "pg";
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
@@ -175,121 +146,77 @@ const dedupe = async ({ utils }: Tools, task: string, key: string) => {
   return job.revision === 0 ? "added" : "duplicate";
 };
 
+type One = NonNullable<Variant["one"]>;
+type Many = NonNullable<Variant["many"]>;
+type Seed = Variant["seed"];
+const single = (id: string, label: string, keys: Keys, one: One, seed?: Seed) =>
+  ({ id, label, kind: "single", keys, one, ...(seed ? { seed } : {}) }) as const;
+const bulk = (id: string, label: string, keys: Keys, many: Many, seed?: Seed) =>
+  ({ id, label, kind: "bulk", keys, many, ...(seed ? { seed } : {}) }) as const;
+
+/** `locks.addJob` with these unique options, with fresh keys and over existing ones. */
 function uniqueSingle(id: string, label: string, unique: UniqueSpec): Array<Omit<Variant, "task">> {
-  const one = async ({ locks }: Tools, task: string, key: string) =>
+  const one: One = async ({ locks }, task, key) =>
     (await locks.addJob(task, payload(key), unique)).outcome;
   return [
-    { id: `${id}/fresh`, label, kind: "single", keys: "fresh", one },
-    {
-      id: `${id}/duplicate`,
-      label,
-      kind: "single",
-      keys: "duplicate",
-      seed: seedWith(locksBulk(unique)),
-      one,
-    },
+    single(`${id}/fresh`, label, "fresh", one),
+    single(`${id}/duplicate`, label, "duplicate", one, seedWith(locksBulk(unique))),
   ];
 }
 
+const gwLabel = "graphile-worker addJob jobKey unsafe_dedupe";
+const uniqueActive = locksBulk({ unique: "active" });
 const VARIANTS: Variant[] = (
   [
-    {
-      id: "addJob",
-      label: "graphile-worker addJob",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ utils }, task, key) => {
-        await utils.addJob(task, payload(key));
-        return "added";
-      },
-    },
-    {
-      id: "dedupe/fresh",
-      label: "graphile-worker addJob jobKey unsafe_dedupe",
-      kind: "single",
-      keys: "fresh",
-      one: dedupe,
-    },
-    {
-      id: "dedupe/duplicate",
-      label: "graphile-worker addJob jobKey unsafe_dedupe",
-      kind: "single",
-      keys: "duplicate",
-      seed: seedWith(gwBulk(true)),
-      one: dedupe,
-    },
-    {
-      id: "preemptive",
-      label: "locks.addJob, preemptive check (exclusive drop task)",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ locks }, task, key) => (await locks.addJob(task, payload(key))).outcome,
-    },
-    {
-      id: "unchecked",
-      label: "locks.addJob, same task, preemptive: false (reference)",
-      kind: "single",
-      keys: "fresh",
-      one: async ({ locks }, task, key) =>
+    single("addJob", "graphile-worker addJob", "fresh", async ({ utils }, task, key) => {
+      await utils.addJob(task, payload(key));
+      return "added";
+    }),
+    single("dedupe/fresh", gwLabel, "fresh", dedupe),
+    single("dedupe/duplicate", gwLabel, "duplicate", dedupe, seedWith(gwBulk(true))),
+    single(
+      "preemptive",
+      "locks.addJob, preemptive check (exclusive drop task)",
+      "fresh",
+      async ({ locks }, task, key) => (await locks.addJob(task, payload(key))).outcome,
+    ),
+    single(
+      "unchecked",
+      "locks.addJob, same task, preemptive: false (reference)",
+      "fresh",
+      async ({ locks }, task, key) =>
         (await locks.addJob(task, payload(key), { preemptive: false })).outcome,
-    },
+    ),
     ...uniqueSingle("queued", "locks.addJob unique: queued", { unique: "queued" }),
     ...uniqueSingle("active", "locks.addJob unique: active", { unique: "active" }),
     ...uniqueSingle("exists", "locks.addJob unique: exists", { unique: "exists" }),
     ...uniqueSingle("uniqueFor", `locks.addJob uniqueFor: ${WINDOW_SECONDS} (alone)`, {
       uniqueFor: WINDOW_SECONDS,
     }),
-    {
-      id: "bulk-gw-plain",
-      label: "graphile-worker addJobs, no job keys",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk(false),
-    },
-    {
-      id: "bulk-gw-keys/fresh",
-      label: "graphile-worker addJobs, distinct job keys",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk(true),
-    },
-    {
-      id: "bulk-gw-libkeys/fresh",
-      label: "graphile-worker addJobs, job keys as the library's",
-      kind: "bulk",
-      keys: "fresh",
-      many: gwBulk("library"),
-    },
-    {
-      id: "bulk-gw-keys/duplicate",
-      label: "graphile-worker addJobs, distinct job keys (existing: replaced)",
-      kind: "bulk",
-      keys: "duplicate",
-      seed: seedWith(gwBulk(true)),
-      many: gwBulk(true),
-    },
-    {
-      id: "bulk-locks-plain",
-      label: "locks.addJobs, no uniqueness (reference)",
-      kind: "bulk",
-      keys: "fresh",
-      many: locksBulk({}),
-    },
-    {
-      id: "bulk-unique/fresh",
-      label: "locks.addJobs unique: active",
-      kind: "bulk",
-      keys: "fresh",
-      many: locksBulk({ unique: "active" }),
-    },
-    {
-      id: "bulk-unique/duplicate",
-      label: "locks.addJobs unique: active",
-      kind: "bulk",
-      keys: "duplicate",
-      seed: seedWith(locksBulk({ unique: "active" })),
-      many: locksBulk({ unique: "active" }),
-    },
+    bulk("bulk-gw-plain", "graphile-worker addJobs, no job keys", "fresh", gwBulk(false)),
+    bulk("bulk-gw-keys/fresh", "graphile-worker addJobs, distinct job keys", "fresh", gwBulk(true)),
+    bulk(
+      "bulk-gw-libkeys/fresh",
+      "graphile-worker addJobs, job keys as the library's",
+      "fresh",
+      gwBulk("library"),
+    ),
+    bulk(
+      "bulk-gw-keys/duplicate",
+      "graphile-worker addJobs, distinct job keys (existing: replaced)",
+      "duplicate",
+      gwBulk(true),
+      seedWith(gwBulk(true)),
+    ),
+    bulk("bulk-locks-plain", "locks.addJobs, no uniqueness (reference)", "fresh", locksBulk({})),
+    bulk("bulk-unique/fresh", "locks.addJobs unique: active", "fresh", uniqueActive),
+    bulk(
+      "bulk-unique/duplicate",
+      "locks.addJobs unique: active",
+      "duplicate",
+      uniqueActive,
+      seedWith(uniqueActive),
+    ),
   ] as Array<Omit<Variant, "task">>
 ).map((v, i) => ({
   ...v,

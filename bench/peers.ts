@@ -1,29 +1,10 @@
 /**
- * Section "peers": pg-boss (the latest 12.x release) against this library, on the same PostgreSQL server
- * in the same run (pg-boss in a database of its own), each row a pair with a ratio.
- *
- * 1. Sequential unique sends, fresh keys: pg-boss `send(name, data, { singletonKey })` on a queue of each
- *    policy that takes a key (`short`, `singleton`, `stately`, `exclusive`) against `locks.addJob` under the
- *    closest rule of ours (OUR_MATCH in peers-common.ts; peers-ours.ts says why). One send at a time, each
- *    awaited; the table is emptied before each run.
- * 2. The same with one key for every send (all but the first are duplicates, except under `singleton`,
- *    which limits running jobs only and stores every send, as our exclusive task without uniqueness does).
- * 3. Contended processing: 500 jobs over 5 keys (100 each, in one seeded random order on both sides), 20 ms
- *    each, inserted in bulk before the workers start. pg-boss: a `singleton` queue, burst mode and NOTIFY
- *    (peers-pgboss.ts lists its settings and why); ours: `locks.exclusive` with `onConflict: "reschedule"`
- *    under graphile-worker's `run()`. Both at the same concurrency, at one worker per key and at two.
- *    Makespan: first start to last end of the job function (start-up excluded on both sides), against the
- *    ideal (the busiest key's jobs × 20 ms). Hand-off: per key, from the end of one job's function to the
- *    start of the next one's. Overlaps: a job of a key starting before the previous one ended (must be 0).
- * 4. Idle pickup: from just before the send to the start of the job function, on idle workers (both sides'
- *    workers idle at once; samples alternate, 100 ms apart).
- *
- * Runs alternate the sides (pg-boss first in odd rounds, ours first in even ones) after a warm-up of each;
- * figures are medians of BENCH_ROUNDS (default 3) rounds, hand-off percentiles are over the gaps of every
- * measured round.
- *
- * pg-boss 12 requires Node.js ≥ 22.12: on an older Node.js the section reports itself skipped (run it on
- * Node 24, see bench/README.md).
+ * Section "peers": pg-boss 12 against this library on the same server in the same run (pg-boss in a
+ * database of its own): sequential unique sends per policy, fresh and one key (OUR_MATCH in peers-common.ts
+ * pairs the rules); contended processing (500 jobs over 5 keys of 20 ms, seeded order, at one and two
+ * workers per key; peers-pgboss.ts lists pg-boss's settings); idle pickup latency. Runs alternate the sides
+ * after a warm-up of each; medians of BENCH_ROUNDS rounds, hand-off percentiles over every measured gap.
+ * pg-boss needs Node.js ≥ 22.12: on an older one the section reports itself skipped.
  */
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";

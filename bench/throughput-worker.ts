@@ -1,29 +1,24 @@
 /**
- * A worker process of the throughput section's multi-process configurations (A3, B3 in
- * bench/throughput.ts), forked three times as `node --import tsx --expose-gc bench/throughput-worker.ts`.
+ * A worker process of the throughput section (bench/throughput.ts), forked once per process of a
+ * configuration as `node --import tsx --expose-gc bench/throughput-worker.ts`, and kept up across runs so
+ * that process start-up is not measured (runner start-up is).
  *
- * It keeps one Locks instance for its whole life, with the lock session opened at start (as a long-lived
- * worker process has it), and starts one graphile-worker runner per run, on request, with the run's
- * variant and options: `plain` (the no-op task) or `wrapped` (`locks.exclusive()` around it with
- * `onConflict: "drop"`, and `locks.attach()` for lock-ahead, as the one-process wrapped variant). The
- * process stays up across runs, so that process start-up (tsx, imports) is not measured; runner start-up
- * is, as in one process.
+ * It keeps one Locks instance for its whole life, with the lock session opened at start, and starts one
+ * graphile-worker runner per run with the run's variant and options: `plain` (the no-op task), `wrapped`
+ * (`locks.exclusive()` around it with `onConflict: "drop"`, and `locks.attach()` for lock-ahead), or the
+ * naive wrappers: `naive` (`pg_try_advisory_lock` and `pg_advisory_unlock` per job on one connection) and
+ * `naiveConn` (the same on a connection of the job's own, from a pool of one per worker). Every connection
+ * of the library and of graphile-worker is named (`applicationName`) so that the bench can count them.
  *
- * Every connection is named (`application_name`, see `applicationName`), so that the bench can tell them
- * apart in pg_stat_activity: the lock session, the Locks instance's own pool (its migration check and
- * enqueues) and graphile-worker's pool.
- *
- * Requests (serveParent in lib.ts): `start` (starts the runner; answers once `run()` resolved), `stop`
- * (takes this process's CPU time and lock statements since `start` first, then stops the runner, collects
- * garbage if it can, and answers the run's report), `leave` (releases the lock session and exits). Events:
- * `ready` (the lock session is open), `progress` (jobs completed
- * so far in the run, at most every PROGRESS_INTERVAL_MS while jobs complete: the bench starts polling the
- * job table only once every job is reported, as it does in one process, instead of scanning the table
- * while the runners work) and `failed` (a job failed, or the runner stopped by itself: the run cannot
- * finish, the bench should not wait for it).
+ * Requests (serveParent in lib.ts): `start` (answers once `run()` resolved), `stop` (takes the CPU time and
+ * lock statements since `start` first, then stops the runner, collects garbage, and answers the run's
+ * report), `leave`. Events: `ready`, `progress` (jobs completed so far, at most every PROGRESS_INTERVAL_MS:
+ * the bench polls the job table only once every job is reported) and `failed` (a job failed, or the runner
+ * stopped by itself).
  */
 import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
+import pg from "pg";
 import { Logger, run, type Runner, type Task, type WorkerEvents } from "graphile-worker";
 import type { Locks } from "../src/index.js";
 import { isMain, serveParent } from "./lib.js";
@@ -76,7 +71,7 @@ export function makeNamedLocks(url: string, processName: string, logger: Logger)
   });
 }
 
-export type ProcessVariant = "plain" | "wrapped";
+export type ProcessVariant = "plain" | "wrapped" | "naive" | "naiveConn";
 
 /** Completions are reported at most this often (a few IPC messages per run and process). */
 const PROGRESS_INTERVAL_MS = 20;
@@ -137,6 +132,7 @@ const gc = (globalThis as { gc?: () => void }).gc;
 /** One runner's run, from `start` to `stop`. */
 interface CurrentRun {
   runner: Runner;
+  variant: Variant;
   detach: () => void;
   startedAt: number;
   cpuBefore: NodeJS.CpuUsage;
@@ -144,6 +140,88 @@ interface CurrentRun {
   conflictsBefore: number;
   counts: { completed: number; failed: number; firstStart: number; lastComplete: number };
   stopping: boolean;
+}
+
+/** A variant's task, with the statements it sent on its lock connection and the conflicts it met. */
+interface Variant {
+  task: Task;
+  statements(): number;
+  conflicts(): number;
+}
+
+/** One lock function call (`pg_try_advisory_lock` or `pg_advisory_unlock`) of a naive variant's job. */
+type NaiveCall = (name: string, fn: string, key: string) => Promise<boolean>;
+/** Gives a job, for its duration, the function that sends its lock calls. */
+type WithCalls = (job: (call: NaiveCall) => Promise<void>) => Promise<void>;
+
+/** The naive variants' connections, ended when the process leaves. */
+const naiveConnections = new Set<() => Promise<void>>();
+
+/** Per job: try_lock, the task, unlock, each a round trip of the connection `withCalls` gives it. */
+function naiveVariant(taskIdentifier: string, withCalls: WithCalls): Variant {
+  let statements = 0;
+  let conflicts = 0;
+  const task: Task = async (payload, helpers) => {
+    const key = library.lockKey(taskIdentifier, payload).toString();
+    await withCalls(async (call) => {
+      statements++;
+      if (!(await call("bench_naive_try_lock", "pg_try_advisory_lock", key))) {
+        conflicts++;
+        return;
+      }
+      try {
+        await noop(payload, helpers);
+      } finally {
+        statements++;
+        await call("bench_naive_unlock", "pg_advisory_unlock", key);
+      }
+    });
+  };
+  return { task, statements: () => statements, conflicts: () => conflicts };
+}
+
+async function lockCall(client: pg.ClientBase, name: string, fn: string, key: string) {
+  const text = `select ${fn}($1::bigint) as ok`;
+  const { rows } = await client.query<{ ok: boolean }>({ name, text, values: [key] });
+  return rows[0]!.ok;
+}
+
+/**
+ * Every job's calls on one shared connection, queued here one at a time (what node-postgres does itself,
+ * but without its deprecation warning for queries issued while another runs).
+ */
+function naiveOnOne(url: string): WithCalls {
+  const client = new pg.Client({ connectionString: url, application_name: "gwl-bench-naive" });
+  client.on("error", () => undefined);
+  const connected = client.connect();
+  connected.catch(() => undefined);
+  naiveConnections.add(() => client.end());
+  let tail: Promise<unknown> = connected;
+  const call: NaiveCall = (name, fn, key) => {
+    const result = tail.then(() => lockCall(client, name, fn, key));
+    tail = result.catch(() => undefined);
+    return result;
+  };
+  return (job) => job(call);
+}
+
+/** Each job's calls on a connection of its own from a pool of one per worker of the busiest configuration. */
+function naiveConnPer(url: string): WithCalls {
+  const pool = new pg.Pool({
+    connectionString: url,
+    application_name: "gwl-bench-naive-conn",
+    max: Number(process.env.NAIVE_POOL_SIZE ?? 24),
+  });
+  pool.on("error", () => undefined);
+  naiveConnections.add(() => pool.end());
+  return async (job) => {
+    const client = await pool.connect();
+    try {
+      await job((name, fn, key) => lockCall(client, name, fn, key));
+    } finally {
+      client.release();
+    }
+  };
 }
 
 async function main(): Promise<void> {
@@ -157,16 +235,28 @@ async function main(): Promise<void> {
   locks.events.on("lock:conflict", () => {
     conflicts++;
   });
-  // One wrapped definition per task identifier, as an application has, not a new wrapper per run.
-  const wrapped = new Map<string, Task>();
-  const taskFor = (variant: ProcessVariant, taskIdentifier: string): Task => {
-    if (variant === "plain") return noop;
-    let task = wrapped.get(taskIdentifier);
-    if (!task) {
-      task = locks.exclusive(taskIdentifier, noop, { onConflict: "drop" });
-      wrapped.set(taskIdentifier, task);
+  // One definition per variant and task identifier, as an application has, not a new wrapper per run.
+  const variants = new Map<string, Variant>();
+  const variantFor = (variant: ProcessVariant, taskIdentifier: string): Variant => {
+    const id = `${variant}/${taskIdentifier}`;
+    let found = variants.get(id);
+    if (!found) {
+      found =
+        variant === "plain"
+          ? { task: noop, statements: () => 0, conflicts: () => 0 }
+          : variant === "wrapped"
+            ? {
+                task: locks.exclusive(taskIdentifier, noop, { onConflict: "drop" }),
+                statements: () => locks.status().statements,
+                conflicts: () => conflicts,
+              }
+            : naiveVariant(
+                taskIdentifier,
+                variant === "naive" ? naiveOnOne(url) : naiveConnPer(url),
+              );
+      variants.set(id, found);
     }
-    return task;
+    return found;
   };
 
   let current: CurrentRun | undefined;
@@ -198,14 +288,15 @@ async function main(): Promise<void> {
       if (counts.failed++ === 0) send("failed", `a job failed: ${String(error)}`);
     });
     const detach = message.variant === "wrapped" ? locks.attach({ events }) : () => undefined;
-    const statementsBefore = locks.status().statements;
-    const conflictsBefore = conflicts;
+    const variant = variantFor(message.variant, message.taskIdentifier);
+    const statementsBefore = variant.statements();
+    const conflictsBefore = variant.conflicts();
     let runner: Runner;
     try {
       runner = await run({
         connectionString: withApplicationName(url, applicationName(name, "worker")),
         concurrency: message.concurrency,
-        taskList: { [message.taskIdentifier]: taskFor(message.variant, message.taskIdentifier) },
+        taskList: { [message.taskIdentifier]: variant.task },
         noHandleSignals: true,
         // Irrelevant: every job is in the table before the runner starts.
         pollInterval: 1000,
@@ -219,6 +310,7 @@ async function main(): Promise<void> {
     }
     const thisRun: CurrentRun = {
       runner,
+      variant,
       detach,
       startedAt,
       cpuBefore,
@@ -243,7 +335,7 @@ async function main(): Promise<void> {
     if (!thisRun) throw new Error("no runner is running");
     // Taken first: stopping the runner is not part of the run.
     const cpu = process.cpuUsage(thisRun.cpuBefore);
-    const lockStatements = locks.status().statements - thisRun.statementsBefore;
+    const lockStatements = thisRun.variant.statements() - thisRun.statementsBefore;
     thisRun.stopping = true;
     try {
       await thisRun.runner.stop();
@@ -262,7 +354,7 @@ async function main(): Promise<void> {
       lastCompleteMs: since(thisRun.startedAt, counts.lastComplete),
       cpuUs: cpu.user + cpu.system,
       lockStatements,
-      conflicts: conflicts - thisRun.conflictsBefore,
+      conflicts: thisRun.variant.conflicts() - thisRun.conflictsBefore,
       heldAfterRun: status.held.length,
       heapUsedBytes: process.memoryUsage().heapUsed,
       gc: gc !== undefined,
@@ -277,6 +369,7 @@ async function main(): Promise<void> {
       current = undefined;
     }
     await locks.release().catch(() => undefined);
+    await Promise.all([...naiveConnections].map((end) => end().catch(() => undefined)));
   };
 
   const send = serveParent<ParentMessage>({ start, stop }, shutDown);

@@ -1,46 +1,13 @@
 /**
- * Section "execution overhead": how many no-op jobs per second graphile-worker runs with and without the
- * exclusive wrapper (a distinct key per job, so every job takes and releases a lock and none conflicts).
- *
- * Method, per configuration: N jobs are pre-inserted, a runner is started, and the clock runs from just
- * before `run()` until the job table is empty (the last `job:complete` event, then polling the table, as
- * completions may be written in the background or in batches); then the runner is stopped and the table
- * truncated. One warm-up run of each variant (not counted), then rounds that alternate the variants
- * (plain, wrapped, naive, plain, ...), so that drift (caches, autovacuum, thermal) hits every variant alike.
- * Figures are medians; the ratio is the ratio of the medians.
- *
- * Variants:
- * - plain: the no-op task as is.
- * - wrapped: `locks.exclusive(...)` around it; lock requests of concurrent jobs are coalesced on the one
- *   lock session. "lock stmts/job" is the number of statements sent on that session per job.
- * - naive: what you would write without the library: per job, `pg_try_advisory_lock` and then
- *   `pg_advisory_unlock` on one dedicated connection (two round trips, same key derivation), which shows
- *   what coalescing buys.
- * - naive, connection per job ("naiveConn"): the same two statements on a connection of the running job's
- *   own, from a pool of one connection per worker (que-locks' design, a session per worker): no queueing
- *   behind other jobs' statements, at the price of a connection per worker.
- *
- * Configurations A3 and B3 are A and B run by 3 worker processes (bench/throughput-worker.ts, same
- * per-process concurrency and options), each with one runner and, wrapped, one Locks instance with
- * `locks.attach()`. The processes are forked once and stay up across runs (each run starts and stops their
- * runners), so process start-up is not measured. N jobs are inserted up front, the clock runs from the
- * start signal until the job table is empty; CPU is the three processes' own, lock statements are summed
- * over their lock sessions. No naive variant there: it is a one-process comparison of coalescing.
- *
- * Lock session cost, in the wrapped runs: the connections each process has open (pg_stat_activity, every
- * connection named by process and role, sampled every SAMPLE_INTERVAL_MS while the runners run in A3 and
- * B3 and once when the table is empty in every configuration), the lock session's backend memory against
- * a graphile-worker pool backend's (from /proc, embedded server only), the Node.js heap after a wrapped run
- * against after a plain run (after a full GC, in the worker processes, which run with --expose-gc), the
- * locks still held after a run, and lock statements per executed job.
+ * Section "execution overhead": no-op jobs per second, graphile-worker alone ("plain") against the task in
+ * `locks.exclusive()` with a distinct key per job ("wrapped") and two naive wrappers (method, variants and
+ * configurations: bench/README.md). N jobs are inserted up front; the clock runs from `run()` (or, in the
+ * worker processes of A3 and B3, the start signal) to an empty job table. A warm-up of each variant, then
+ * rounds alternating the variants, medians. The wrapped runs also give the lock session's cost: connections
+ * by role, backend memory, heap, locks left held.
  */
-import { EventEmitter } from "node:events";
 import { readFile } from "node:fs/promises";
-import pg from "pg";
-import { run } from "graphile-worker";
-import type { Runner, Task, WorkerEvents } from "graphile-worker";
-import type { Locks } from "../src/index.js";
-import { library } from "./library.js";
+import type pg from "pg";
 import {
   fmtFixed,
   fmtInt,
@@ -48,7 +15,6 @@ import {
   insertJobs,
   median,
   now,
-  quietLogger,
   resetJobs,
   round,
   spread,
@@ -66,10 +32,7 @@ import {
 import {
   APPLICATION_PREFIX,
   CONNECTION_ROLES,
-  applicationName,
-  makeNamedLocks,
   parseApplicationName,
-  withApplicationName,
   type ConnectionRole,
   type Progress,
   type ProcessReport,
@@ -85,11 +48,13 @@ export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
 export interface Config {
   id: string;
   label: string;
+  /** Worker processes (bench/throughput-worker.ts), each with this concurrency and these options. */
+  processes: number;
   concurrency: number;
   /** Jobs per measured run (chosen so that a run of the slowest variant takes a few seconds here). */
   jobs: number;
-  /** Jobs per measured run of the naive variant. */
-  naiveJobs: number;
+  /** Jobs per measured run of the naive variants (one-process configurations only). */
+  naiveJobs?: number;
   /** Jobs per measured run with BENCH_QUICK=1 (every variant). */
   quickJobs: number;
   /** graphile-worker options beyond concurrency, the same for every variant. */
@@ -111,6 +76,7 @@ export const CONFIGS: Config[] = [
   {
     id: "A",
     label: "c=10, no batching",
+    processes: 1,
     concurrency: 10,
     jobs: 12_000,
     naiveJobs: 12_000,
@@ -121,6 +87,7 @@ export const CONFIGS: Config[] = [
   {
     id: "B",
     label: "c=24, localQueue 250, batched completion",
+    processes: 1,
     concurrency: 24,
     jobs: 90_000,
     naiveJobs: 15_000,
@@ -137,356 +104,29 @@ export const CONFIGS: Config[] = [
 /** Worker processes of the multi-process configurations. */
 const PROCESSES = 3;
 
-/** A configuration run by worker processes (bench/throughput-worker.ts) instead of this process. */
-export interface ProcessesConfig extends Omit<Config, "naiveJobs"> {
-  processes: number;
-}
-
 /**
  * A3 and B3: A and B in 3 processes, each with A's or B's concurrency and options (so 3 × the workers in
- * all), the same job counts and the same goals.
+ * all), the same job counts and the same goals, without the naive variants (a one-process comparison).
  */
-export const PROCESS_CONFIGS: ProcessesConfig[] = CONFIGS.map(({ naiveJobs: _, ...config }) => ({
+export const PROCESS_CONFIGS: Config[] = CONFIGS.map(({ naiveJobs: _, ...config }) => ({
   ...config,
   id: `${config.id}${PROCESSES}`,
   label: `${PROCESSES} processes × ${config.label}`,
   processes: PROCESSES,
 }));
 
-/** The name of this process's connections (`gwl-bench-tp/main/<role>`), for the one-process runs. */
-const MAIN_PROCESS = "main";
-
-/** How often pg_stat_activity is sampled during a multi-process run. */
+/** How often pg_stat_activity is sampled during a run. */
 const SAMPLE_INTERVAL_MS = 250;
 
-export type VariantId = "plain" | "wrapped" | "naive" | "naiveConn";
+export type VariantId = ProcessVariant;
 
-export interface Variant {
-  id: VariantId;
-  task: Task;
-  /** Statements sent on the variant's lock connection so far (0 for plain). */
-  statements(): number;
-  /** Lock conflicts so far (must stay 0: every key is distinct). */
-  conflicts(): number;
-  /** Hooks the variant into the runner's events before it starts (the library's lock-ahead). */
-  attach?(events: WorkerEvents): () => void;
-  /** The variant's lock session (wrapped): how many keys it holds now. */
-  session?(): { held: number };
-}
+export type RunFigures = ReturnType<typeof processRunFigures>;
 
-/** The four variants, with what they need (a Locks instance, the naive variants' connections). */
-export async function openVariants(
-  ctx: BenchContext,
-): Promise<{ variants: Variant[]; close(): Promise<void> }> {
-  // Its connections named, so that the session cost table can count them (no other difference).
-  const locks = makeNamedLocks(ctx.url, MAIN_PROCESS, quietLogger);
-  const naiveClient = new pg.Client({
-    connectionString: ctx.url,
-    application_name: "gwl-bench-naive",
-  });
-  naiveClient.on("error", () => undefined);
-  try {
-    await naiveClient.connect();
-  } catch (error) {
-    await locks.release();
-    throw error;
-  }
-  const naive = makeNaive(naiveClient);
-  // One connection per worker of the busiest configuration, opened as jobs need them.
-  const naivePool = new pg.Pool({
-    connectionString: ctx.url,
-    application_name: "gwl-bench-naive-conn",
-    max: Math.max(...CONFIGS.map((c) => c.concurrency)),
-  });
-  naivePool.on("error", () => undefined);
-  const naiveConn = makeNaiveConn(naivePool);
-  return {
-    variants: [
-      { id: "plain", task: noop, statements: () => 0, conflicts: () => 0 },
-      {
-        id: "wrapped",
-        task: locks.exclusive(TASK, noop, { onConflict: "drop" }),
-        statements: () => locks.status().statements,
-        conflicts: countConflicts(locks),
-        // As the README says to run with a local queue (and a no-op without one).
-        attach: (events) => locks.attach({ events }),
-        session: () => ({ held: locks.status().held.length }),
-      },
-      { id: "naive", task: naive.task, statements: naive.statements, conflicts: naive.conflicts },
-      { id: "naiveConn", ...naiveConn },
-    ],
-    async close() {
-      await locks.release();
-      await naiveClient.end().catch(() => undefined);
-      await naivePool.end().catch(() => undefined);
-    },
-  };
-}
-
-export interface RunFigures {
-  config: string;
-  variant: VariantId;
-  /** 0 for the warm-up. */
-  round: number;
-  jobs: number;
-  /** From just before `run()` until the job table was empty. */
-  seconds: number;
-  jobsPerSecond: number;
-  /** From just before `run()` until the first job started (runner start-up, included in `seconds`). */
-  startupMs: number;
-  /** From just before `run()` until the last `job:complete` event. */
-  lastCompleteMs: number;
-  /** Statements sent on the lock connection during the run (wrapped, naive). */
-  lockStatements: number;
-  /** Conflicts seen (must be 0: every key is distinct). */
-  conflicts: number;
-  /**
-   * CPU time (user + system) per job, in microseconds: of this Node.js process, or in a multi-process
-   * configuration of the worker processes together.
-   */
-  nodeCpuUsPerJob: number;
-  /** Multi-process configurations: each process's account of the run. */
-  processes?: ProcessReport[];
-  /** V8 heap used by this process after the run and a full GC (one process, only with --expose-gc). */
-  heapUsedBytes?: number;
-  /** Connections, backend memory and locks left held (wrapped runs; every run with several processes). */
-  session?: SessionRunFigures;
-}
-
-/** A no-op task. */
-const noop: Task = async () => undefined;
-
-function countConflicts(locks: Locks): () => number {
-  let conflicts = 0;
-  locks.events.on("lock:conflict", () => {
-    conflicts++;
-  });
-  return () => conflicts;
-}
-
-/** One lock function call (`pg_try_advisory_lock` or `pg_advisory_unlock`) of a naive variant's job. */
-type NaiveCall = (name: string, fn: string, key: string) => Promise<boolean>;
-
-/**
- * A naive variant: per job, try_lock, the task, unlock, each a round trip of the connection that
- * `withCalls` gives the job for its duration.
- */
-function naiveVariant(withCalls: (job: (call: NaiveCall) => Promise<void>) => Promise<void>): {
-  task: Task;
-  statements(): number;
-  conflicts(): number;
-} {
-  let statements = 0;
-  let conflicts = 0;
-  const task: Task = async (payload, helpers) => {
-    const key = library.lockKey(TASK, payload).toString();
-    await withCalls(async (call) => {
-      statements++;
-      if (!(await call("bench_naive_try_lock", "pg_try_advisory_lock", key))) {
-        conflicts++;
-        return;
-      }
-      try {
-        await noop(payload, helpers);
-      } finally {
-        statements++;
-        await call("bench_naive_unlock", "pg_advisory_unlock", key);
-      }
-    });
-  };
-  return { task, statements: () => statements, conflicts: () => conflicts };
-}
-
-async function lockCall(
-  client: pg.Client | pg.PoolClient,
-  name: string,
-  fn: string,
-  key: string,
-): Promise<boolean> {
-  const { rows } = await client.query<{ ok: boolean }>({
-    name,
-    text: `select ${fn}($1::bigint) as ok`,
-    values: [key],
-  });
-  return rows[0]!.ok;
-}
-
-/**
- * Per job: try_lock, the task, unlock, each lock call a round trip on one shared connection. Calls are
- * queued here, one at a time (what node-postgres does itself, but without its deprecation warning for
- * queries issued while another runs).
- */
-function makeNaive(client: pg.Client): { task: Task; statements(): number; conflicts(): number } {
-  let tail: Promise<unknown> = Promise.resolve();
-  const call: NaiveCall = (name, fn, key) => {
-    const result = tail.then(() => lockCall(client, name, fn, key));
-    tail = result.catch(() => undefined);
-    return result;
-  };
-  return naiveVariant((job) => job(call));
-}
-
-/**
- * Per job: a connection of its own from `pool` (one per worker), try_lock, the task, unlock, each a round
- * trip of that connection; the connection goes back to the pool after the unlock.
- */
-function makeNaiveConn(pool: pg.Pool): { task: Task; statements(): number; conflicts(): number } {
-  return naiveVariant(async (job) => {
-    const client = await pool.connect();
-    try {
-      await job((name, fn, key) => lockCall(client, name, fn, key));
-    } finally {
-      client.release();
-    }
-  });
-}
-
-/** One measured run: insert, start the runner, wait until every job is gone, stop. */
-export async function measure(
-  ctx: BenchContext,
-  config: Pick<Config, "id" | "concurrency" | "worker">,
-  variant: Variant,
-  jobs: number,
-  roundNumber: number,
-  /**
-   * For the session cost: called once the table
-   * is empty (awaited, after the run's figures were taken, before the runner stops).
-   */
-  hooks: { drained?(): unknown } = {},
-): Promise<RunFigures> {
-  await resetJobs(ctx.pool);
-  await insertJobs(ctx.pool, TASK, jobs);
-
-  const events = new EventEmitter() as WorkerEvents;
-  const detach = variant.attach?.(events);
-  let completed = 0;
-  let failed = 0;
-  let firstError: unknown;
-  let startedAt = Number.NaN;
-  let lastCompleteAt = Number.NaN;
-  let allComplete!: () => void;
-  const done = new Promise<void>((resolve) => {
-    allComplete = resolve;
-  });
-  events.once("job:start", () => {
-    startedAt = now();
-  });
-  events.on("job:complete", ({ error }) => {
-    if (error) {
-      failed++;
-      firstError ??= error;
-    }
-    if (++completed === jobs) {
-      lastCompleteAt = now();
-      allComplete();
-    }
-  });
-
-  const statementsBefore = variant.statements();
-  const conflictsBefore = variant.conflicts();
-  // Generous: the slowest variant here does well over 1,000 jobs/s.
-  const limit = timeout(
-    60_000 + jobs * 5,
-    `${config.id}/${variant.id}: ${jobs} jobs did not complete in time`,
-  );
-  const cpuBefore = process.cpuUsage();
-  const t0 = now();
-  let runner: Runner | undefined;
-  try {
-    runner = await run({
-      connectionString: withApplicationName(ctx.url, applicationName(MAIN_PROCESS, "worker")),
-      concurrency: config.concurrency,
-      taskList: { [TASK]: variant.task },
-      noHandleSignals: true,
-      // Irrelevant: every job is in the table before the runner starts.
-      pollInterval: 1000,
-      logger: quietLogger,
-      events,
-      preset: { worker: { ...config.worker } },
-    });
-    const stoppedEarly = runner.promise.then(() => {
-      throw new Error(`${config.id}/${variant.id}: the runner stopped before every job completed`);
-    });
-    stoppedEarly.catch(() => undefined);
-    await Promise.race([done, stoppedEarly, limit.promise]);
-    if (failed > 0) {
-      throw new Error(
-        `${config.id}/${variant.id}: ${failed} job(s) failed, first: ${String(firstError)}`,
-        {
-          cause: firstError,
-        },
-      );
-    }
-    await Promise.race([waitUntilNoJobs(ctx.pool, 30_000), limit.promise]);
-    const seconds = (now() - t0) / 1000;
-    const cpu = process.cpuUsage(cpuBefore);
-    await hooks.drained?.();
-    return {
-      config: config.id,
-      variant: variant.id,
-      round: roundNumber,
-      jobs,
-      seconds: round(seconds, 3),
-      jobsPerSecond: Math.round(jobs / seconds),
-      startupMs: Math.round(startedAt - t0),
-      lastCompleteMs: Math.round(lastCompleteAt - t0),
-      lockStatements: variant.statements() - statementsBefore,
-      conflicts: variant.conflicts() - conflictsBefore,
-      nodeCpuUsPerJob: round((cpu.user + cpu.system) / jobs, 1),
-    };
-  } catch (error) {
-    // Report this error, not a follow-up one from stopping a runner that already failed.
-    await runner?.stop().catch(() => undefined);
-    runner = undefined;
-    throw error;
-  } finally {
-    limit.clear();
-    await runner?.stop();
-    detach?.();
-  }
-}
-
-export interface VariantFigures {
-  /** Jobs per measured run. */
-  jobs: number;
-  medianJobsPerSecond: number;
-  /** (max − min) / median of the rounds' jobs/s. */
-  spread: number;
-  /** CPU time of the Node.js process(es) per job (µs), median over the rounds. */
-  medianNodeCpuUsPerJob: number;
-  /** Lock statements per job over all rounds. */
-  lockStatementsPerJob: number;
-  /** Jobs per lock statement (the coalescing factor). */
-  jobsPerLockStatement: number;
-}
-
-export interface ConfigFigures {
-  id: string;
-  label: string;
-  /** 1: this process; more: that many worker processes (A3, B3). */
-  processes: number;
-  /** Per process. */
-  concurrency: number;
-  worker: WorkerPreset;
-  rounds: number;
-  /** No naive variant with several processes. */
-  variants: {
-    plain: VariantFigures;
-    wrapped: VariantFigures;
-    naive?: VariantFigures;
-    naiveConn?: VariantFigures;
-  };
-  /** Ratio of the medians. */
-  wrappedOverPlain: number;
-  naiveOverPlain: number | null;
-  naiveConnOverPlain: number | null;
-  goal: number;
-  goalMet: boolean;
-  runs: RunFigures[];
-}
+export type ConfigFigures = ReturnType<typeof summarise>;
+type VariantFigures = ReturnType<typeof variantFigures>;
 
 // ---------------------------------------------------------------------------------------------------------
-// Worker processes (A3, B3)
+// One run in the worker processes
 
 const WORKER_SCRIPT = new URL("./throughput-worker.ts", import.meta.url);
 
@@ -508,15 +148,14 @@ function allCompleted(workers: WorkerProcess[], run: number, jobs: number): Prom
 let lastRunId = 0;
 
 /**
- * One measured run in the worker processes: insert, start their runners (the clock starts with the start
- * signal), wait until they reported every job completed and the table is empty, sample the connections
- * and the backends' memory, stop the runners. pg_stat_activity is sampled during every run, plain ones
- * included, so that both variants share that load.
+ * One measured run: insert, start the runners (the clock starts with the start signal), wait until they
+ * reported every job completed and the table is empty, sample the connections and the backends' memory,
+ * stop the runners. pg_stat_activity is sampled during every run, so that every variant shares that load.
  */
-async function measureProcesses(
+async function measure(
   ctx: BenchContext,
   workers: WorkerProcess[],
-  config: ProcessesConfig,
+  config: Config,
   variant: ProcessVariant,
   jobs: number,
   roundNumber: number,
@@ -568,7 +207,7 @@ async function measureProcesses(
 }
 
 function processRunFigures(
-  config: ProcessesConfig,
+  config: Config,
   variant: ProcessVariant,
   roundNumber: number,
   jobs: number,
@@ -576,7 +215,7 @@ function processRunFigures(
   reports: ProcessReport[],
   samples: Backend[][],
   memory: BackendMemory[],
-): RunFigures {
+) {
   const sum = (f: (r: ProcessReport) => number) => reports.reduce((total, r) => total + f(r), 0);
   const known = (values: Array<number | null>) => values.filter((v): v is number => v !== null);
   const startups = known(reports.map((r) => r.startupMs));
@@ -638,17 +277,6 @@ export interface BackendMemory extends Backend {
    */
   ussKiB: number;
   pssKiB: number;
-}
-
-export interface SessionRunFigures {
-  /** pg_stat_activity samples taken (the last one once the job table was empty). */
-  samples: number;
-  /** Per process (`main`, or `w1`...), per role. */
-  connections: Record<string, Record<ConnectionRole, Range>>;
-  /** The lock sessions' and graphile-worker's backends at the last sample (embedded server only). */
-  memory: BackendMemory[];
-  /** Locks still held once the run was over, by the process holding the most (must be 0). */
-  heldAfterRun: number;
 }
 
 /** The benchmark's named connections to its database, now. */
@@ -759,14 +387,6 @@ async function backendMemory(ctx: BenchContext, sample: Backend[]): Promise<Back
   return read.filter((m): m is BackendMemory => m !== null);
 }
 
-/** V8 heap used after a full collection, when this process runs with --expose-gc. */
-function heapAfterGc(): number | undefined {
-  const gc = (globalThis as { gc?: () => void }).gc;
-  if (!gc) return undefined;
-  gc();
-  return process.memoryUsage().heapUsed;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // The section
 
@@ -806,77 +426,28 @@ async function alternate<V extends { id: VariantId }>(
   return runs;
 }
 
-/**
- * `measure`, plus what the session cost needs: for the wrapped variant, the connections and the backends'
- * memory once the table is empty (one sample: sampling during the run would cost this process CPU, which
- * the run measures), and the locks still held; for every variant, the heap after the run (with --expose-gc).
- */
-async function measureInProcess(
+async function runConfig(
   ctx: BenchContext,
   config: Config,
-  variant: Variant,
-  jobs: number,
-  roundNumber: number,
-): Promise<RunFigures> {
-  const drained: { sample?: Backend[]; memory?: BackendMemory[] } = {};
-  const hooks = variant.session
-    ? {
-        async drained() {
-          drained.sample = await namedBackends(ctx.pool);
-          drained.memory = await backendMemory(ctx, drained.sample);
-        },
-      }
-    : {};
-  const figures = await measure(ctx, config, variant, jobs, roundNumber, hooks);
-  const heapUsedBytes = heapAfterGc();
-  return {
-    ...figures,
-    ...(heapUsedBytes === undefined ? {} : { heapUsedBytes }),
-    ...(variant.session && drained.sample
-      ? {
-          session: {
-            samples: 1,
-            connections: connectionRanges([drained.sample], [MAIN_PROCESS]),
-            memory: drained.memory ?? [],
-            heldAfterRun: variant.session().held,
-          },
-        }
-      : {}),
-  };
-}
-
-async function runInProcess(
-  ctx: BenchContext,
-  config: Config,
-  variants: Variant[],
+  workers: WorkerProcess[],
 ): Promise<ConfigFigures> {
-  const jobsOf = (variant: Variant) =>
+  const ids: VariantId[] = config.naiveJobs
+    ? ["plain", "wrapped", "naive", "naiveConn"]
+    : ["plain", "wrapped"];
+  const jobsOf = (variant: { id: VariantId }) =>
     ctx.quick
       ? config.quickJobs
       : variant.id === "naive" || variant.id === "naiveConn"
-        ? config.naiveJobs
+        ? (config.naiveJobs ?? config.jobs)
         : config.jobs;
-  const runs = await alternate(ctx, config, variants, jobsOf, (variant, jobs, r) =>
-    measureInProcess(ctx, config, variant, jobs, r),
-  );
-  return summarise(config, 1, runs);
-}
-
-async function runInProcesses(
-  ctx: BenchContext,
-  config: ProcessesConfig,
-  workers: WorkerProcess[],
-): Promise<ConfigFigures> {
-  const variants: Array<{ id: ProcessVariant }> = [{ id: "plain" }, { id: "wrapped" }];
-  const jobs = ctx.quick ? config.quickJobs : config.jobs;
   const runs = await alternate(
     ctx,
     config,
-    variants,
-    () => jobs,
-    (variant, n, r) => measureProcesses(ctx, workers, config, variant.id, n, r),
+    ids.map((id) => ({ id })),
+    jobsOf,
+    (variant, n, r) => measure(ctx, workers, config, variant.id, n, r),
   );
-  return summarise(config, config.processes, runs);
+  return summarise(config, runs);
 }
 
 export const throughput: Section = {
@@ -884,24 +455,19 @@ export const throughput: Section = {
   title: "Execution overhead",
   async run(ctx): Promise<SectionResult> {
     const results: ConfigFigures[] = [];
-    const { variants, close } = await openVariants(ctx);
-    try {
-      for (const config of CONFIGS) results.push(await runInProcess(ctx, config, variants));
-    } finally {
-      await close();
-    }
-    // Started after the one-process runs, so that idle worker processes do not share their machine.
-    ctx.log(`throughput: starting ${PROCESSES} worker processes`);
-    // --expose-gc: the heap figures of the session cost are taken after a full collection.
-    const workers = await forkWorkers(WORKER_SCRIPT, PROCESSES, { DATABASE_URL: ctx.url }, [
-      "--expose-gc",
-    ]);
-    try {
-      for (const config of PROCESS_CONFIGS) {
-        results.push(await runInProcesses(ctx, config, workers));
+    // One process for A and B, then three for A3 and B3, so that idle worker processes do not share
+    // the machine. --expose-gc: the heap figures are taken after a full collection.
+    const naivePoolSize = Math.max(...CONFIGS.map((c) => c.concurrency));
+    for (const configs of [CONFIGS, PROCESS_CONFIGS]) {
+      const processes = configs[0]!.processes;
+      ctx.log(`throughput: starting ${processes} worker process(es)`);
+      const env = { DATABASE_URL: ctx.url, NAIVE_POOL_SIZE: String(naivePoolSize) };
+      const workers = await forkWorkers(WORKER_SCRIPT, processes, env, ["--expose-gc"]);
+      try {
+        for (const config of configs) results.push(await runConfig(ctx, config, workers));
+      } finally {
+        await Promise.all(workers.map((w) => w.stop()));
       }
-    } finally {
-      await Promise.all(workers.map((w) => w.stop()));
     }
     const costs = results.map(sessionCost);
     return {
@@ -912,26 +478,26 @@ export const throughput: Section = {
   },
 };
 
-function summarise(
-  config: Pick<Config, "id" | "label" | "concurrency" | "worker" | "goal">,
-  processes: number,
-  runs: RunFigures[],
-): ConfigFigures {
+/** One variant's figures over its measured runs (at least one). */
+function variantFigures(mine: RunFigures[]) {
+  const rates = mine.map((r) => r.jobsPerSecond);
+  const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
+  const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
+  return {
+    jobs: mine[0]!.jobs,
+    medianJobsPerSecond: Math.round(median(rates)),
+    spread: round(spread(rates), 3),
+    medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
+    lockStatementsPerJob: round(statements / totalJobs, 4),
+    jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
+  };
+}
+
+function summarise(config: Config, runs: RunFigures[]) {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: VariantId): VariantFigures | undefined => {
+  const per = (variant: VariantId) => {
     const mine = measured.filter((r) => r.variant === variant);
-    if (mine.length === 0) return undefined;
-    const rates = mine.map((r) => r.jobsPerSecond);
-    const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
-    const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
-    return {
-      jobs: mine[0]!.jobs,
-      medianJobsPerSecond: Math.round(median(rates)),
-      spread: round(spread(rates), 3),
-      medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
-      lockStatementsPerJob: round(statements / totalJobs, 4),
-      jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
-    };
+    return mine.length > 0 ? variantFigures(mine) : undefined;
   };
   const plain = per("plain")!;
   const wrapped = per("wrapped")!;
@@ -943,7 +509,7 @@ function summarise(
   return {
     id: config.id,
     label: config.label,
-    processes,
+    processes: config.processes,
     concurrency: config.concurrency,
     worker: config.worker,
     rounds: ROUNDS,
@@ -1010,11 +576,11 @@ function tables(results: ConfigFigures[]): Table[] {
       "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job);",
       "naive, conn/job: the same on a connection of the job's own, from a pool of one per worker (que-locks' design).",
       "lock stmts/job: statements on the lock session per job (< 1: lock/unlock requests coalesced).",
-      "node CPU µs/job: CPU time (user + system) of this Node.js process per job, plain / wrapped / naive / conn/job.",
-      `${PROCESS_CONFIGS.map((c) => c.id).join(", ")}: ${PROCESSES} worker processes, each with the concurrency and options of ` +
-        `${CONFIGS.map((c) => c.id).join(", ")} and its own runner`,
+      "node CPU µs/job: CPU time (user + system) of the worker process(es) per job, plain / wrapped / naive / conn/job.",
+      `${CONFIGS.map((c) => c.id).join(", ")}: one worker process; ${PROCESS_CONFIGS.map((c) => c.id).join(", ")}: ${PROCESSES}, ` +
+        "each with the same concurrency and options and its own runner",
       "(and Locks instance, with attach()); clock from the start signal to an empty table; lock stmts/job and",
-      "node CPU summed over the processes. No naive variant there: it is a one-process comparison of coalescing.",
+      "node CPU summed over the processes. No naive variant in several: it is a one-process comparison of coalescing.",
     ],
   };
   return [summary];
@@ -1034,40 +600,11 @@ function goals(results: ConfigFigures[]): Goal[] {
 // ---------------------------------------------------------------------------------------------------------
 // Lock session cost: summary
 
-/** Medians over backends. */
-export interface MemoryFigures {
-  backends: number;
-  vmRssKiB: number;
-  rssAnonKiB: number;
-  ussKiB: number;
-  pssKiB: number;
-}
+export type SessionCostFigures = ReturnType<typeof sessionCost>;
 
-export interface SessionCostFigures {
-  config: string;
-  processes: number;
-  /** The measured wrapped runs these figures come from. */
-  runs: number;
-  /** pg_stat_activity samples over those runs. */
-  samples: number;
-  /** Per role: the fewest and the most connections of that role any process had open in a sample. */
-  connections: Record<ConnectionRole, Range>;
-  /** The lock session's backend, and graphile-worker's pool backends, at the end of each run; null when not readable. */
-  lockBackend: MemoryFigures | null;
-  workerBackend: MemoryFigures | null;
-  /** V8 heap used by a process after a run and a full GC, median; null without --expose-gc. */
-  heapAfterPlainBytes: number | null;
-  heapAfterWrappedBytes: number | null;
-  /** Locks held after a run, the most of any process in any run (must be 0). */
-  heldAfterRun: number;
-  lockStatementsPerJob: number;
-}
-
-function sessionCost(c: ConfigFigures): SessionCostFigures {
+function sessionCost(c: ConfigFigures) {
   const measured = c.runs.filter((r) => r.round > 0);
-  const sessions = measured.flatMap((r) =>
-    r.variant === "wrapped" && r.session ? [r.session] : [],
-  );
+  const sessions = measured.filter((r) => r.variant === "wrapped").map((r) => r.session);
   const ranges = sessions.flatMap((s) => Object.values(s.connections));
   const connections = Object.fromEntries(
     CONNECTION_ROLES.map((role) => [
@@ -1080,7 +617,7 @@ function sessionCost(c: ConfigFigures): SessionCostFigures {
         : { min: Number.NaN, max: Number.NaN },
     ]),
   ) as Record<ConnectionRole, Range>;
-  const memory = (role: ConnectionRole): MemoryFigures | null => {
+  const memory = (role: ConnectionRole) => {
     const all = sessions.flatMap((s) => s.memory.filter((m) => m.role === role));
     if (all.length === 0) return null;
     const m = (f: (b: BackendMemory) => number) => Math.round(median(all.map(f)));
@@ -1095,13 +632,7 @@ function sessionCost(c: ConfigFigures): SessionCostFigures {
   const heap = (variant: VariantId): number | null => {
     const values = measured
       .filter((r) => r.variant === variant)
-      .flatMap((r) =>
-        r.processes
-          ? r.processes.filter((p) => p.gc).map((p) => p.heapUsedBytes)
-          : r.heapUsedBytes === undefined
-            ? []
-            : [r.heapUsedBytes],
-      );
+      .flatMap((r) => r.processes.filter((p) => p.gc).map((p) => p.heapUsedBytes));
     return values.length > 0 ? median(values) : null;
   };
   return {
@@ -1124,7 +655,7 @@ const fmtRange = (r: Range) =>
 const fmtMiB = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
 
 function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
-  const memory = (m: MemoryFigures | null) =>
+  const memory = (m: SessionCostFigures["lockBackend"]) =>
     m ? `${fmtMiB(m.ussKiB * 1024)} / ${fmtMiB(m.pssKiB * 1024)}` : "n/a";
   const heap = (c: SessionCostFigures) =>
     c.heapAfterPlainBytes === null || c.heapAfterWrappedBytes === null
@@ -1169,9 +700,9 @@ function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
     ],
     notes: [
       `Connections: pg_stat_activity, every connection named ${APPLICATION_PREFIX}/<process>/<role>; fewest–most per process over the`,
-      `samples (several processes: every ${SAMPLE_INTERVAL_MS} ms during each run and once the table was empty; one process: once`,
-      "the table was empty, as sampling in the measured process would cost it CPU). Library pool: the Locks instance's own",
-      "pool (enqueues, introspection; its migration check at start), not used by exclusive execution.",
+      `samples (every ${SAMPLE_INTERVAL_MS} ms during each run, from the bench's process, and once the table was empty).`,
+      "Library pool: the Locks instance's own pool (enqueues, introspection; its migration check at start), not used by",
+      "exclusive execution.",
       ctx.postgresServer === "embedded"
         ? "Backend memory, once the table was empty, from /proc/<pid>/smaps_rollup: USS (Private_Clean + Private_Dirty: what"
         : "Backend memory: n/a, the server is not the embedded one on this machine (/proc/<pid> would be another process).",
@@ -1181,8 +712,8 @@ function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
             "of its pool's backends (up to maxPoolSize, 10, per process).",
           ]
         : []),
-      "Node.js heap: heapUsed after the runner stopped and a full GC (worker processes run with --expose-gc; this",
-      "process only if started with it), after plain runs against after wrapped runs, medians over processes and rounds.",
+      "Node.js heap: heapUsed after the runner stopped and a full GC (worker processes run with --expose-gc), after",
+      "plain runs against after wrapped runs, medians over processes and rounds.",
     ],
   };
 }

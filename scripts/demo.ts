@@ -1,15 +1,11 @@
 /**
- * `npm run demo`: graphile-worker-locks at work, in under ten seconds.
- *
- * Starts PostgreSQL (scripts/postgres.ts: DATABASE_URL, else embedded in a temp dir), forks this file three
- * times as worker processes (DEMO_WORKER=1..3, concurrency 4) running one exclusive task per conflict
- * strategy plus a semaphore, fires bursts of duplicate jobs (in bulk through graphile-worker, so that they
- * meet at run time, and one by one through the library, whose preemptive check drops them at enqueue),
+ * `npm run demo`: graphile-worker-locks at work, in under ten seconds. Starts PostgreSQL (scripts/postgres.ts),
+ * forks this file as three worker processes (DEMO_WORKER=1..3, concurrency 4) running one exclusive task per
+ * conflict strategy plus a semaphore, fires bursts of duplicate jobs (in bulk through graphile-worker, so that
+ * they meet at run time, and one by one through the library, whose preemptive check drops them at enqueue),
  * waits until the queue settles, and prints a timeline per key and a summary built from the records the
- * workers wrote while holding their locks (schema `gwl_demo`, kept for inspection).
- *
- * Exits 1 if a key ever ran more jobs at once than its limit or a job is unaccounted for; on SIGINT or
- * SIGTERM it stops, cleans up and exits 130 / 143.
+ * workers wrote while holding their locks (schema `gwl_demo`, kept for inspection). Exits 1 if a key ran more
+ * jobs at once than its limit or a job is unaccounted for; on SIGINT or SIGTERM cleans up, exits 130 / 143.
  */
 import { fork, type ChildProcess } from "node:child_process";
 import { randomBytes } from "node:crypto";
@@ -77,6 +73,8 @@ const TASKS = {
 type TaskName = keyof typeof TASKS;
 const NAMES = Object.keys(TASKS) as TaskName[];
 const limitOf = (t: TaskName) => (TASKS[t].options as { limit?: number }).limit ?? 1;
+const strategyOf = (t: TaskName) =>
+  `${TASKS[t].options.onConflict}${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`;
 
 function defineTasks(locks: Locks, body: (task: TaskName, p: Payload, job: Job) => Promise<void>) {
   return Object.fromEntries(
@@ -216,6 +214,8 @@ const say = (...lines: string[]) =>
 const secs = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
 const pad = (n: number, w: number) => String(n).padStart(w);
 type Run = { start: number; end: number; worker: string };
+/** The executions of one advisory lock key (what the lock protects). */
+type Group = { label: string; task: TaskName; account: string; limit: number; runs: Run[] };
 
 const SCHEMA_SQL = `
   create schema if not exists ${SCHEMA};
@@ -256,41 +256,28 @@ async function stopWorker(child: ChildProcess): Promise<void> {
   }
 }
 
-interface Tally {
-  fired: number;
-  droppedAtEnqueue: number;
-  added: string[];
-}
+type Tallies = Record<TaskName, { fired: number; droppedAtEnqueue: number; added: string[] }>;
 
 /** Draws each key's executions in lanes (one per concurrent execution), a column per time step. */
-function timeline(
-  groups: Array<{ label: string; limit: number; runs: Run[] }>,
-  originUs: number,
-  burstsMs: number[],
-): string[] {
-  const labelWidth = Math.max(...groups.map((g) => g.label.length)) + 1;
-  const endMs = Math.max(
-    1,
-    ...burstsMs,
-    ...groups.flatMap((g) => g.runs.map((r) => (r.end - originUs) / 1000)),
-  );
-  const step =
-    [10, 20, 25, 40, 50, 80, 100, 125, 200, 250, 500, 1000].find(
-      (s) => endMs / s <= 98 - labelWidth,
-    ) ?? 2000;
+function timeline(groups: Group[], originUs: number, burstsMs: number[]): string[] {
+  const width = Math.max(...groups.map((g) => g.label.length)) + 1;
+  const ms = (us: number) => (us - originUs) / 1000;
+  const endMs = Math.max(1, ...burstsMs, ...groups.flatMap((g) => g.runs.map((r) => ms(r.end))));
+  const steps = [10, 20, 25, 40, 50, 80, 100, 125, 200, 250, 500, 1000];
+  const step = steps.find((s) => endMs / s <= 98 - width) ?? 2000;
   const columns = Math.ceil(endMs / step);
-  let axis = "";
   const tick = [1, 2, 5, 10].find((s) => (s * 1000) / step >= 5) ?? 30;
+  let axis = "";
   for (let s = 0; (s * 1000) / step < columns; s += tick)
     axis = axis.padEnd(Math.round((s * 1000) / step)) + `${s}s`;
   const fired = Array<string>(columns).fill(" ");
-  for (const ms of burstsMs) fired[Math.min(columns - 1, Math.floor(ms / step))] = "^";
+  for (const t of burstsMs) fired[Math.min(columns - 1, Math.floor(t / step))] = "^";
   const out = [
-    `${"".padEnd(labelWidth)}  ${axis}`,
-    `${"bursts fired".padEnd(labelWidth)}  ${fired.join("")}`,
+    `${"".padEnd(width)}  ${axis}`,
+    `${"bursts fired".padEnd(width)}  ${fired.join("")}`,
   ];
   for (const g of groups) {
-    const lanes: (typeof g.runs)[] = [];
+    const lanes: Run[][] = [];
     for (const r of [...g.runs].sort((a, b) => a.start - b.start)) {
       const lane = lanes.find((l) => l.at(-1)!.end <= r.start);
       if (lane) lane.push(r);
@@ -301,73 +288,78 @@ function timeline(
       const cells = Array<string>(columns).fill(dim("."));
       const cover = Array<number>(columns).fill(0);
       for (const r of lane) {
-        const [s, e] = [(r.start - originUs) / 1000, (r.end - originUs) / 1000];
-        for (
-          let c = Math.max(0, Math.floor(s / step));
-          c <= Math.min(columns - 1, Math.floor(e / step));
-          c++
-        ) {
+        const [s, e] = [ms(r.start), ms(r.end)];
+        for (let c = Math.floor(s / step); c <= Math.min(columns - 1, Math.floor(e / step)); c++) {
           const overlap = Math.min(e, (c + 1) * step) - Math.max(s, c * step);
-          if (overlap > cover[c]!) [cover[c], cells[c]] = [overlap, r.worker];
+          if (c >= 0 && overlap > cover[c]!) [cover[c], cells[c]] = [overlap, r.worker];
         }
       }
       const over = i >= g.limit;
+      const label = (i === 0 ? g.label : "").padEnd(width);
       out.push(
-        `${(i === 0 ? g.label : "").padEnd(labelWidth)}${over ? red("!") : "│"} ${cells.join("")}${over ? red("  <- OVERLAP") : ""}`,
+        `${label}${over ? red("!") : "│"} ${cells.join("")}${over ? red("  <- OVERLAP") : ""}`,
       );
     });
   }
   out.push(
     dim(
-      `one column = ${step} ms; ${WORKERS.join("/")} = the worker process running a job of the key; . = none`,
+      `one column = ${step} ms; ${WORKERS.join("/")} = the worker running a job of the key; . = none`,
     ),
     dim("a key with limit 2 gets two lanes; a lane beyond a key's limit would mean an overlap"),
   );
   return out;
 }
 
+interface Execution {
+  job_id: string;
+  task: TaskName;
+  key: string;
+  lock_key: string;
+  worker: string;
+  start: number;
+  end: number | null;
+}
+interface Conflict {
+  job_id: string;
+  task: TaskName;
+  outcome: string;
+  new_job_id: string | null;
+  local: boolean;
+}
+const US = (col: string) => `(extract(epoch from ${col}) * 1000000)::float8`;
+
 /** Reads this run's records, prints the timeline and the summary; returns the problems found. */
 async function report(
   pool: pg.Pool,
   run: string,
-  tallies: Record<TaskName, Tally>,
+  tallies: Tallies,
   originUs: number,
-  burstsMs: number[],
+  at: number[],
 ) {
   const problems: string[] = [];
-  const q = async (sql: string, values: unknown[]) => (await pool.query(sql, values)).rows;
-  const us = (col: string) => `(extract(epoch from ${col}) * 1000000)::float8`;
-  const executions: Array<{
-    job_id: string;
-    task: TaskName;
-    key: string;
-    lock_key: string;
-    worker: string;
-    start: number;
-    end: number | null;
-  }> = await q(
-    `select job_id::text, task, key, lock_key::text, worker, ${us("started_at")} as start, ${us("ended_at")} as end
-       from ${SCHEMA}.executions where run = $1 order by started_at`,
+  const q = async <T>(sql: string, values: unknown[]) =>
+    (await pool.query(sql, values)).rows as T[];
+  const executions = await q<Execution>(
+    `select job_id::text, task, key, lock_key::text, worker, ${US("started_at")} as start,
+            ${US("ended_at")} as end from ${SCHEMA}.executions where run = $1 order by started_at`,
     [run],
   );
-  const conflicts: Array<{
-    job_id: string;
-    task: TaskName;
-    outcome: string;
-    new_job_id: string | null;
-    local: boolean;
-  }> = await q(
-    `select job_id::text, task, outcome, new_job_id::text, local from ${SCHEMA}.conflicts where run = $1 order by id`,
+  const conflicts = await q<Conflict>(
+    `select job_id::text, task, outcome, new_job_id::text, local from ${SCHEMA}.conflicts
+      where run = $1 order by id`,
     [run],
   );
   // Every job of this run: those added, and the copies rescheduling made.
-  const jobs = new Map<string, TaskName>(
-    NAMES.flatMap((t) => tallies[t].added.map((id) => [id, t] as const)),
-  );
+  const jobs = new Map(NAMES.flatMap((t) => tallies[t].added.map((id) => [id, t] as const)));
   for (const c of conflicts) if (c.new_job_id) jobs.set(c.new_job_id, c.task);
-  const sql =
-    "select id::text, attempts, last_error from graphile_worker.jobs where id = any($1::bigint[])";
-  const queued = new Map((await q(sql, [[...jobs.keys()]])).map((r) => [r.id as string, r]));
+  const queued = new Map(
+    (
+      await q<{ id: string; attempts: number; last_error: string | null }>(
+        "select id::text, attempts, last_error from graphile_worker.jobs where id = any($1::bigint[])",
+        [[...jobs.keys()]],
+      )
+    ).map((r) => [r.id, r]),
+  );
   // A raised job is retried under the same id, so "raised" is not an outcome of the job.
   const outcomes = new Map<string, string[]>();
   const add = (id: string, o: string) => outcomes.set(id, [...(outcomes.get(id) ?? []), o]);
@@ -375,63 +367,49 @@ async function report(
   for (const c of conflicts) if (c.outcome !== "raised") add(c.job_id, c.outcome);
   const awaiting = Object.fromEntries(NAMES.map((t) => [t, 0])) as Record<TaskName, number>;
   for (const [id, task] of jobs) {
-    const o = outcomes.get(id) ?? [];
-    const waiting = queued.get(id);
-    if (o.includes("unfinished")) problems.push(`job ${id} (${task}) started but never finished`);
-    if (
-      waiting &&
-      TASKS[task].options.onConflict === "raise" &&
-      waiting.attempts > 0 &&
-      o.length === 0
-    )
+    const [o, waiting, job] = [outcomes.get(id) ?? [], queued.get(id), `job ${id} (${task})`];
+    if (o.includes("unfinished")) problems.push(`${job} started but never finished`);
+    if (o.length > 1) problems.push(`${job} has ${o.length} outcomes: ${o.join(", ")}`);
+    if (waiting && TASKS[task].options.onConflict === "raise" && waiting.attempts > 0 && !o.length)
       awaiting[task]++;
     else if (waiting)
-      problems.push(
-        `job ${id} (${task}) is still queued (attempts ${waiting.attempts}, ${waiting.last_error ?? "no error"})`,
-      );
+      problems.push(`${job} is still queued (attempts ${waiting.attempts}, ${waiting.last_error})`);
     else if (o.length === 0)
-      problems.push(
-        `job ${id} (${task}) is unaccounted for: not executed, dropped nor rescheduled`,
-      );
-    if (o.length > 1)
-      problems.push(`job ${id} (${task}) has ${o.length} outcomes: ${o.join(", ")}`);
+      problems.push(`${job} is unaccounted for: not executed, dropped nor rescheduled`);
   }
   for (const id of new Set([...executions, ...conflicts].map((r) => r.job_id)))
     if (!jobs.has(id)) problems.push(`job ${id} has records but the demo never added it`);
 
   // Grouped by the advisory lock key itself: that is what the lock protects.
-  type Group = { label: string; task: TaskName; account: string; limit: number; runs: Run[] };
   const byKey = new Map<string, Group>();
   for (const e of executions) {
     if (e.end === null) continue;
     const id = `${e.task} ${e.lock_key}`;
+    const label = `${e.task} ${e.key}`;
     if (!byKey.has(id))
-      byKey.set(id, {
-        label: `${e.task} ${e.key}`,
-        task: e.task,
-        account: e.key,
-        limit: limitOf(e.task),
-        runs: [],
-      });
+      byKey.set(id, { label, task: e.task, account: e.key, limit: limitOf(e.task), runs: [] });
     byKey.get(id)!.runs.push({ start: e.start, end: e.end, worker: e.worker });
   }
-  const order = (g: { task: TaskName; account: string }) =>
-    NAMES.indexOf(g.task) * 100 + ACCOUNTS.indexOf(g.account);
+  const order = (g: Group) => NAMES.indexOf(g.task) * 100 + ACCOUNTS.indexOf(g.account);
   const groups = [...byKey.values()].sort((a, b) => order(a) - order(b));
-  say();
-  say(bold("Timeline per key"));
-  timeline(groups, originUs, burstsMs).forEach((line) => say(line));
+  say("", bold("Timeline per key"), ...timeline(groups, originUs, at));
 
   const count = (t: TaskName, outcome: string) =>
     conflicts.filter((c) => c.task === t && c.outcome === outcome).length;
   const executedOf = (t: TaskName) => executions.filter((e) => e.task === t && e.end !== null);
-  const strategy = (t: TaskName) =>
-    `${TASKS[t].options.onConflict}${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`;
   // prettier-ignore
-  const rows: Array<[string, string, ...number[]]> = NAMES.map((t) => [t, strategy(t), tallies[t].fired, tallies[t].droppedAtEnqueue, tallies[t].added.length, count(t, "dropped"), count(t, "rescheduled"), count(t, "raised"), executedOf(t).length, awaiting[t]]);
+  const rows: Array<[string, string, ...number[]]> = NAMES.map((t) => [t, strategyOf(t), tallies[t].fired, tallies[t].droppedAtEnqueue, tallies[t].added.length, count(t, "dropped"), count(t, "rescheduled"), count(t, "raised"), executedOf(t).length, awaiting[t]]);
   const sums = [2, 3, 4, 5, 6, 7, 8, 9].map((i) => rows.reduce((n, r) => n + (r[i] as number), 0));
-  const [fired, droppedAtEnqueue, added, dropped, rescheduled, raised, executed, awaitingRetry] =
-    sums as [number, number, number, number, number, number, number, number];
+  const [fired, atEnqueue, added, dropped, rescheduled, raised, executed, awaitingRetry] = sums as [
+    number,
+    number,
+    number,
+    number,
+    number,
+    number,
+    number,
+    number,
+  ];
   const widths = [8, 8, 7, 9, 9, 7, 9, 6];
   const copies = conflicts.filter((c) => c.new_job_id).length;
   const perWorker = WORKERS.map(
@@ -447,7 +425,7 @@ async function report(
       `${label.padEnd(13)} ${strategy.padEnd(15)} ${n.map((v, i) => pad(v, widths[i]!)).join(" ")}`),
     "",
     `  enqueued:              ${pad(fired, 4)} jobs fired, ${added} added`,
-    `  dropped at enqueue:    ${pad(droppedAtEnqueue, 4)} (the preemptive check found the key held)`,
+    `  dropped at enqueue:    ${pad(atEnqueue, 4)} (the preemptive check found the key held)`,
     `  conflicts at run time: ${pad(dropped + rescheduled + raised, 4)} (dropped ${dropped}, rescheduled ${rescheduled}, raised ${raised})`,
     dim(`                              ${conflicts.filter((c) => c.local).length} of them noticed in-process, without a round trip`),
     `  executed:              ${pad(executed, 4)} (${perWorker.join(", ")})`,
@@ -462,14 +440,14 @@ async function report(
     problems.push("the totals do not add up (see above)");
   for (const g of groups) {
     const highest = highestConcurrency(g.runs);
-    say(
-      `  highest concurrency  ${g.task.padEnd(13)} ${g.account.padEnd(8)} ${highest} (limit ${g.limit})  ${pad(g.runs.length, 3)} executions  ` +
-        (highest <= g.limit ? green("ok") : red(`OVERLAP: above the limit of ${g.limit}`)),
-    );
+    const verdict =
+      highest <= g.limit ? green("ok") : red(`OVERLAP: above the limit of ${g.limit}`);
+    // prettier-ignore
+    say(`  highest concurrency  ${g.task.padEnd(13)} ${g.account.padEnd(8)} ${highest} (limit ${g.limit})  ${pad(g.runs.length, 3)} executions  ${verdict}`);
     if (highest > g.limit)
       problems.push(`${g.label} ran ${highest} jobs at once, above its limit of ${g.limit}`);
   }
-  if (dropped! + rescheduled! + raised! === 0)
+  if (dropped + rescheduled + raised === 0)
     say(dim("  (no conflicts happened this time: the machine was too fast to contend)"));
   return problems;
 }
@@ -517,7 +495,7 @@ async function main(): Promise<number> {
     const run = randomBytes(4).toString("hex");
     const tallies = Object.fromEntries(
       NAMES.map((t) => [t, { fired: 0, droppedAtEnqueue: 0, added: [] }]),
-    ) as unknown as Record<TaskName, Tally>;
+    ) as unknown as Tallies;
     // Runs after the workers stopped: this run's jobs still queued (late retries) are removed.
     cleanups.push(async () => {
       const { rows } = await pool.query<{ id: string }>(
@@ -540,7 +518,7 @@ async function main(): Promise<number> {
     say("  Tasks (each keyed by the account of its payload):");
     for (const t of NAMES)
       say(
-        `    ${t.padEnd(13)} ${`"${TASKS[t].options.onConflict}"${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`.padEnd(16)} ${dim(TASKS[t].description)}`,
+        `    ${t.padEnd(13)} ${`"${strategyOf(t)}`.replace(/(,|$)/, '"$1').padEnd(16)} ${dim(TASKS[t].description)}`,
       );
 
     say();
