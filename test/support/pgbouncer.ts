@@ -70,9 +70,10 @@ export function builtPgbouncer(): PgBouncerBinary | null {
   const given = process.env.PGBOUNCER_BUILT;
   const paths = given
     ? [given]
-    : safeReaddir(builtPgbouncerDir()).map((name) =>
-        join(builtPgbouncerDir(), name, "bin", "pgbouncer"),
-      );
+    : safeReaddir(builtPgbouncerDir())
+        // (a dot-directory is a build being moved into place)
+        .filter((name) => !name.startsWith("."))
+        .map((name) => join(builtPgbouncerDir(), name, "bin", "pgbouncer"));
   const found = paths
     .filter((path) => existsSync(path))
     .map((path) => ({ path, version: pgbouncerVersion(path) }))
