@@ -1,7 +1,9 @@
 /**
- * Behind a real PgBouncer (transaction pooling): the README's setup keeps mutual exclusion; a lock session
- * through the pooler is refused; prepared statements behave as the README says. Skipped, with a message,
- * where the `pgbouncer` binary is missing.
+ * Behind a real PgBouncer, on each binary at hand: the system's package (Debian 12's 1.18) and the 1.21+
+ * build of scripts/build-pgbouncer.sh. The README's setup keeps mutual exclusion; a lock session through a
+ * transaction pool is refused, through a session pool carried; prepared statements behave as the README
+ * says for the version: before 1.21 named ones fail through transaction mode, from 1.21 on they work with
+ * `max_prepared_statements`. Each binary's tests skip, with a message, where it is missing.
  */
 import { Logger, makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
@@ -10,41 +12,27 @@ import { makeLocks, type Locks, type LocksError } from "../src/index.js";
 import { useTestDatabase, waitFor } from "./support/db.js";
 import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
 import {
-  pgbouncerMissing,
-  pgbouncerVersion,
+  carriesPreparedStatements,
+  compareVersions,
+  pgbouncers,
   startPgBouncer,
   type PgBouncer,
+  type PgBouncerBinary,
+  type PgBouncerOptions,
 } from "./support/pgbouncer.js";
 import { nextEvent, quietLogger, startRunner } from "./support/runner.js";
 
-const missing = pgbouncerMissing();
-if (missing) console.warn(missing);
+const candidates = pgbouncers();
+for (const { missing } of candidates) if (missing) console.warn(missing);
 
 const db = useTestDatabase();
-let bouncer: PgBouncer | undefined;
-let utils: WorkerUtils | undefined;
 const cleanup: Array<() => Promise<unknown>> = [];
 
-beforeAll(async () => {
-  if (missing) return;
-  bouncer = await startPgBouncer(db.url);
-  // graphile-worker's schema and ours exist already (the template); the utils only enqueue and read.
-  utils = await makeWorkerUtils({
-    connectionString: bouncer.via(db.url),
-    noPreparedStatements: true,
-    logger: quietLogger,
-  });
-});
 afterEach(async () => {
   for (const step of cleanup.splice(0).reverse()) await step();
   await db
     .pool()
     .query("truncate test_executions, test_events; delete from graphile_worker._private_jobs");
-});
-afterAll(async () => {
-  await utils?.release();
-  // (before the database's leak check: locks a refused session took leave with PgBouncer's backends)
-  await bouncer?.stop();
 });
 
 function track<T extends { release(): Promise<unknown> } | Runner>(thing: T): T {
@@ -101,17 +89,96 @@ async function enqueueExec(locks: Locks, count: number, keys: number, ms = 15): 
   expect(results.filter((r) => r.outcome === "added")).toHaveLength(count);
 }
 
-describe.skipIf(missing !== null)(
-  `PgBouncer ${pgbouncerVersion() ?? ""} (transaction mode)`,
-  () => {
-    it("the README's setup: runners and enqueues through PgBouncer, the lock session direct", async () => {
+/**
+ * Enqueues twice through one pooled client (`via`, a transaction pool), a second client holding a
+ * transaction between the two: it pins the backend the first enqueue ran on (PgBouncer hands out the
+ * backend released last first), so the second enqueue runs on another backend, where the first one's named
+ * statement was never prepared unless PgBouncer prepares it there. Resolves with the second enqueue's
+ * error, if any.
+ */
+async function enqueueAcrossBackends(
+  via: string,
+  preparedStatements: boolean,
+): Promise<LocksError | null> {
+  const pool = new pg.Pool({ connectionString: via, max: 1 });
+  cleanup.push(() => pool.end());
+  const locks = track(
+    makeLocks({
+      pgPool: pool,
+      lockConnectionString: db.url,
+      preparedStatements,
+      logger: quietLogger,
+    }),
+  );
+  const first = await locks.addJob("other", { i: 1 }, { unique: "queued" });
+  expect(first.outcome).toBe("added");
+  const other = new pg.Client({ connectionString: via });
+  await other.connect();
+  cleanup.push(() => other.end());
+  await other.query("begin");
+  try {
+    const second = await locks.addJob("other", { i: 2 }, { unique: "queued" });
+    expect(second.outcome).toBe("added");
+    return null;
+  } catch (error) {
+    return error as LocksError;
+  } finally {
+    await other.query("rollback");
+    await db.pool().query("delete from graphile_worker._private_jobs");
+  }
+}
+
+/** Expects `error` to be the library's explanation of a pooler that does not carry prepared statements. */
+function expectPreparedStatementsUnsupported(error: LocksError | null): void {
+  expect(error?.code).toBe("GWL_PREPARED_STATEMENTS_UNSUPPORTED");
+  expect(error?.message).toContain("`preparedStatements: false`");
+  expect(error?.message).toContain("`noPreparedStatements: true`");
+  expect(error?.message).toContain("`max_prepared_statements`");
+  expect((error?.cause as { code?: string }).code).toBe("26000");
+}
+
+for (const { kind, binary } of candidates) {
+  const version = binary?.version ?? (kind === "system" ? "(not installed)" : "1.21+ (not built)");
+  // Whether this version carries named prepared statements through transaction mode, where the README
+  // says to keep them on (a missing build is 1.21+, a missing system package is taken as older).
+  const prepared = binary ? carriesPreparedStatements(binary.version) : kind === "built";
+  describe.skipIf(binary === null)(`PgBouncer ${version}`, () => pgbouncerTests(binary, prepared));
+}
+
+/** The tests on one PgBouncer binary (`binary` is null only when they are skipped). */
+function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void {
+  /** Transaction pooling, with `max_prepared_statements = 100` (as docker-compose.yml) on 1.21+. */
+  let bouncer: PgBouncer | undefined;
+  let utils: WorkerUtils | undefined;
+  const start = (options: PgBouncerOptions = {}) =>
+    startPgBouncer(db.url, { binary: binary!.path, ...options });
+  /** The library's options for this version, as the README gives them: its default where it can. */
+  const preparedOption = prepared ? {} : { preparedStatements: false };
+
+  beforeAll(async () => {
+    bouncer = await start(prepared ? { maxPreparedStatements: 100 } : {});
+    // graphile-worker's schema and ours exist already (the template); the utils only enqueue and read.
+    utils = await makeWorkerUtils({
+      connectionString: bouncer.via(db.url),
+      noPreparedStatements: !prepared,
+      logger: quietLogger,
+    });
+  });
+  afterAll(async () => {
+    await utils?.release();
+    // (before the database's leak check: locks a refused session took leave with PgBouncer's backends)
+    await bouncer?.stop();
+  });
+
+  describe("transaction mode", () => {
+    it(`the README's setup: runners and enqueues through PgBouncer${prepared ? " with prepared statements" : ""}, the lock session direct`, async () => {
       const via = bouncer!.via(db.url);
       const instances = [0, 1].map((i) =>
         track(
           makeLocks({
             connectionString: via,
             lockConnectionString: db.url,
-            preparedStatements: false,
+            ...preparedOption,
             logger: quietLogger,
             applicationName: `graphile-worker-locks/readme-${i}`,
           }),
@@ -125,7 +192,7 @@ describe.skipIf(missing !== null)(
         tasks.map((exec) =>
           startRunner({
             connectionString: via,
-            noPreparedStatements: true,
+            noPreparedStatements: !prepared,
             concurrency: 4,
             taskList: { exec },
           }).then(track),
@@ -165,7 +232,7 @@ describe.skipIf(missing !== null)(
         track(
           makeLocks({
             connectionString: via,
-            preparedStatements: false,
+            ...preparedOption,
             logger: quietLogger,
             applicationName: `graphile-worker-locks/mistaken-${i}`,
           }),
@@ -185,7 +252,7 @@ describe.skipIf(missing !== null)(
         tasks.map((exec) =>
           startRunner({
             connectionString: via,
-            noPreparedStatements: true,
+            noPreparedStatements: !prepared,
             concurrency: 4,
             taskList: { exec },
           }).then(track),
@@ -205,146 +272,123 @@ describe.skipIf(missing !== null)(
       expect(instances[1]!.status().state).toBe("refused");
     });
 
-    it("fails named prepared statements with a message naming the options, and works with them off", async () => {
-      const via = bouncer!.via(db.url);
-      /**
-       * Enqueues twice through one pooled client, a second client holding a transaction between the two: it
-       * pins the backend the first enqueue ran on (PgBouncer hands out the backend released last first), so
-       * the second enqueue runs on another backend. Resolves with the second enqueue's error, if any.
-       */
-      const enqueueAcrossBackends = async (preparedStatements: boolean) => {
-        const pool = new pg.Pool({ connectionString: via, max: 1 });
-        cleanup.push(() => pool.end());
-        const locks = track(
-          makeLocks({
-            pgPool: pool,
-            lockConnectionString: db.url,
-            preparedStatements,
-            logger: quietLogger,
-          }),
-        );
-        const first = await locks.addJob("other", { i: 1 }, { unique: "queued" });
-        expect(first.outcome).toBe("added");
-        const other = new pg.Client({ connectionString: via });
-        await other.connect();
-        cleanup.push(() => other.end());
-        await other.query("begin");
-        const { rows } = await other.query<{ pid: number }>("select pg_backend_pid() as pid");
-        try {
-          const second = await locks.addJob("other", { i: 2 }, { unique: "queued" });
-          expect(second.outcome).toBe("added");
-          return { pinned: rows[0]!.pid, error: null };
-        } catch (error) {
-          return { pinned: rows[0]!.pid, error: error as LocksError };
-        } finally {
-          await other.query("rollback");
-          await db.pool().query("delete from graphile_worker._private_jobs");
+    if (!prepared) {
+      it("fails named prepared statements with a message naming the options, and works with them off", async () => {
+        const via = bouncer!.via(db.url);
+        expectPreparedStatementsUnsupported(await enqueueAcrossBackends(via, true));
+        expect(await enqueueAcrossBackends(via, false)).toBeNull();
+      });
+    } else {
+      it("carries named prepared statements across backends with `max_prepared_statements`, and fails them with 0", async () => {
+        expect(await enqueueAcrossBackends(bouncer!.via(db.url), true)).toBeNull();
+        // The same enqueues through the same binary with the setting at 0 (no prepared-statement support):
+        // the second enqueue does reach another backend.
+        const off = await start({ maxPreparedStatements: 0 });
+        cleanup.push(() => off.stop());
+        expectPreparedStatementsUnsupported(await enqueueAcrossBackends(off.via(db.url), true));
+        expect(await enqueueAcrossBackends(off.via(db.url), false)).toBeNull();
+        if (compareVersions(binary!.version, "1.24.0") >= 0) {
+          // Since 1.24, PgBouncer's default is 200: on without the setting.
+          const byDefault = await start();
+          cleanup.push(() => byDefault.stop());
+          expect(await enqueueAcrossBackends(byDefault.via(db.url), true)).toBeNull();
         }
-      };
+      });
+    }
+  });
 
-      const { error } = await enqueueAcrossBackends(true);
-      expect(error?.code).toBe("GWL_PREPARED_STATEMENTS_UNSUPPORTED");
-      expect(error?.message).toContain("`preparedStatements: false`");
-      expect(error?.message).toContain("`noPreparedStatements: true`");
-      expect(error?.message).toContain("`max_prepared_statements`");
-      expect((error?.cause as { code?: string }).code).toBe("26000");
-
-      expect((await enqueueAcrossBackends(false)).error).toBeNull();
+  describe("session mode", () => {
+    it("carries the lock session: contended jobs never overlap", async () => {
+      const session = await start({ poolMode: "session" });
+      cleanup.push(() => session.stop());
+      const warnings: string[] = [];
+      const logger = new Logger(() => (level, message) => {
+        if (level === "warning") warnings.push(message);
+      });
+      const instances = [0, 1].map((i) =>
+        track(
+          makeLocks({
+            connectionString: db.url,
+            lockConnectionString: session.via(db.url),
+            logger,
+            applicationName: `graphile-worker-locks/session-${i}`,
+          }),
+        ),
+      );
+      for (const locks of instances) await locks.connect();
+      const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
+      await enqueueExec(instances[0]!, 80, 4);
+      await Promise.all(
+        tasks.map((exec) =>
+          startRunner({ connectionString: db.url, concurrency: 4, taskList: { exec } }).then(track),
+        ),
+      );
+      await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
+      const executions = await readExecutions(db.pool());
+      expect(executions.length).toBeGreaterThanOrEqual(4);
+      for (const [key, most] of maxConcurrencyPerKey(executions)) {
+        expect(most, `executions of key ${key} at once`).toBe(1);
+      }
+      expect(instances.map((locks) => locks.status().state)).toEqual(["ready", "ready"]);
+      // (the probe at connect ran, through the pooler, and found each session on its own backend)
+      expect(warnings).toEqual([]);
     });
-  },
-);
+  });
 
-describe.skipIf(missing !== null)("PgBouncer in session mode", () => {
-  it("carries the lock session: contended jobs never overlap", async () => {
-    const session = await startPgBouncer(db.url, { poolMode: "session" });
-    cleanup.push(() => session.stop());
-    const warnings: string[] = [];
-    const logger = new Logger(() => (level, message) => {
-      if (level === "warning") warnings.push(message);
-    });
-    const instances = [0, 1].map((i) =>
-      track(
+  describe("the lock session's backend check", () => {
+    it("loses every hold and refuses the session when its statements reach another backend", async () => {
+      // A PgBouncer that lets no second client in (so the connect-time probe cannot tell) and closes an idle
+      // backend after a second: the session's next statement runs on a fresh backend.
+      const cycling = await start({
+        settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
+      });
+      cleanup.push(() => cycling.stop());
+      const warnings: string[] = [];
+      const locks = track(
         makeLocks({
           connectionString: db.url,
-          lockConnectionString: session.via(db.url),
-          logger,
-          applicationName: `graphile-worker-locks/session-${i}`,
+          lockConnectionString: cycling.via(db.url),
+          heartbeatInterval: 100,
+          logger: new Logger(() => (level, message) => {
+            if (level === "warning") warnings.push(message);
+          }),
         }),
-      ),
-    );
-    for (const locks of instances) await locks.connect();
-    const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
-    await enqueueExec(instances[0]!, 80, 4);
-    await Promise.all(
-      tasks.map((exec) =>
-        startRunner({ connectionString: db.url, concurrency: 4, taskList: { exec } }).then(track),
-      ),
-    );
-    await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
-    const executions = await readExecutions(db.pool());
-    expect(executions.length).toBeGreaterThanOrEqual(4);
-    for (const [key, most] of maxConcurrencyPerKey(executions)) {
-      expect(most, `executions of key ${key} at once`).toBe(1);
-    }
-    expect(instances.map((locks) => locks.status().state)).toEqual(["ready", "ready"]);
-    // (the probe at connect ran, through the pooler, and found each session on its own backend)
-    expect(warnings).toEqual([]);
-  });
-});
-
-describe.skipIf(missing !== null)("the lock session's backend check", () => {
-  it("loses every hold and refuses the session when its statements reach another backend", async () => {
-    // A PgBouncer that lets no second client in (so the connect-time probe cannot tell) and closes an idle
-    // backend after a second: the session's next statement runs on a fresh backend.
-    const cycling = await startPgBouncer(db.url, {
-      settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
-    });
-    cleanup.push(() => cycling.stop());
-    const warnings: string[] = [];
-    const locks = track(
-      makeLocks({
-        connectionString: db.url,
-        lockConnectionString: cycling.via(db.url),
-        heartbeatInterval: 100,
-        logger: new Logger(() => (level, message) => {
-          if (level === "warning") warnings.push(message);
-        }),
-      }),
-    );
-    await locks.connect();
-
-    const exec = execTask(locks, "w");
-    const lost = nextEvent(locks, "lock:lost");
-    await track(
-      await startRunner({ connectionString: db.url, concurrency: 2, taskList: { exec } }),
-    );
-    await utils!.addJob("exec", { k: "held", hold: true } satisfies Payload);
-    const event = await lost;
-    expect((event.error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
-    expect(event.error.message).toContain("`lockConnectionString`");
-    expect(event.holds).toHaveLength(1);
-    // (the probe at connect could not tell: this check alone caught it)
-    expect(warnings.join("\n")).toContain("Could not probe the proxy");
-    // The held job saw its abort signal and ended; nothing runs unlocked afterwards.
-    await waitFor(async () => (await readExecutions(db.pool()))[0]?.end !== null);
-    expect(locks.status().state).toBe("refused");
-    const again = await locks.connect().then(
-      () => null,
-      (e: unknown) => e as LocksError,
-    );
-    expect(again?.code).toBe("GWL_LOCK_SESSION_POOLED");
-    await utils!.addJob("exec", { k: "later" } satisfies Payload);
-    await waitFor(
-      async () => (await jobCount("payload->>'k' = 'later' and last_error is not null")) === 1,
-    );
-    const { rows } = await db
-      .pool()
-      .query<{ last_error: string | null }>(
-        "select last_error from graphile_worker._private_jobs where payload->>'k' = 'later'",
       );
-    expect(rows[0]?.last_error).toContain("connection pooler in transaction mode");
-    expect((await readExecutions(db.pool())).map((e) => e.lockKey)).toEqual([
-      exec.lockKey({ k: "held" }).toString(),
-    ]);
+      await locks.connect();
+
+      const exec = execTask(locks, "w");
+      const lost = nextEvent(locks, "lock:lost");
+      await track(
+        await startRunner({ connectionString: db.url, concurrency: 2, taskList: { exec } }),
+      );
+      await utils!.addJob("exec", { k: "held", hold: true } satisfies Payload);
+      const event = await lost;
+      expect((event.error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
+      expect(event.error.message).toContain("`lockConnectionString`");
+      expect(event.holds).toHaveLength(1);
+      // (the probe at connect could not tell: this check alone caught it)
+      expect(warnings.join("\n")).toContain("Could not probe the proxy");
+      // The held job saw its abort signal and ended; nothing runs unlocked afterwards.
+      await waitFor(async () => (await readExecutions(db.pool()))[0]?.end !== null);
+      expect(locks.status().state).toBe("refused");
+      const again = await locks.connect().then(
+        () => null,
+        (e: unknown) => e as LocksError,
+      );
+      expect(again?.code).toBe("GWL_LOCK_SESSION_POOLED");
+      await utils!.addJob("exec", { k: "later" } satisfies Payload);
+      await waitFor(
+        async () => (await jobCount("payload->>'k' = 'later' and last_error is not null")) === 1,
+      );
+      const { rows } = await db
+        .pool()
+        .query<{ last_error: string | null }>(
+          "select last_error from graphile_worker._private_jobs where payload->>'k' = 'later'",
+        );
+      expect(rows[0]?.last_error).toContain("connection pooler in transaction mode");
+      expect((await readExecutions(db.pool())).map((e) => e.lockKey)).toEqual([
+        exec.lockKey({ k: "held" }).toString(),
+      ]);
+    });
   });
-});
+}
