@@ -4,7 +4,7 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
-import type { Locks } from "../locks.js";
+import type { Locks } from "../types.js";
 import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
 import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
 
