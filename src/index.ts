@@ -1,3 +1,4 @@
+/** The package's entry point: re-exports only. Public types are in types.ts. */
 export { makeLocks } from "./locks.js";
 export type * from "./types.js";
 export type { LocksEvents, LocksEventName, LocksEventEmitter } from "./events.js";

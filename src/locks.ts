@@ -1,6 +1,8 @@
 /**
- * `makeLocks`: the factory that owns a pool for enqueueing and introspection, the lock session, the
- * events, and the registry of exclusive tasks defined on it.
+ * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
+ * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
+ * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
+ * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";
 import pg from "pg";

@@ -42,7 +42,7 @@ export async function schemaLevel(client: pg.Client, schema: string): Promise<nu
 }
 
 /** The highest migration this package ships. */
-export async function latestLibraryLevel(): Promise<number> {
+async function latestLibraryLevel(): Promise<number> {
   const files = await readdir(new URL("../../sql/", import.meta.url));
   return Math.max(
     0,

@@ -47,7 +47,7 @@ export interface EnqueuePlan {
 }
 
 /** pg_locks coordinates of keys, as the `lockAvailable` statement takes them. */
-export function lockCoordinates(keys: readonly bigint[]): [number[], number[], number] {
+function lockCoordinates(keys: readonly bigint[]): [number[], number[], number] {
   const parts = keys.map(advisoryParts);
   return [parts.map((p) => p.classid), parts.map((p) => p.objid), keys.length];
 }

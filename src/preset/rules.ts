@@ -82,7 +82,7 @@ export function validateTaskRules(
 }
 
 /** Whether an entry makes the task exclusive (see `TaskLocksOptions.exclusive`). */
-export function isExclusive(rules: TaskLocksOptions): boolean {
+function isExclusive(rules: TaskLocksOptions): boolean {
   if (rules.exclusive !== undefined) return rules.exclusive;
   const set = (name: string) => (rules as Record<string, unknown>)[name] !== undefined;
   return EXCLUSIVE_KEYS.some(set) || !UNIQUE_KEYS.some(set);
