@@ -536,7 +536,10 @@ $$;
 -- The library inserts into graphile-worker's job table itself (src/enqueue.ts says why), with
 -- graphile-worker's defaults (max_attempts 25, priority 0, run_at now) and its `jobs:insert` notification.
 
--- One job to add: unique (unique_key with a scope, or a window alone) or not (unique_key null).
+-- One job to add: unique (unique_key with a scope, or a window alone) or not (unique_key null). enqueue_job
+-- takes one by name (identifier, queue_name); a batch (enqueue_jobs) is a JSON array of them that names its
+-- task and queue by place instead (task, queue), lighter to write and to parse. A field left out of an
+-- item of the batch is null.
 create type :GWL_SCHEMA.job_spec as (
   identifier text,
   payload json,
@@ -549,30 +552,14 @@ create type :GWL_SCHEMA.job_spec as (
   unique_key text,
   scope text,
   window_seconds float8,
-  on_duplicate text,
-  -- in a batch: whether this is the batch's first scoped item of its key
-  first boolean
-);
-
--- One item of a batch (enqueue_jobs): lighter to write and to parse than a job_spec.
-create type :GWL_SCHEMA.batch_item as (
-  -- its task and queue: their places in p_tasks and p_queues (from 1); no queue: null
-  task int,
-  queue int,
-  payload json,
-  run_at timestamptz,
-  max_attempts int,
-  priority int,
-  -- graphile-worker's flags object ({"flag": true}), with the gwl:unique:<scope> flag already added
-  flags jsonb,
-  unique_key text,
-  scope text,
-  window_seconds float8,
   -- null: reject
   on_duplicate text,
-  -- whether this is the batch's first scoped item of its key; null: false
+  -- in a batch: whether this is the batch's first scoped item of its key; null: false
   first boolean,
-  -- an item added waiting in line: its run_at, in milliseconds from now (its safety net)
+  -- in a batch: its task and queue, as places in p_tasks and p_queues (from 1); no queue: null
+  task int,
+  queue int,
+  -- in a batch: an item added waiting in line: its run_at, in milliseconds from now (its safety net)
   park_ms float8
 );
 
@@ -726,7 +713,7 @@ end;
 $$;
 
 -- A batch of enqueues in one statement. The caller sends the batch's distinct task identifiers and queue
--- names (p_tasks, p_queues), which the items (batch_item) name by place; marks the first scoped item of each
+-- names (p_tasks, p_queues), which the items (job_spec) name by place; marks the first scoped item of each
 -- key (p_first of them); and names the items it adds waiting in line: for each, its place among the items
 -- without a unique key (p_park_pos) and its lock key (p_park_keys).
 --
@@ -755,7 +742,7 @@ language plpgsql volatile as $$
 declare
   v_task_ids int[];
   v_queue_ids int[];
-  v_items :GWL_SCHEMA.batch_item[];
+  v_items :GWL_SCHEMA.job_spec[];
   v_ids bigint[];
   v_plain_ids bigint[];
   v_keys text[];
@@ -819,7 +806,7 @@ begin
       case when f.window_seconds is null then f.flags
            else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
              coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
-    from json_populate_recordset(null:::GWL_SCHEMA.batch_item, p_items) with ordinality as f
+    from json_populate_recordset(null:::GWL_SCHEMA.job_spec, p_items) with ordinality as f
     where f.unique_key is null or f.first
     order by case when p_first > 1 then f.unique_key end collate "C" nulls first, f.ordinality
     on conflict (key) do nothing
@@ -848,7 +835,7 @@ begin
   end if;
 
   -- The rest needs the items again.
-  v_items := array(select json_populate_recordset(null:::GWL_SCHEMA.batch_item, p_items));
+  v_items := array(select json_populate_recordset(null:::GWL_SCHEMA.job_spec, p_items));
   -- The rows added so far, in id order: the items' order among those added, which are the items without a
   -- unique key and the first of each key that was free.
   v_jobs := array(select j from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids) order by j.id);
@@ -883,7 +870,7 @@ begin
     from (
       select row(p_tasks[s.task], s.payload, p_queues[s.queue], s.run_at, s.max_attempts, s.priority, s.flags,
           s.unique_key, s.scope, s.window_seconds, coalesce(s.on_duplicate, 'reject'),
-          coalesce(s.first, false)):::GWL_SCHEMA.job_spec as spec,
+          coalesce(s.first, false), null, null, null):::GWL_SCHEMA.job_spec as spec,
         s.ordinality::int as ord, s.unique_key, coalesce(s.first, false) as first
       from unnest(v_items) with ordinality as s
     ) x

@@ -1,6 +1,6 @@
 /** What the parts of one `Locks` instance share. Internal. */
 import type { LocksEvents } from "./events.js";
-import type { AddJobResult } from "./enqueue.js";
+import type { AddJobResult } from "./types.js";
 import type { AddJobSpec } from "./options.js";
 import type { LockSession } from "./session.js";
 import type { Prefetch } from "./prefetch.js";

@@ -151,7 +151,7 @@ const PREPARED_STATEMENT_STATES: ReadonlySet<string> = new Set(["26000", "42P05"
  * or duplicate prepared statement, which is what a pooler that does not carry prepared statements causes;
  * otherwise `error` itself.
  */
-export function explainPreparedStatementError(error: unknown): unknown {
+function explainPreparedStatementError(error: unknown): unknown {
   const code = (error as { code?: unknown } | null)?.code;
   const message = (error as { message?: unknown } | null)?.message;
   if (typeof code !== "string" || !PREPARED_STATEMENT_STATES.has(code)) return error;

@@ -8,19 +8,11 @@ import type { LocksContext } from "./context.js";
 import type { AcquireResult, Hold, HoldInfo } from "./holds.js";
 import { callKeyFunction, slotKeys } from "./key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
-import type { AddJobResult } from "./enqueue.js";
+import type { ExclusiveTask } from "./types.js";
 
-/** A graphile-worker task that runs at most `limit` jobs per key at a time. */
-export interface ExclusiveTask<TPayload = unknown> extends Task {
-  readonly taskIdentifier: string;
-  readonly options: Readonly<ResolvedExclusiveOptions<TPayload>>;
-  /** The advisory lock key of a payload (slot 0 when `limit > 1`). */
-  lockKey(payload: TPayload): bigint;
-  /** Whether a job with this payload could take its lock now. Advisory: it never takes the lock. */
-  lockAvailable(payload: TPayload): Promise<boolean>;
-  /** Adds a job of this task, dropped up front if its key is held (unless `preemptive: false`). */
-  addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;
-  /** @internal How lock-ahead locks a fetched job of this task. */
+/** An exclusive task as this library sees it: the public task, and how lock-ahead locks its jobs. */
+export interface ExclusiveTaskImpl<TPayload = unknown> extends ExclusiveTask<TPayload> {
+  /** How lock-ahead locks a fetched job of this task. */
   readonly lockPlan: (job: Job) => { slots: bigint[]; info: HoldInfo };
 }
 

@@ -172,18 +172,20 @@ export class Acquisition implements LockRequest {
     private readonly receiver: AcquireReceiver | undefined,
   ) {}
   resolve(result: AcquireResult): void {
-    if (this.done) return;
-    this.done = true;
-    this.value = result;
-    this.receiver?.settle(result);
-    this.resolveMade?.(result);
+    this.settle(result, undefined);
   }
   reject(error: Error): void {
+    this.settle(undefined, error);
+  }
+  /** The first outcome counts: `value`, or `error` when set. */
+  private settle(value: AcquireResult | undefined, error: Error | undefined): void {
     if (this.done) return;
     this.done = true;
+    this.value = value;
     this.error = error;
-    this.receiver?.settle(null);
-    this.rejectMade?.(error);
+    this.receiver?.settle(error ? null : value!);
+    if (error) this.rejectMade?.(error);
+    else this.resolveMade?.(value!);
   }
   promise(): Promise<AcquireResult> {
     this.made ??= !this.done

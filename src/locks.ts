@@ -1,196 +1,39 @@
 /**
- * `makeLocks`: the factory that owns a pool for enqueueing and introspection, the lock session, the
- * events, and the registry of exclusive tasks defined on it.
+ * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
+ * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
+ * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
+ * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";
 import pg from "pg";
-import type { Client, ClientConfig, Pool, PoolClient } from "pg";
-import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
+import type { ClientConfig, Pool } from "pg";
+import type { JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
-import {
-  addJob,
-  addJobs,
-  lockAvailable,
-  type AddJobResult,
-  type EnqueuePlan,
-  type Queryable,
-} from "./enqueue.js";
-import { ErrorCodes, InvalidArgumentError, LocksError, UniqueConflictError } from "./errors.js";
-import { makeEmitter, type LocksEventEmitter, type LocksEvents } from "./events.js";
-import { makeExclusiveTask, type ExclusiveTask } from "./exclusive.js";
-import { assertIdentifier, assertJsonSafe, callKeyFunction, lockFlag, slotKeys } from "./key.js";
+import { makeEnqueuer, type TaskRules } from "./enqueue.js";
+import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
+import { makeEmitter, type LocksEvents } from "./events.js";
+import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive.js";
+import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
 import {
   resolveExclusiveOptions,
   validateLocksTimings,
   type AddJobSpec,
-  type DefineOptions,
   type ExclusiveOptions,
   type LocksOptions,
   type ResolvedExclusiveOptions,
 } from "./options.js";
+import { readHeldLocks } from "./held.js";
 import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
-import type { HandoffCounts } from "./handoff.js";
 import { LockSession } from "./session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
-import type { DeclaredTask, TaskPayload, UndeclaredTask } from "./types.js";
-import { resolveUnique, validateUniqueOptions, type UniqueOptions } from "./unique.js";
+import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
+import { validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
-/** A row of the held-locks view. */
-export interface HeldLock {
-  lockKey: bigint;
-  /** Set for locks taken by this library, once the holder registry caught up (within about half a second). */
-  taskIdentifier: string | null;
-  jobId: string | null;
-  pid: number;
-  applicationName: string;
-  /** When the lock was taken (null until the registry caught up, or for locks not taken by this library). */
-  since: Date | null;
-  sessionStartedAt: Date;
-}
-
-/** A unique-only task: a graphile-worker task (run as is) whose enqueues are deduplicated. */
-export interface UniqueTask<TPayload = unknown> extends Task {
-  readonly taskIdentifier: string;
-  /** Adds a job of this task under its unique rules (overridable per call). */
-  addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;
-}
-
-/** An item of `locks.addJobs`. */
-export interface AddJobsItem extends AddJobSpec {
-  identifier: string;
-  payload: unknown;
-}
-
-export interface Locks {
-  /**
-   * Wraps a task so that at most `limit` jobs per key run at once, across every process. A task declared in
-   * `GraphileWorker.Tasks` takes its payload type from there.
-   */
-  exclusive<TIdentifier extends DeclaredTask>(
-    taskIdentifier: TIdentifier,
-    task: (payload: GraphileWorker.Tasks[TIdentifier], helpers: JobHelpers) => unknown,
-    options?: ExclusiveOptions<GraphileWorker.Tasks[TIdentifier]>,
-  ): ExclusiveTask<GraphileWorker.Tasks[TIdentifier]>;
-  exclusive<TPayload = unknown, TIdentifier extends string = string>(
-    taskIdentifier: UndeclaredTask<TIdentifier>,
-    task: (payload: TPayload, helpers: JobHelpers) => unknown,
-    options?: ExclusiveOptions<TPayload>,
-  ): ExclusiveTask<TPayload>;
-  /** Defines a task whose enqueues are deduplicated, without an execution lock. Returns the task unchanged in behaviour. */
-  unique<TPayload = unknown>(
-    taskIdentifier: string,
-    task: (payload: TPayload, helpers: JobHelpers) => unknown,
-    options: UniqueOptions<TPayload>,
-  ): UniqueTask<TPayload>;
-  /** Registers a task's rules without its function, for processes that only enqueue. */
-  define<TPayload = unknown>(taskIdentifier: string, options: DefineOptions<TPayload>): void;
-  /** Whether a job of this task with this payload could take its lock now. Advisory, side-effect free. */
-  lockAvailable<TIdentifier extends string>(
-    taskIdentifier: TIdentifier,
-    payload: TaskPayload<TIdentifier>,
-  ): Promise<boolean>;
-  /**
-   * Adds a job under the rules of the task defined on this instance under `taskIdentifier` (and the
-   * spec's overrides): the preemptive check for exclusive tasks, and uniqueness.
-   */
-  addJob<TIdentifier extends string>(
-    taskIdentifier: TIdentifier,
-    payload: TaskPayload<TIdentifier>,
-    spec?: AddJobSpec,
-  ): Promise<AddJobResult>;
-  /**
-   * Adds many jobs in one statement, deduplicated within the batch and against existing jobs, with an
-   * outcome per item in input order. No preemptive check. With `onDuplicate: "raise"` on any item, a
-   * duplicate aborts the whole batch.
-   */
-  addJobs(
-    items: readonly AddJobsItem[],
-    options?: { pgClient?: PoolClient | Client },
-  ): Promise<AddJobResult[]>;
-  /** Removes expired `uniqueFor` windows now (it also happens on its own); resolves how many. */
-  sweep(): Promise<number>;
-  /** Every advisory lock held in the database, with its holder. */
-  heldLocks(): Promise<HeldLock[]>;
-  /** Typed events; see `LocksEvents`. */
-  readonly events: LocksEventEmitter;
-  /** Installs or upgrades the library's schema (done automatically on first use). */
-  migrate(): Promise<void>;
-  /**
-   * Opens the lock session now (it otherwise opens when the first exclusive job runs), so that the first
-   * job does not wait for it. Rejects if it cannot connect.
-   */
-  connect(): Promise<void>;
-  /** The lock session's state and backend pid, and the keys this process holds. */
-  status(): {
-    state: string;
-    pid: number | null;
-    held: Array<{ lockKey: bigint; taskIdentifier: string; jobId: string | null; since: Date }>;
-    statements: number;
-    /**
-     * Hand-offs of `reschedule` keys so far: early wakes of the next job in line, keys passed to the next job
-     * in this process without an unlock, and keys taken after waiting for another process's release.
-     */
-    handoffs: HandoffCounts;
-  };
-  /**
-   * Follows a runner of this process:
-   * - Lock-ahead, for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
-   *   fetched batch are taken in one statement as the batch arrives, so jobs start without waiting for
-   *   theirs.
-   * - Early wakes here, for a runner without one: the next `reschedule` job in line for a key this process
-   *   holds is fetched by an idle worker of this runner, so that the key passes to it in memory.
-   *
-   * Returns a function that detaches (also done when the runner stops).
-   */
-  attach(runner: { events: WorkerEvents }): () => void;
-  /**
-   * For graphile-worker's `forbiddenFlags` run option: the flags of the keys this process holds for
-   * `reschedule` jobs, so that its workers do not fetch more jobs of a held key only to park them. Jobs
-   * enqueued through this library carry their key's flag (`reschedule` tasks with `limit: 1`). graphile-
-   * worker calls it before every fetch; it reads memory only. (A non-null `forbiddenFlags` turns off
-   * graphile-worker's local queue batching.)
-   */
-  forbiddenFlags(): string[];
-  /** Closes the lock session (releasing every lock it holds) and the pool it created. */
-  release(): Promise<void>;
-}
-
-/** What is known about a task identifier on this instance. */
-interface Definition {
-  exclusive: ResolvedExclusiveOptions<never> | null;
-  unique: UniqueOptions<never>;
-}
-
-const SWEEP_INTERVAL_MS = 60_000;
-
-const DEADLOCK_DETECTED = "40P01";
-const DEADLOCK_RETRIES = 5;
-
-/**
- * A bulk enqueue, tried again when PostgreSQL broke a deadlock by aborting it. The batch takes its keys in
- * key order (enqueue_jobs in sql/000001.sql), which rules out the deadlocks of two batches inserting keys in opposite orders;
- * what remains is rare (a batch's second pass over keys that an older job freed meanwhile). On the pool the
- * statement is its own transaction, so an aborted one wrote nothing and is safe to repeat; on the caller's
- * client it may be part of the caller's transaction, which the abort ended, so the error is theirs.
- */
-async function addJobsRetryingDeadlocks(
-  db: Queryable,
-  sql: ReturnType<typeof makeSql>,
-  plans: readonly EnqueuePlan[],
-  ownTransaction: boolean,
-): Promise<AddJobResult[]> {
-  for (let attempt = 1; ; attempt++) {
-    try {
-      return await addJobs(db, sql, plans);
-    } catch (error) {
-      const code = (error as { code?: string }).code;
-      if (!ownTransaction || code !== DEADLOCK_DETECTED || attempt > DEADLOCK_RETRIES) throw error;
-    }
-  }
-}
+/** How often rows of given-back jobs whose completion was lost are looked for, besides each connection. */
+const CLEAN_PARKED_INTERVAL_MS = 60_000;
 
 export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
@@ -326,123 +169,26 @@ export function makeLocks(options: LocksOptions): Locks {
   };
 
   // (and every minute: a job can also fail after it was given back, its process alive)
-  const cleanTimer = setInterval(cleanParked, SWEEP_INTERVAL_MS);
+  const cleanTimer = setInterval(cleanParked, CLEAN_PARKED_INTERVAL_MS);
   cleanTimer.unref();
 
   const assertOpen = () => {
     if (released) throw new LocksError(ErrorCodes.RELEASED, "This Locks instance was released");
   };
 
-  const definitions = new Map<string, Definition>();
-  const defaultExclusive = resolveExclusiveOptions<never>(undefined, options.defaults);
-  /** What a task's `key` makes of a payload, checked (a custom one through callKeyFunction). */
-  const keyValue = (
-    rules: ResolvedExclusiveOptions<never>,
-    taskIdentifier: string,
-    payload: unknown,
-  ): unknown => {
-    if (rules.keyPath === "payload") {
-      assertJsonSafe(payload);
-      return payload;
-    }
-    return callKeyFunction(rules.key, "key", taskIdentifier, payload);
-  };
-  const keysOf = (taskIdentifier: string, payload: unknown) => {
-    assertIdentifier(taskIdentifier);
-    const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
-    return slotKeys(taskIdentifier, keyValue(rules, taskIdentifier, payload), rules.limit, null);
-  };
+  const definitions = new Map<string, TaskRules>();
+  const enqueuer = makeEnqueuer({
+    pool,
+    sql,
+    rules: definitions,
+    defaultExclusive: resolveExclusiveOptions<never>(undefined, options.defaults),
+    ready: () => (isMigrated ? undefined : ensureMigrated()),
+    emit,
+    warn: (message, error) =>
+      logger.warn(`graphile-worker-locks: ${message}: ${String(error)}`, { error }),
+  });
 
-  let lastSweep = Date.now();
-  const maybeSweep = (db: Queryable) => {
-    if (Date.now() - lastSweep < SWEEP_INTERVAL_MS) return;
-    lastSweep = Date.now();
-    db.query({ text: sql.sweepUniqueWindows }).catch((error: unknown) =>
-      logger.warn(`graphile-worker-locks: sweeping unique windows failed: ${String(error)}`, {
-        error,
-      }),
-    );
-  };
-
-  /** Resolves an enqueue, validating everything before anything is written. */
-  const plan = (
-    taskIdentifier: string,
-    payload: unknown,
-    spec: AddJobSpec | undefined,
-    preemptiveCheck?: boolean,
-  ): EnqueuePlan => {
-    assertIdentifier(taskIdentifier);
-    assertJsonSafe(payload);
-    const definition = definitions.get(taskIdentifier);
-    const exclusive = definition?.exclusive ?? null;
-    const preemptive =
-      preemptiveCheck ?? spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
-    // An exclusive task's key is evaluated at every enqueue, whether a check uses it or not, so that a key
-    // function that fails does so before anything is written (and not only once a worker runs the job).
-    const rules = exclusive ?? (preemptive ? defaultExclusive : null);
-    const keyOfPayload = rules
-      ? { value: rules.keyPath === "payload" ? payload : keyValue(rules, taskIdentifier, payload) }
-      : null;
-    const flagged = exclusive?.onConflict === "reschedule" && exclusive.limit === 1;
-    const keys =
-      rules && (preemptive || flagged)
-        ? slotKeys(taskIdentifier, keyOfPayload!.value, rules.limit, null)
-        : null;
-    const lockKeys = preemptive ? keys : null;
-    const unique = resolveUnique(
-      taskIdentifier,
-      payload,
-      definition?.unique,
-      spec,
-      exclusive ? keyOfPayload! : undefined,
-    );
-    // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
-    let line: EnqueuePlan["line"] = null;
-    if (flagged) {
-      const key = keys![0]!;
-      // (with no safety net to speak of, a job added parked would be fetched at once: no line then)
-      const safetyNetMs = exclusive.reschedule.maxDelay;
-      if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
-      spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
-    }
-    return { taskIdentifier, payload, spec, lockKeys, unique, line };
-  };
-
-  const report = (result: AddJobResult, p: EnqueuePlan) => {
-    const { taskIdentifier, payload, spec } = p;
-    switch (result.outcome) {
-      case "dropped": {
-        const { pgClient: _client, ...rest } = spec ?? {};
-        emit("enqueue:dropped", {
-          taskIdentifier,
-          lockKey: p.lockKeys![0]!,
-          payload,
-          spec: spec ? rest : undefined,
-        });
-        break;
-      }
-      case "duplicate":
-        emit("enqueue:duplicate", {
-          taskIdentifier,
-          uniqueKey: p.unique!.key,
-          payload,
-          job: result.job,
-        });
-        break;
-      case "replaced":
-        emit("enqueue:replaced", {
-          taskIdentifier,
-          uniqueKey: p.unique!.key,
-          payload,
-          job: result.job!,
-        });
-        break;
-      case "added":
-        break;
-    }
-  };
-
-  const exclusiveTasks = new Map<string, ExclusiveTask<never>>();
+  const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
   const prefetcher = new Prefetcher(
     session,
     (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
@@ -457,27 +203,11 @@ export function makeLocks(options: LocksOptions): Locks {
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();
-      if (!isMigrated) await ensureMigrated();
-      return lockAvailable(pool, sql, keys);
+      return enqueuer.lockAvailable(keys);
     },
     async addJob(taskIdentifier, payload, spec) {
       assertOpen();
-      const p = plan(taskIdentifier, payload, spec);
-      // (every enqueue statement calls this library's functions, unique or not)
-      if (!isMigrated) await ensureMigrated();
-      const db: Queryable = spec?.pgClient ?? pool;
-      const result = await addJob(db, sql, p);
-      report(result, p);
-      if (p.unique?.windowSeconds) maybeSweep(pool);
-      if (result.outcome === "duplicate" && p.unique?.onDuplicate === "raise") {
-        throw new UniqueConflictError(
-          taskIdentifier,
-          p.unique.key,
-          result.job?.id ?? null,
-          result.job,
-        );
-      }
-      return result;
+      return enqueuer.addJob(taskIdentifier, payload, spec);
     },
   };
 
@@ -515,7 +245,7 @@ export function makeLocks(options: LocksOptions): Locks {
         { ...options.defaults, ...taskOptions } as UniqueOptions<never>,
       );
       const exclusive = makeExclusiveTask(ctx, taskIdentifier, task, resolved);
-      exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTask<never>);
+      exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTaskImpl<never>);
       // eslint-disable-next-line @typescript-eslint/no-explicit-any -- see the signature
       return exclusive as unknown as ExclusiveTask<any>;
     },
@@ -543,83 +273,23 @@ export function makeLocks(options: LocksOptions): Locks {
       );
     },
     async lockAvailable(taskIdentifier, payload) {
-      return ctx.lockAvailable(keysOf(taskIdentifier, payload));
+      return ctx.lockAvailable(enqueuer.keysOf(taskIdentifier, payload));
     },
     addJob(taskIdentifier, payload, spec) {
       return ctx.addJob(taskIdentifier, payload, spec);
     },
     async addJobs(items, addOptions) {
       assertOpen();
-      if (!Array.isArray(items))
-        throw new InvalidArgumentError(`\`addJobs\` takes an array, got ${typeof items}`);
-      const plans = items.map((item, index) => {
-        if (!item || typeof item !== "object") {
-          throw new InvalidArgumentError(
-            `addJobs: item ${index} must be an object, got ${String(item)}`,
-          );
-        }
-        // The item is its own spec (its `identifier` and `payload` are not read as options); a bulk
-        // enqueue has no preemptive check. What is wrong with an item names its index; the cause is the
-        // original error (a key function's own, when it threw).
-        try {
-          return plan(item.identifier, item.payload, item, false);
-        } catch (error) {
-          if (!(error instanceof InvalidArgumentError)) throw error;
-          throw new InvalidArgumentError(`addJobs: item ${index}: ${error.message}`, {
-            cause: error.cause ?? error,
-          });
-        }
-      });
-      if (!isMigrated) await ensureMigrated();
-      const db: Queryable = addOptions?.pgClient ?? pool;
-      let results: AddJobResult[];
-      try {
-        results = await addJobsRetryingDeadlocks(db, sql, plans, !addOptions?.pgClient);
-      } catch (error) {
-        const e = error as { code?: string; detail?: string; hint?: string };
-        if (e.code !== "GWLUQ") throw error;
-        const p = plans[Number(e.hint) - 1]!;
-        const existingJobId = e.detail || null;
-        const existing =
-          existingJobId && !addOptions?.pgClient
-            ? ((await pool.query<Job>(sql.jobById, [existingJobId])).rows[0] ?? null)
-            : null;
-        throw new UniqueConflictError(p.taskIdentifier, p.unique!.key, existingJobId, existing, {
-          cause: error,
-        });
-      }
-      results.forEach((result, index) => report(result, plans[index]!));
-      if (plans.some((p) => p.unique?.windowSeconds)) maybeSweep(pool);
-      return results;
+      return enqueuer.addJobs(items, addOptions);
     },
     async sweep() {
       assertOpen();
-      await ensureMigrated();
-      lastSweep = Date.now();
-      const { rows } = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
-      return rows[0]!.removed;
+      return enqueuer.sweep();
     },
     async heldLocks() {
       assertOpen();
       await ensureMigrated();
-      const { rows } = await pool.query<{
-        lock_key: string;
-        task_identifier: string | null;
-        job_id: string | null;
-        pid: number;
-        application_name: string;
-        since: Date | null;
-        session_started_at: Date;
-      }>(sql.heldLocks);
-      return rows.map((r) => ({
-        lockKey: BigInt(r.lock_key),
-        taskIdentifier: r.task_identifier,
-        jobId: r.job_id,
-        pid: r.pid,
-        applicationName: r.application_name,
-        since: r.since,
-        sessionStartedAt: r.session_started_at,
-      }));
+      return readHeldLocks(pool, sql);
     },
     migrate: ensureMigrated,
     forbiddenFlags: () => session.heldFlags(),

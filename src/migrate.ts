@@ -130,7 +130,7 @@ async function checkWorkerSchema(
  * line break), and the `$$` that delimit function bodies become a dollar-quote tag that neither name
  * contains (a name may hold `$$`).
  */
-export function migrationText(text: string, schema: string, workerSchema: string): string {
+function migrationText(text: string, schema: string, workerSchema: string): string {
   const s = escapeIdentifier(schema);
   const w = escapeIdentifier(workerSchema);
   let tag = "$gwl$";

@@ -17,7 +17,8 @@ import { pathToFileURL } from "node:url";
 import type { Pool } from "pg";
 import type { Task, TaskList, WorkerPool, WorkerEvents } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
-import { makeLocks, type Locks } from "./locks.js";
+import { makeLocks } from "./locks.js";
+import type { Locks } from "./types.js";
 import { migrate } from "./migrate.js";
 import type { LocksOptions } from "./options.js";
 import {

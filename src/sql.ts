@@ -85,9 +85,9 @@ const ADD_JOB_ARGS = `identifier => $1::text,
     queue_name => $3::text,
     run_at => $4::timestamptz,
     max_attempts => $5::int,
-    job_key => $6::text,
-    priority => $7::int,
-    flags => $8::text[],
+    priority => $6::int,
+    flags => $7::text[],
+    job_key => $8::text,
     job_key_mode => $9::text`;
 
 export function makeSql(schema: string, workerSchema: string, preparedStatements = true) {
@@ -99,9 +99,6 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     .digest("hex")
     .slice(0, 16);
   return {
-    escapedSchema: s,
-    escapedWorkerSchema: w,
-
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
      * statements are off. Names include both schemas (as a digest): one pool may serve several `Locks`
@@ -223,12 +220,12 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
       from ${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
-        $8::text, $9::text, $10::float8, $11::text, null)::${s}.job_spec, true) r
+        $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true) r
       left join ${w}._private_tasks t on t.id = (r.job).task_id
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
     /**
-     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of batch_item, $2 its length,
+     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of job_spec, $2 its length,
      * $3 how many are `first`, $4 and $5 the batch's distinct task identifiers and queue names (which the items
      * name by place), $6 and $7 for each item added waiting in line its place among the items without a
      * unique key and its lock key, or nulls. Answers with rows of graphile-worker's job table, one per item
@@ -255,9 +252,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
     sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 
+    /** $1: the lock keys to show, or null for all. */
     heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,
         application_name, since, session_started_at
-      from ${s}.held_locks order by since nulls last, lock_key`,
+      from ${s}.held_locks where $1::bigint[] is null or lock_key = any($1::bigint[])
+      order by since nulls last, lock_key`,
   };
 }
 

@@ -5,7 +5,8 @@
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
-import { escapeIdentifier } from "../sql.js";
+import { readHeldLocks } from "../held.js";
+import { escapeIdentifier, makeSql } from "../sql.js";
 
 const UNDEFINED_TABLE = "42P01";
 const INVALID_SCHEMA_NAME = "3F000";
@@ -41,7 +42,7 @@ export async function schemaLevel(client: pg.Client, schema: string): Promise<nu
 }
 
 /** The highest migration this package ships. */
-export async function latestLibraryLevel(): Promise<number> {
+async function latestLibraryLevel(): Promise<number> {
   const files = await readdir(new URL("../../sql/", import.meta.url));
   return Math.max(
     0,
@@ -72,18 +73,10 @@ export async function readStatus(
   const s = escapeIdentifier(target.schema);
   const w = escapeIdentifier(target.workerSchema);
   const filter = keys ? keys.map(String) : null;
-  const held = await client.query<{
-    lock_key: string;
-    task_identifier: string | null;
-    job_id: string | null;
-    pid: number;
-    application_name: string;
-    since: Date | null;
-  }>(
-    `select lock_key::text, task_identifier, job_id::text, pid, application_name, since
-     from ${s}.held_locks where $1::bigint[] is null or lock_key = any($1::bigint[])
-     order by since nulls last, lock_key`,
-    [filter],
+  const held = await readHeldLocks(
+    client,
+    makeSql(target.schema, target.workerSchema, false),
+    keys,
   );
   const lines = await client.query<{
     lock_key: string;
@@ -111,13 +104,10 @@ export async function readStatus(
      order by backend_start`,
   );
   return {
-    held: held.rows.map((r) => ({
-      lockKey: r.lock_key,
-      taskIdentifier: r.task_identifier,
-      jobId: r.job_id,
-      pid: r.pid,
-      applicationName: r.application_name,
-      since: r.since?.toISOString() ?? null,
+    held: held.map(({ sessionStartedAt: _started, lockKey, since, ...holder }) => ({
+      lockKey: String(lockKey),
+      ...holder,
+      since: since?.toISOString() ?? null,
     })),
     lines: lines.rows.map((r) => ({
       lockKey: r.lock_key,

@@ -4,7 +4,7 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
-import type { Locks } from "../locks.js";
+import type { Locks } from "../types.js";
 import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
 import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
 
@@ -82,7 +82,7 @@ export function validateTaskRules(
 }
 
 /** Whether an entry makes the task exclusive (see `TaskLocksOptions.exclusive`). */
-export function isExclusive(rules: TaskLocksOptions): boolean {
+function isExclusive(rules: TaskLocksOptions): boolean {
   if (rules.exclusive !== undefined) return rules.exclusive;
   const set = (name: string) => (rules as Record<string, unknown>)[name] !== undefined;
   return EXCLUSIVE_KEYS.some(set) || !UNIQUE_KEYS.some(set);
