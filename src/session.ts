@@ -76,6 +76,10 @@ export class LockSession implements HoldOwner {
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   private readonly handoff: Handoff;
+  /** Keys passed in memory whose jobs wait for the connection to answer a statement sent after the pass. */
+  private handOversToConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
+  /** Whether the statement confirming hand-overs is on its way. */
+  private confirming = false;
   /** Aborts when the current connection is lost (made on first use, one per connection). */
   private lossController: AbortController | undefined;
 
@@ -105,11 +109,11 @@ export class LockSession implements HoldOwner {
         passKey: (from, request) => {
           this.holds.delete(from.keyText);
           from.settle(RELEASED);
-          // The next job was woken from a line, so it is taken to have one behind it.
-          request.resolve({
-            acquired: true,
-            hold: this.grant(request, from.keyText, from.generation, true),
-          });
+          // The next job was woken from a line, so it is taken to have one behind it. Its hold counts from
+          // now, and it gets it once the connection is confirmed alive (confirmHandOvers).
+          const hold = this.grant(request, from.keyText, from.generation, true);
+          this.handOversToConfirm.push({ hold, request });
+          this.confirmHandOvers();
         },
       },
       options.idleWorkers,
@@ -288,6 +292,29 @@ export class LockSession implements HoldOwner {
       info,
       undefined,
     ).promise();
+  }
+
+  /**
+   * Gives the jobs that were passed a key in memory their holds once the connection answers a statement sent
+   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a
+   * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
+   * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
+   * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
+   * answered. A job whose check fails gets GWL_LOCK_SESSION_UNAVAILABLE (its hold is lost with the
+   * connection). Hand-overs that come while a check is on its way share the next one.
+   */
+  private confirmHandOvers(): void {
+    if (this.confirming || this.handOversToConfirm.length === 0) return;
+    const waiting = this.handOversToConfirm.splice(0);
+    this.confirming = true;
+    void this.connection.confirm("a hand-over's check").then((alive) => {
+      this.confirming = false;
+      for (const { hold, request } of waiting) {
+        if (alive && !hold.lost) request.resolve({ acquired: true, hold });
+        else request.reject(this.refusal ?? lockSessionUnavailable("the connection was lost"));
+      }
+      this.confirmHandOvers();
+    });
   }
 
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
@@ -500,6 +527,7 @@ export class LockSession implements HoldOwner {
     this.holds.clear();
     this.pending.clear();
     this.handoff.dropAll(unavailable);
+    for (const { request } of this.handOversToConfirm.splice(0)) request.reject(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     for (const hold of open) hold.markLost(reason);
