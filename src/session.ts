@@ -133,6 +133,10 @@ export class LockSession implements HoldOwner {
   private connectError: LocksError | null = null;
   /** Callers of `whenReady` waiting for the session, told when it becomes ready or closes. */
   private readonly readyWaiters = new Set<() => void>();
+  /** Keys passed in memory whose jobs wait for the session to answer a statement sent after the pass. */
+  private handOversToConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
+  /** Whether the statement confirming hand-overs is on its way. */
+  private confirming = false;
 
   constructor(private readonly options: LockSessionOptions) {
     this.handoff = new Handoff(
@@ -148,10 +152,9 @@ export class LockSession implements HoldOwner {
           this.holds.delete(from.keyText);
           from.settle(RELEASED);
           // The next job was woken from a line, so it is taken to have one behind it.
-          request.resolve({
-            acquired: true,
-            hold: this.grant(request, from.keyText, from.generation, true),
-          });
+          const hold = this.grant(request, from.keyText, from.generation, true);
+          this.handOversToConfirm.push({ hold, request });
+          this.confirmHandOvers();
         },
       },
       options.idleWorkers,
@@ -312,6 +315,52 @@ export class LockSession implements HoldOwner {
     if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
     this.unlockQueue.push(hold);
     this.scheduleFlush();
+  }
+
+  /**
+   * Gives the jobs that were passed a key in memory their holds once the session answers a statement sent
+   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a backend
+   * that ended while this process has not heard of it (a silent network, an error not yet read) has already
+   * freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for an answer
+   * gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL answered. A job
+   * whose check fails gets GWL_LOCK_SESSION_UNAVAILABLE (its hold is lost with the connection). Hand-overs
+   * that come while a check is on its way share the next one.
+   */
+  private confirmHandOvers(): void {
+    const client = this.client;
+    if (this.confirming || this.handOversToConfirm.length === 0) return;
+    const waiting = this.handOversToConfirm.splice(0);
+    const generation = this.generation;
+    const fail = (error: LocksError) => {
+      for (const { request } of waiting) request.reject(error);
+    };
+    if (this.state !== "ready" || !client) return fail(this.unavailable());
+    this.confirming = true;
+    this.side(
+      client.query<{ pid: number }>(this.options.sql.heartbeat).then(
+        ({ rows }) => {
+          this.confirming = false;
+          const alive =
+            generation === this.generation &&
+            this.state === "ready" &&
+            this.checkBackend(client, rows[0]?.pid, "a hand-over's check");
+          if (!alive) fail(this.refusal ?? lockSessionUnavailable("the connection was lost"));
+          else {
+            for (const { hold, request } of waiting) {
+              if (hold.lost) request.reject(lockSessionUnavailable("the connection was lost"));
+              else request.resolve({ acquired: true, hold });
+            }
+          }
+          this.confirmHandOvers();
+        },
+        (error: Error) => {
+          this.confirming = false;
+          fail(this.refusal ?? lockSessionUnavailable("the connection was lost", error));
+          this.handleLost(client, error);
+          this.confirmHandOvers();
+        },
+      ),
+    );
   }
 
   /**
@@ -620,6 +669,7 @@ export class LockSession implements HoldOwner {
     this.pending.clear();
     const unavailable = this.refusal ?? lockSessionUnavailable("the connection was lost", error);
     this.handoff.dropAll(unavailable);
+    for (const { request } of this.handOversToConfirm.splice(0)) request.reject(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const reason = lockLost(error);
@@ -816,6 +866,7 @@ export class LockSession implements HoldOwner {
     this.generation++;
     const unavailable = lockSessionUnavailable("the Locks instance was released");
     this.handoff.dropAll(unavailable);
+    for (const { request } of this.handOversToConfirm.splice(0)) request.reject(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     const open = [...this.holds.values()];
