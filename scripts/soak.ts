@@ -212,6 +212,8 @@ async function main(): Promise<number> {
     const slots: Slot[] = [];
     const poolNames = new Map<string, string>();
     const unexpectedExits: string[] = [];
+    /** Jobs whose end graphile-worker reported (job:complete), with the worker that ran them. */
+    const completions = new Map<string, { worker: string; attempts: number; failed: boolean }>();
     const liveWorkerIds = () => new Set(slots.flatMap((s) => (s.killing ? [] : s.workerIds)));
     const spawnWorker = async (index: number, incarnation: number): Promise<Slot> => {
       const name = incarnation === 0 ? `w${index + 1}` : `w${index + 1}.${incarnation}`;
@@ -245,6 +247,12 @@ async function main(): Promise<number> {
           poolNames.set(message.workerId, name);
         }
         if (message.type === "lost") slot.lost.push(message);
+        if (message.type === "completed")
+          completions.set(message.jobId, {
+            worker: name,
+            attempts: message.attempts,
+            failed: message.failed,
+          });
       });
       child.once("exit", (code, signal) => {
         children.delete(child);
@@ -446,6 +454,7 @@ async function main(): Promise<number> {
     log("  draining");
     const drainStart = Date.now();
     let hurried = 0;
+    const completionsLost: string[] = [];
     let remaining = -1;
     while (Date.now() - drainStart < 30_000) {
       try {
@@ -468,6 +477,37 @@ async function main(): Promise<number> {
         );
         const gone = stale.rows.map((r) => r.locked_by).filter((id) => !live.has(id));
         if (gone.length > 0) await unlock(gone);
+        // graphile-worker writes a job's success or failure after job:complete without waiting for it, and
+        // retries that statement only on a few error codes: one that meets the restart (57P01, a connection
+        // ended) is dropped (an unhandled rejection), and the job stays locked by a live worker until its
+        // lock expires, hours later. Such jobs (the worker reported their end, their row is still locked
+        // by it) are counted and unlocked here, as an operator would, so that they run again.
+        const orphans = await admin.query<{ id: string; locked_by: string; attempts: number }>(
+          `select id::text, locked_by, attempts from graphile_worker.jobs
+           where task_identifier like 'soak_%' and locked_at < now() - interval '5 seconds'`,
+        );
+        // (the same attempt: a job retried since has been fetched again, its attempts counted again)
+        const uncompleted = orphans.rows.filter((r) => {
+          const completion = completions.get(r.id);
+          return (
+            completion !== undefined &&
+            completion.worker === poolNames.get(r.locked_by) &&
+            completion.attempts === r.attempts
+          );
+        });
+        if (uncompleted.length > 0) {
+          await admin.query(
+            `update graphile_worker._private_jobs set locked_at = null, locked_by = null
+             where id = any($1::bigint[])`,
+            [uncompleted.map((r) => r.id)],
+          );
+          for (const r of uncompleted) {
+            const { worker, failed } = completions.get(r.id)!;
+            completionsLost.push(
+              `job ${r.id} on ${worker} (${failed ? "failed" : "succeeded"}): its end was never recorded`,
+            );
+          }
+        }
       } catch {
         // PostgreSQL unreachable for a moment: try again.
       }
@@ -539,7 +579,12 @@ async function main(): Promise<number> {
       elapsedS: Math.round((Date.now() - startedAt) / 100) / 10,
       enqueuer: enqueueResult,
       chaos: countBy(recorded.map((r) => r.kind)),
-      drain: { ms: drainMs, remainingAtEnd: remaining, failedJobsRescheduledToNow: hurried },
+      drain: {
+        ms: drainMs,
+        remainingAtEnd: remaining,
+        failedJobsRescheduledToNow: hurried,
+        completionsLostByGraphileWorker: completionsLost,
+      },
       ...analysis,
       leftovers,
       unexpectedWorkerExits: unexpectedExits,
