@@ -793,7 +793,7 @@ async function analyse(
         if (why === "ran to the end, then again") {
           const next = runs[i + 1]!;
           repeated.push(
-            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker} ${Number(next.start - run.end!) / 1000} ms after its end${describeChaos(recorded, run.end!)})`,
+            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker} ${Number(next.start - run.end!) / 1000} ms after its end; runs: ${runs.map((r) => `#${r.id} ${r.worker} ${Number(r.start - runs[0]!.start) / 1000}..${Number(r.end! - runs[0]!.start) / 1000} ms ${r.aborted ?? r.interrupted ?? "ended"}`).join(", ")}${describeChaos(recorded, run.end!)})`,
           );
         }
       }
