@@ -134,6 +134,8 @@ interface Recorded {
   target: string;
   /** Microseconds since the epoch, by the database's clock, taken just before the event. */
   us: bigint | null;
+  /** For a kill: when the process was seen gone (its jobs may write until then). */
+  untilUs?: bigint | null;
   detail?: string;
 }
 
@@ -346,12 +348,14 @@ async function main(): Promise<number> {
           slot.killing = true;
           const us = await dbNow();
           slot.child.kill("SIGKILL");
-          recorded.push({ kind: "kill", target: slot.name, us });
+          const killed: Recorded = { kind: "kill", target: slot.name, us };
+          recorded.push(killed);
           await new Promise((resolve) =>
             slot.child.exitCode !== null || slot.child.signalCode !== null
               ? resolve(null)
               : slot.child.once("exit", resolve),
           );
+          killed.untilUs = await dbNow();
           // graphile-worker would leave its jobs locked for 4 hours: unlock them as an operator would.
           await unlock(slot.workerIds);
           restarts.push(
@@ -679,7 +683,10 @@ async function analyse(
     interrupted: null,
   }));
 
-  // An execution without an end was cut short by its process's death or by the server's restart.
+  // An execution without an end was cut short by its process's death or by the server's restart. The
+  // restart is taken just before it begins (`us`) and lasts until the server answers again (`restartDone`):
+  // an execution that started in between wrote its start just before the server went down, and its end
+  // could not be written (its end is then its start).
   const unended: string[] = [];
   for (const e of executions) {
     if (e.end !== null) continue;
@@ -687,12 +694,12 @@ async function analyse(
       .filter(
         (r) =>
           r.us !== null &&
-          r.us >= e.start &&
-          ((r.kind === "kill" && r.target === e.worker) || r.kind === "restart"),
+          ((r.kind === "kill" && r.target === e.worker && r.us >= e.start) ||
+            (r.kind === "restart" && (context.restartDone ?? r.us) >= e.start)),
       )
       .sort((a, b) => (a.us! < b.us! ? -1 : 1))[0];
     if (cause) {
-      e.end = cause.us;
+      e.end = cause.us! > e.start ? cause.us : e.start;
       e.interrupted = cause.kind === "kill" ? "worker killed" : "PostgreSQL restart";
     } else {
       unended.push(`job ${e.jobId} on ${e.worker}`);
@@ -766,7 +773,8 @@ async function analyse(
     const hit = recorded.find(
       (r) =>
         r.us !== null &&
-        r.us >= from - 1000n &&
+        // (a kill takes effect between its `us` and its `untilUs`: a job may write its end in between)
+        (r.untilUs ?? r.us) >= from - 1000n &&
         r.us <= to &&
         (r.kind === "restart" ||
           r.kind === "partition" ||
