@@ -686,7 +686,8 @@ async function analyse(
   // An execution without an end was cut short by its process's death or by the server's restart. The
   // restart is taken just before it begins (`us`) and lasts until the server answers again (`restartDone`):
   // an execution that started in between wrote its start just before the server went down, and its end
-  // could not be written (its end is then its start).
+  // could not be written (its end is then its start). Likewise a kill lasts from its timestamp until the
+  // process was seen gone.
   const unended: string[] = [];
   for (const e of executions) {
     if (e.end !== null) continue;
@@ -694,7 +695,7 @@ async function analyse(
       .filter(
         (r) =>
           r.us !== null &&
-          ((r.kind === "kill" && r.target === e.worker && r.us >= e.start) ||
+          ((r.kind === "kill" && r.target === e.worker && (r.untilUs ?? r.us) >= e.start) ||
             (r.kind === "restart" && (context.restartDone ?? r.us) >= e.start)),
       )
       .sort((a, b) => (a.us! < b.us! ? -1 : 1))[0];
