@@ -667,8 +667,9 @@ async function analyse(
       e: string | null;
       aborted: string | null;
     }>(
+      // (ordered by the bigint column: the output column `id` is text, whose order puts 120 before 47)
       `select id::text, ref, job_id::text, task, lock_key, worker, ${us("started_at")} as s,
-         ${us("ended_at")} as e, aborted from ${SOAK_SCHEMA}.executions order by id`,
+         ${us("ended_at")} as e, aborted from ${SOAK_SCHEMA}.executions order by executions.id`,
     )
   ).rows.map((r) => ({
     id: Number(r.id),
