@@ -134,6 +134,8 @@ interface Recorded {
   target: string;
   /** Microseconds since the epoch, by the database's clock, taken just before the event. */
   us: bigint | null;
+  /** For a kill: when the process was seen gone (its jobs may write until then). */
+  untilUs?: bigint | null;
   detail?: string;
 }
 
@@ -212,6 +214,8 @@ async function main(): Promise<number> {
     const slots: Slot[] = [];
     const poolNames = new Map<string, string>();
     const unexpectedExits: string[] = [];
+    /** Jobs whose end graphile-worker reported (job:complete), with the worker that ran them. */
+    const completions = new Map<string, { worker: string; attempts: number; failed: boolean }>();
     const liveWorkerIds = () => new Set(slots.flatMap((s) => (s.killing ? [] : s.workerIds)));
     const spawnWorker = async (index: number, incarnation: number): Promise<Slot> => {
       const name = incarnation === 0 ? `w${index + 1}` : `w${index + 1}.${incarnation}`;
@@ -245,6 +249,12 @@ async function main(): Promise<number> {
           poolNames.set(message.workerId, name);
         }
         if (message.type === "lost") slot.lost.push(message);
+        if (message.type === "completed")
+          completions.set(message.jobId, {
+            worker: name,
+            attempts: message.attempts,
+            failed: message.failed,
+          });
       });
       child.once("exit", (code, signal) => {
         children.delete(child);
@@ -338,12 +348,14 @@ async function main(): Promise<number> {
           slot.killing = true;
           const us = await dbNow();
           slot.child.kill("SIGKILL");
-          recorded.push({ kind: "kill", target: slot.name, us });
+          const killed: Recorded = { kind: "kill", target: slot.name, us };
+          recorded.push(killed);
           await new Promise((resolve) =>
             slot.child.exitCode !== null || slot.child.signalCode !== null
               ? resolve(null)
               : slot.child.once("exit", resolve),
           );
+          killed.untilUs = await dbNow();
           // graphile-worker would leave its jobs locked for 4 hours: unlock them as an operator would.
           await unlock(slot.workerIds);
           restarts.push(
@@ -446,6 +458,7 @@ async function main(): Promise<number> {
     log("  draining");
     const drainStart = Date.now();
     let hurried = 0;
+    const completionsLost: string[] = [];
     let remaining = -1;
     while (Date.now() - drainStart < 30_000) {
       try {
@@ -468,6 +481,37 @@ async function main(): Promise<number> {
         );
         const gone = stale.rows.map((r) => r.locked_by).filter((id) => !live.has(id));
         if (gone.length > 0) await unlock(gone);
+        // graphile-worker writes a job's success or failure after job:complete without waiting for it, and
+        // retries that statement only on a few error codes: one that meets the restart (57P01, a connection
+        // ended) is dropped (an unhandled rejection), and the job stays locked by a live worker until its
+        // lock expires, hours later. Such jobs (the worker reported their end, their row is still locked
+        // by it) are counted and unlocked here, as an operator would, so that they run again.
+        const orphans = await admin.query<{ id: string; locked_by: string; attempts: number }>(
+          `select id::text, locked_by, attempts from graphile_worker.jobs
+           where task_identifier like 'soak_%' and locked_at < now() - interval '5 seconds'`,
+        );
+        // (the same attempt: a job retried since has been fetched again, its attempts counted again)
+        const uncompleted = orphans.rows.filter((r) => {
+          const completion = completions.get(r.id);
+          return (
+            completion !== undefined &&
+            completion.worker === poolNames.get(r.locked_by) &&
+            completion.attempts === r.attempts
+          );
+        });
+        if (uncompleted.length > 0) {
+          await admin.query(
+            `update graphile_worker._private_jobs set locked_at = null, locked_by = null
+             where id = any($1::bigint[])`,
+            [uncompleted.map((r) => r.id)],
+          );
+          for (const r of uncompleted) {
+            const { worker, failed } = completions.get(r.id)!;
+            completionsLost.push(
+              `job ${r.id} on ${worker} (${failed ? "failed" : "succeeded"}): its end was never recorded`,
+            );
+          }
+        }
       } catch {
         // PostgreSQL unreachable for a moment: try again.
       }
@@ -539,7 +583,12 @@ async function main(): Promise<number> {
       elapsedS: Math.round((Date.now() - startedAt) / 100) / 10,
       enqueuer: enqueueResult,
       chaos: countBy(recorded.map((r) => r.kind)),
-      drain: { ms: drainMs, remainingAtEnd: remaining, failedJobsRescheduledToNow: hurried },
+      drain: {
+        ms: drainMs,
+        remainingAtEnd: remaining,
+        failedJobsRescheduledToNow: hurried,
+        completionsLostByGraphileWorker: completionsLost,
+      },
       ...analysis,
       leftovers,
       unexpectedWorkerExits: unexpectedExits,
@@ -618,8 +667,9 @@ async function analyse(
       e: string | null;
       aborted: string | null;
     }>(
+      // (ordered by the bigint column: the output column `id` is text, whose order puts 120 before 47)
       `select id::text, ref, job_id::text, task, lock_key, worker, ${us("started_at")} as s,
-         ${us("ended_at")} as e, aborted from ${SOAK_SCHEMA}.executions order by id`,
+         ${us("ended_at")} as e, aborted from ${SOAK_SCHEMA}.executions order by executions.id`,
     )
   ).rows.map((r) => ({
     id: Number(r.id),
@@ -634,7 +684,11 @@ async function analyse(
     interrupted: null,
   }));
 
-  // An execution without an end was cut short by its process's death or by the server's restart.
+  // An execution without an end was cut short by its process's death or by the server's restart. The
+  // restart is taken just before it begins (`us`) and lasts until the server answers again (`restartDone`):
+  // an execution that started in between wrote its start just before the server went down, and its end
+  // could not be written (its end is then its start). Likewise a kill lasts from its timestamp until the
+  // process was seen gone.
   const unended: string[] = [];
   for (const e of executions) {
     if (e.end !== null) continue;
@@ -642,12 +696,12 @@ async function analyse(
       .filter(
         (r) =>
           r.us !== null &&
-          r.us >= e.start &&
-          ((r.kind === "kill" && r.target === e.worker) || r.kind === "restart"),
+          ((r.kind === "kill" && r.target === e.worker && (r.untilUs ?? r.us) >= e.start) ||
+            (r.kind === "restart" && (context.restartDone ?? r.us) >= e.start)),
       )
       .sort((a, b) => (a.us! < b.us! ? -1 : 1))[0];
     if (cause) {
-      e.end = cause.us;
+      e.end = cause.us! > e.start ? cause.us : e.start;
       e.interrupted = cause.kind === "kill" ? "worker killed" : "PostgreSQL restart";
     } else {
       unended.push(`job ${e.jobId} on ${e.worker}`);
@@ -721,7 +775,8 @@ async function analyse(
     const hit = recorded.find(
       (r) =>
         r.us !== null &&
-        r.us >= from - 1000n &&
+        // (a kill takes effect between its `us` and its `untilUs`: a job may write its end in between)
+        (r.untilUs ?? r.us) >= from - 1000n &&
         r.us <= to &&
         (r.kind === "restart" ||
           r.kind === "partition" ||
@@ -748,7 +803,7 @@ async function analyse(
         if (why === "ran to the end, then again") {
           const next = runs[i + 1]!;
           repeated.push(
-            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker} ${Number(next.start - run.end!) / 1000} ms after its end${describeChaos(recorded, run.end!)})`,
+            `${enqueue.ref} (job ${run.jobId} on ${run.worker}, then job ${next.jobId} on ${next.worker} ${Number(next.start - run.end!) / 1000} ms after its end; runs: ${runs.map((r) => `#${r.id} ${r.worker} ${Number(r.start - runs[0]!.start) / 1000}..${Number(r.end! - runs[0]!.start) / 1000} ms ${r.aborted ?? r.interrupted ?? "ended"}`).join(", ")}${describeChaos(recorded, run.end!)})`,
           );
         }
       }

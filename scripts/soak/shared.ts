@@ -19,6 +19,7 @@ export type SoakMessage =
   | { type: "workerId"; workerId: string }
   | { type: "lost"; at: number; holds: number; code: string | null }
   | { type: "connected"; at: number }
+  | { type: "completed"; jobId: string; attempts: number; failed: boolean }
   | { type: "stopped" };
 
 /** A pool whose errors (a server-side disconnection of an idle or a busy client) are ignored, never thrown. */

@@ -159,6 +159,16 @@ const events: WorkerEvents = new EventEmitter();
 // graphile-worker 0.18 locks jobs in the pool's name (`locked_by`), not the worker's: the soak process
 // needs it to unlock this process's jobs after killing it.
 events.on("pool:create", ({ workerPool }) => send({ type: "workerId", workerId: workerPool.id }));
+// graphile-worker records a job's outcome after job:complete, without waiting for it: the soak process checks
+// that every job it was told of here left the queue.
+events.on("job:complete", ({ job, error }) =>
+  send({
+    type: "completed",
+    jobId: job.id,
+    attempts: job.attempts,
+    failed: error !== undefined && error !== null,
+  }),
+);
 events.on("job:error", ({ job, error }) =>
   record(
     `insert into ${SOAK_SCHEMA}.job_errors (job_id, ref, worker, code, message) values ($1, $2, $3, $4, $5)`,
