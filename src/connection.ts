@@ -69,9 +69,42 @@ export interface LockConnectionOptions {
 const SWEEP_WAITERS_INTERVAL_MS = 60_000;
 
 /** The backend's pid, as PostgreSQL itself reports it. */
-async function backendPid(client: pg.Client): Promise<number> {
+export async function backendPid(client: pg.Client): Promise<number> {
   const { rows } = await client.query<{ pid: number }>("select pg_catalog.pg_backend_pid() as pid");
   return rows[0]!.pid;
+}
+
+/**
+ * Whether `client`, on backend `pid`, reaches PostgreSQL through a pooler that pools by transaction.
+ * PostgreSQL's BackendKeyData names the backend and a proxy sends its own (PgBouncer: a random key), so a
+ * direct connection is recognised without a probe. Behind a proxy, a second client (`config`) opens a
+ * transaction, which pins a backend (a pooler hands out the backend released last first: this client's),
+ * and this client asks for its backend again. A session pool gives each client its own backend throughout;
+ * a transaction pool shows this client's backend to the other client, or another backend to this one.
+ * Returns what was seen when it pools by transaction, else null; throws when the probe cannot run. The
+ * lock session and the CLI's `check` share it.
+ */
+export async function probeTransactionPooling(
+  client: pg.Client,
+  pid: number,
+  config: ClientConfig,
+): Promise<string | null> {
+  if (pid === (client as unknown as { processID?: number }).processID) return null;
+  const other = new pg.Client(config);
+  other.on("error", () => undefined);
+  try {
+    await other.connect();
+    await other.query("begin");
+    const otherPid = await backendPid(other);
+    const again = await backendPid(client);
+    await other.query("rollback");
+    if (otherPid === pid)
+      return `a second client through it was given the session's backend (pid ${pid})`;
+    if (again !== pid) return `the session's statements reached backends ${pid} and ${again}`;
+    return null;
+  } finally {
+    await other.end().catch(() => undefined);
+  }
 }
 
 /** Where a client connects to, for error messages: host and port, or the socket directory. */
@@ -196,9 +229,7 @@ export class LockConnection {
       connected = true;
       await this.options.prepare();
       const pid = await backendPid(client);
-      // PostgreSQL's BackendKeyData names the backend; a proxy sends its own (PgBouncer: a random key).
-      if (pid !== (client as unknown as { processID?: number }).processID)
-        pooled = await this.probePooler(client, pid);
+      pooled = await this.probePooler(client, pid);
       // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
       // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
       // parked job's safety net. So its hand-offs do not pay a disk flush.
@@ -249,34 +280,16 @@ export class LockConnection {
     this.tellReadyWaiters();
   }
 
-  /**
-   * Behind a proxy, whether it pools by transaction. A second client through it opens a transaction, which
-   * pins a backend (a pooler hands out the backend released last first: this session's), and this session
-   * asks for its backend again. A session pool gives each client its own backend throughout; a transaction
-   * pool shows this session's backend to the other client, or another backend to this session. Returns what
-   * was seen when it pools by transaction, else null.
-   */
+  /** {@link probeTransactionPooling}; a probe that cannot run is a warning (each lock statement checks its backend). */
   private async probePooler(client: pg.Client, pid: number): Promise<string | null> {
-    const other = new pg.Client(this.options.client);
-    other.on("error", () => undefined);
     try {
-      await other.connect();
-      await other.query("begin");
-      const otherPid = await backendPid(other);
-      const again = await backendPid(client);
-      await other.query("rollback");
-      if (otherPid === pid)
-        return `a second client through it was given the session's backend (pid ${pid})`;
-      if (again !== pid) return `the session's statements reached backends ${pid} and ${again}`;
-      return null;
+      return await probeTransactionPooling(client, pid, this.options.client);
     } catch (error) {
       this.options.onWarning(
         "Could not probe the proxy in front of the lock session for transaction pooling; every lock statement still checks its backend",
         error,
       );
       return null;
-    } finally {
-      await other.end().catch(() => undefined);
     }
   }
 

@@ -2,7 +2,7 @@
  * The operator CLI, run as published: the `bin` of the built package, in a child process, against an
  * empty database and against this file's database with a held key and a parked job.
  */
-import { execFile } from "node:child_process";
+import { execFile, spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { readFile, writeFile } from "node:fs/promises";
 import { promisify } from "node:util";
@@ -15,6 +15,10 @@ import { makeLocks } from "../src/index.js";
 import { withAdmin } from "./support/admin.js";
 import { buildPackage, type BuiltPackage } from "./support/build.js";
 import { useTestDatabase } from "./support/db.js";
+import { pgbouncerMissing, startPgBouncer } from "./support/pgbouncer.js";
+
+const pgbouncer = pgbouncerMissing();
+if (pgbouncer) console.warn(pgbouncer);
 
 const db = useTestDatabase();
 let built: BuiltPackage;
@@ -211,4 +215,87 @@ describe("graphile-worker-locks CLI on a database in use", () => {
       await locks.release();
     }
   }, 90_000);
+});
+
+describe.skipIf(pgbouncer !== null)("graphile-worker-locks check through PgBouncer", () => {
+  it("a transaction-mode pooler fails the lock session check with its fix; session mode and direct pass", async () => {
+    const transaction = await startPgBouncer(db.url, { poolMode: "transaction" });
+    const session = await startPgBouncer(db.url, { poolMode: "session" });
+    try {
+      const pooled = await cli(["check", "--connection", transaction.via(db.url)]);
+      expect(pooled.code, pooled.stdout + pooled.stderr).toBe(1);
+      expect(pooled.stdout).toMatch(
+        /FAIL lock session connection: the lock session's connection goes through a transaction-mode pooler \(.+\): session advisory locks would not hold/,
+      );
+      expect(pooled.stdout).toMatch(/ {5}fix: set `lockConnectionString`/);
+
+      // A pool for the jobs behind the transaction-mode pooler, the lock session direct: the check passes.
+      const configPath = `${built.dir}pooled.config.mjs`;
+      await writeFile(
+        configPath,
+        `export default { worker: { connectionString: ${JSON.stringify(transaction.via(db.url))}, locks: { lockConnectionString: ${JSON.stringify(db.url)} } } };\n`,
+      );
+      const split = await cli(["check", "-C", configPath, "--json"]);
+      const splitFindings = JSON.parse(split.stdout) as Array<{ check: string; ok: boolean }>;
+      expect(splitFindings.find((f) => f.check === "lock session connection")).toMatchObject({
+        ok: true,
+      });
+
+      for (const url of [session.via(db.url), db.url]) {
+        const result = await cli(["check", "--connection", url, "--json"]);
+        const findings = JSON.parse(result.stdout) as Array<{
+          check: string;
+          ok: boolean;
+          detail: string;
+        }>;
+        expect(
+          findings.find((f) => f.check === "lock session connection"),
+          url,
+        ).toMatchObject({ ok: true });
+        expect(result.code, result.stdout).toBe(0);
+      }
+    } finally {
+      await transaction.stop();
+      await session.stop();
+    }
+  }, 60_000);
+});
+
+describe("graphile-worker-locks status --watch", () => {
+  it("refreshes: two frames in about 3 seconds, until it is killed", async () => {
+    const child = spawn(process.execPath, [bin, "status", "--watch", "-c", db.url], {
+      env: { ...process.env, DATABASE_URL: "" },
+      stdio: ["ignore", "pipe", "pipe"],
+    });
+    let stdout = "";
+    let stderr = "";
+    child.stdout.on("data", (chunk: Buffer) => (stdout += chunk.toString()));
+    child.stderr.on("data", (chunk: Buffer) => (stderr += chunk.toString()));
+    const exited = new Promise<NodeJS.Signals | number | null>((resolve) =>
+      child.once("exit", (code, signal) => resolve(signal ?? code)),
+    );
+    const frames = () => stdout.split("\x1b[H\x1b[2J").slice(1);
+    try {
+      const deadline = Date.now() + 20_000;
+      while (frames().length < 2 && child.exitCode === null && Date.now() < deadline) {
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+      // still running: --watch does not stop after a frame
+      expect(child.exitCode, stderr).toBeNull();
+    } finally {
+      child.kill("SIGTERM");
+    }
+    expect(await exited).toBe("SIGTERM");
+    expect(stderr).toBe("");
+    const shown = frames();
+    expect(shown.length).toBeGreaterThanOrEqual(2);
+    const times = shown.map((frame) => {
+      expect(frame).toMatch(
+        /^\d{4}-\d\d-\d\dT[\d:.]+Z\nHeld locks \(\d+\):[\s\S]*Lock sessions connected/,
+      );
+      return Date.parse(frame.slice(0, 24));
+    });
+    // each frame is a new reading, taken after the 2-second pause
+    expect(times[1]! - times[0]!).toBeGreaterThanOrEqual(2000);
+  }, 60_000);
 });

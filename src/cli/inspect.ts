@@ -5,6 +5,7 @@
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
+import { backendPid, probeTransactionPooling } from "../connection.js";
 import { readHeldLocks } from "../held.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
 
@@ -19,12 +20,16 @@ export interface Target {
   workerSchema: string;
 }
 
-export function readOnlyClient(connectionString: string): pg.Client {
-  return new pg.Client({
+function readOnlyConfig(connectionString: string): pg.ClientConfig {
+  return {
     connectionString,
     application_name: "graphile-worker-locks-cli",
     options: "-c default_transaction_read_only=on",
-  });
+  };
+}
+
+export function readOnlyClient(connectionString: string): pg.Client {
+  return new pg.Client(readOnlyConfig(connectionString));
 }
 
 /** The schema level of a `migrations` table, or null when it does not exist. */
@@ -239,36 +244,36 @@ export async function runChecks(target: Target, options: CheckOptions): Promise<
     await client.end();
   }
 
-  // the lock session's connection: a transaction-mode pooler hands each transaction its own backend
+  // the lock session's connection: a transaction-mode pooler hands each transaction its own backend, so
+  // the session's advisory locks would stay on backends other clients use. The same probe as the lock
+  // session's at connect, then the backend again after a transaction of its own.
   const lockUrl = target.lockConnectionString ?? target.connectionString;
   const lock = readOnlyClient(lockUrl);
   await lock.connect();
   try {
-    const pids: number[] = [];
-    for (let i = 0; i < 2; i++) {
+    const pid = await backendPid(lock);
+    let pooled = await probeTransactionPooling(lock, pid, readOnlyConfig(lockUrl));
+    if (pooled === null) {
       await lock.query("begin");
-      const { rows } = await lock.query<{ pid: number }>("select pg_backend_pid() as pid");
+      const after = await backendPid(lock);
       await lock.query("commit");
-      pids.push(rows[0]!.pid);
+      if (after !== pid) pooled = `its transactions reached backends ${pid} and ${after}`;
     }
-    const marker = `gwl-check-${process.pid}`;
-    await lock.query(`set application_name = '${marker}'`);
-    const { rows } = await lock.query<{ name: string }>(
-      "select current_setting('application_name') as name",
-    );
-    const sticky = rows[0]!.name === marker;
     findings.push(
-      pids[0] !== pids[1] || !sticky
+      pooled !== null
         ? {
             ok: false,
             check: "lock session connection",
-            detail: `the lock session's connection goes through a transaction-mode pooler (${pids[0] !== pids[1] ? `two transactions ran on backends ${pids[0]} and ${pids[1]}` : "a SET did not stick"}): session advisory locks would not hold`,
-            fix: "set `lockConnectionString` (worker.locks.lockConnectionString) to a direct connection to PostgreSQL",
+            detail: `the lock session's connection goes through a transaction-mode pooler (${pooled}): session advisory locks would not hold`,
+            fix: "set `lockConnectionString` (worker.locks.lockConnectionString) to a direct connection to PostgreSQL, or to a pooler in session mode",
           }
         : {
             ok: true,
             check: "lock session connection",
-            detail: `direct (backend ${pids[0]} kept its session)`,
+            detail:
+              pid === (lock as unknown as { processID?: number }).processID
+                ? `direct (backend ${pid})`
+                : `through a proxy that keeps one backend per session (backend ${pid})`,
           },
     );
   } finally {

@@ -57,6 +57,8 @@ const preset = {
     connectionString: process.env.DATABASE_URL,
     taskDirectory: ${JSON.stringify(`${dir}tasks`)},
     crontabFile: ${JSON.stringify(`${dir}crontab`)},
+    // graphile-worker 0.17.3 loads only .js, .cjs and .mjs task files unless told (0.18 adds .ts, .mts)
+    fileExtensions: [".js", ".cjs", ".mjs", ".ts"],
     ${files.worker}
   },
 };
