@@ -412,7 +412,8 @@ export class LockConnection {
     if (this.state !== "ready" || !client) return false;
     const generation = this.generation;
     const query = client.query<{ pid: number }>(this.options.sql.heartbeat);
-    this.side(query);
+    // (counted and awaited by close() as a side statement; its failure is handled below)
+    this.side(query.catch(() => undefined));
     try {
       const { rows } = await query;
       return (
