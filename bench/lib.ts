@@ -247,8 +247,8 @@ export interface MachineInfo {
   postgres: string;
   postgresServer: "embedded" | "DATABASE_URL";
   graphileWorker: string;
-  /** Which build of the library was measured: dist/ (the default), or src/ through tsx (BENCH_LIB=src). */
-  library: "src" | "dist";
+  /** Which build of the library was measured: dist/ (the default), or src/ through tsx (BENCH_LIB=src), or another build (BENCH_LIB=<directory>). */
+  library: string;
   /** The commit measured, and whether src/ differed from it (uncommitted changes). */
   commit: string;
   srcDirty: boolean;
@@ -316,7 +316,7 @@ function graphileWorkerVersion(): string {
 export function describeMachine(m: MachineInfo): string {
   return (
     `${m.cpuModel}, ${m.cores} cores; Node ${m.node}; PostgreSQL ${m.postgres} (${m.postgresServer}); ` +
-    `graphile-worker ${m.graphileWorker}; library from ${m.library === "src" ? "src/ via tsx" : "dist/"}` +
+    `graphile-worker ${m.graphileWorker}; library from ${m.library === "src" ? "src/ via tsx" : `${m.library}/`}` +
     `${m.srcDirty ? " (uncommitted changes in src/)" : ""}; load average ${m.loadAverage1m} at start`
   );
 }

@@ -7,7 +7,11 @@
 import { existsSync, readdirSync, statSync } from "node:fs";
 import type * as Library from "../src/index.js";
 
-export const libraryBuild: "src" | "dist" = process.env.BENCH_LIB === "src" ? "src" : "dist";
+/**
+ * `dist` (default), `src`, or the directory (relative to the repository) of another build, e.g. an earlier
+ * commit's built with `npx tsc -p tsconfig.build.json --outDir dist-base`, for a before/after comparison.
+ */
+export const libraryBuild: string = process.env.BENCH_LIB || "dist";
 
 /** The newest modification time of the files under `dir` (0 if it does not exist). */
 function newestMtime(dir: URL): number {
@@ -41,3 +45,6 @@ async function load<T>(module: string): Promise<T> {
 }
 
 export const library = await load<typeof Library>("index");
+
+/** The lock session's module, for its timing probe (`setSessionProbe`), from the same build. */
+export const sessionModule = await load<typeof import("../src/session.js")>("session");

@@ -29,8 +29,9 @@ import { throughput } from "./throughput.js";
 import { contention } from "./contention.js";
 import { enqueue } from "./enqueue.js";
 import { peers } from "./peers.js";
+import { latency } from "./latency.js";
 
-const SECTIONS: Section[] = [throughput, contention, enqueue, peers];
+const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency];
 
 const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");
 const log = (message: string): void => {
@@ -48,7 +49,10 @@ async function main(): Promise<void> {
   const sections = wanted.length > 0 ? SECTIONS.filter((s) => wanted.includes(s.id)) : SECTIONS;
   // Only a full run replaces results.json (the figures the README quotes); a part of one goes beside it.
   const partial =
-    quick || sections.length < SECTIONS.length || process.env.BENCH_CONTENTION !== undefined;
+    quick ||
+    sections.length < SECTIONS.length ||
+    process.env.BENCH_CONTENTION !== undefined ||
+    process.env.BENCH_LATENCY !== undefined;
   const summaryFile = new URL(
     partial ? "./results.partial.json" : "./results.json",
     import.meta.url,

@@ -50,6 +50,23 @@ import { BatchOp, type Sql } from "./sql.js";
 
 export type { SessionState } from "./connection.js";
 
+/**
+ * Timings of the lock session's requests, for the benchmark (`performance.now()` values): when a request
+ * was queued, when its statement was sent, when the answer arrived. Off unless `setSessionProbe` set one;
+ * then each request costs a map entry and a few clock reads.
+ */
+export interface SessionProbe {
+  lock(queuedAt: number, sentAt: number, answeredAt: number): void;
+  unlock(queuedAt: number, sentAt: number, answeredAt: number): void;
+}
+
+let probe: SessionProbe | null = null;
+
+/** Sets (or, with null, removes) the probe of every lock session of this process. Not part of the API. */
+export function setSessionProbe(next: SessionProbe | null): void {
+  probe = next;
+}
+
 export interface LockSessionOptions extends LockConnectionOptions {
   sql: Sql;
   /** Idle workers of this process's attached runners, which fetch a job woken early here. */
@@ -71,6 +88,8 @@ export class LockSession implements HoldOwner {
   private inFlight: Promise<void> | null = null;
   /** When the lock statement in flight was sent (`performance.now()`). */
   private inFlightSince = 0;
+  /** When each request was queued, while a probe is set (see `setSessionProbe`). */
+  private readonly queuedAt = new WeakMap<object, number>();
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
   /** Acquisitions in this process waiting for a key this process is releasing. */
@@ -325,6 +344,7 @@ export class LockSession implements HoldOwner {
     receiver: AcquireReceiver | undefined,
   ): Acquisition {
     const acquisition = new Acquisition(free, keys as bigint[], info, receiver);
+    if (probe) this.queuedAt.set(acquisition, performance.now());
     this.lockQueue.push(acquisition);
     this.scheduleFlush();
     for (const k of free) this.pending.set(k, acquisition);
@@ -342,6 +362,7 @@ export class LockSession implements HoldOwner {
       return;
     }
     if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
+    if (probe) this.queuedAt.set(hold, performance.now());
     this.unlockQueue.push(hold);
     this.scheduleFlush();
   }
@@ -409,7 +430,8 @@ export class LockSession implements HoldOwner {
     }
 
     this.statements++;
-    this.inFlightSince = performance.now();
+    const sentAt = performance.now();
+    this.inFlightSince = sentAt;
     this.inFlight = client
       .query<BatchRow>(batchQuery(this.options.sql, batch))
       .then(
@@ -421,6 +443,7 @@ export class LockSession implements HoldOwner {
             for (const hold of unlocks) hold.settle(LOST);
             return;
           }
+          if (probe) this.probeAnswer(probe, sentAt, locks, unlocks);
           const answer = decodeBatch(rows);
           if (!this.checkBackend(client, answer.backendPid, "a lock statement")) {
             // What it took is on another backend, out of reach: none of it is granted.
@@ -467,6 +490,17 @@ export class LockSession implements HoldOwner {
         this.inFlight = null;
         this.flush();
       });
+  }
+
+  private probeAnswer(
+    to: SessionProbe,
+    sentAt: number,
+    locks: LockRequest[],
+    unlocks: HoldImpl[],
+  ): void {
+    const answeredAt = performance.now();
+    for (const r of locks) to.lock(this.queuedAt.get(r) ?? sentAt, sentAt, answeredAt);
+    for (const h of unlocks) to.unlock(this.queuedAt.get(h) ?? sentAt, sentAt, answeredAt);
   }
 
   /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
