@@ -316,6 +316,19 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
         ),
       );
       for (const locks of instances) await locks.connect();
+      // The sessions of an earlier test's pooler may still be ending, and with them the keys they held:
+      // jobs that met such a key would all be dropped, and the test would show no execution.
+      await waitFor(
+        async () =>
+          (
+            await db.pool().query<{ n: number }>(
+              `select count(*)::int as n from pg_catalog.pg_locks l
+                 where l.locktype = 'advisory' and l.database =
+                   (select oid from pg_catalog.pg_database where datname = current_database())`,
+            )
+          ).rows[0]!.n === 0,
+        { message: "no advisory lock left by an earlier test" },
+      );
       const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
       await enqueueExec(instances[0]!, 80, 4);
       await Promise.all(
