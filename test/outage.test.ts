@@ -3,46 +3,19 @@
  * deferred) leaves no row behind, whatever dies when. Real PostgreSQL, real runners, a TCP proxy in front of
  * the lock session that can be cut, and a worker in a separate process that is killed.
  */
-import { makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
 import net from "node:net";
-import pg from "pg";
-import { afterAll, afterEach, beforeAll, describe, expect, inject, it } from "vitest";
-import { InvalidArgumentError, lockKey, makeLocks, type Locks } from "../src/index.js";
+import { describe, expect, inject, it } from "vitest";
+import { InvalidArgumentError, lockKey, makeLocks } from "../src/index.js";
 import { withAdmin } from "./support/admin.js";
-import { useTestDatabase, waitFor } from "./support/db.js";
+import { waitFor } from "./support/db.js";
+import { useExclusiveHarness } from "./support/exclusive.js";
 import { readExecutions } from "./support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
-import { nextEvent, quietLogger, startRunner, Timeline } from "./support/runner.js";
+import { nextEvent, Timeline } from "./support/runner.js";
 
-const db = useTestDatabase();
-let utils: WorkerUtils;
-const cleanups: Array<() => Promise<unknown>> = [];
+const h = useExclusiveHarness("truncate test_executions, test_events");
+const { db, cleanups, newLocks, runner, holdExternally } = h;
 
-beforeAll(async () => {
-  utils = await makeWorkerUtils({ connectionString: db.url });
-});
-afterEach(async () => {
-  for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
-  await db
-    .pool()
-    .query(
-      "delete from graphile_worker._private_jobs; delete from graphile_worker_locks.waiters; truncate test_executions, test_events",
-    );
-});
-afterAll(async () => {
-  await utils?.release();
-});
-
-function newLocks(options: Partial<Parameters<typeof makeLocks>[0]> = {}): Locks {
-  const locks = makeLocks({ connectionString: db.url, logger: quietLogger, ...options });
-  cleanups.push(() => locks.release());
-  return locks;
-}
-async function runner(options: Parameters<typeof startRunner>[0]): Promise<Runner> {
-  const r = await startRunner(options);
-  cleanups.push(() => r.stop());
-  return r;
-}
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /**
@@ -95,21 +68,6 @@ async function jobCount(): Promise<number> {
     .pool()
     .query<{ n: number }>("select count(*)::int as n from graphile_worker._private_jobs");
   return rows[0]!.n;
-}
-
-/** Holds an advisory key on a connection of its own, as another process would. */
-async function holdExternally(key: bigint): Promise<{ release(): Promise<void> }> {
-  const client = new pg.Client({ connectionString: db.url });
-  await client.connect();
-  await client.query("select pg_advisory_lock($1)", [key.toString()]);
-  let done = false;
-  const release = async () => {
-    if (done) return;
-    done = true;
-    await client.end();
-  };
-  cleanups.push(release);
-  return { release };
 }
 
 /**
@@ -178,7 +136,7 @@ describe("an outage of the lock session", () => {
         const strategy = strategies[id % 3]!;
         const k = strategy === "reschedule" ? `r${id % 4}` : `${strategy}${id}`;
         specs.push(
-          utils.addJob(`outage_${strategy}`, { id, k }, id % 3 === 0 ? { maxAttempts: 1 } : {}),
+          h.utils.addJob(`outage_${strategy}`, { id, k }, id % 3 === 0 ? { maxAttempts: 1 } : {}),
         );
       }
       await Promise.all(specs);
@@ -247,7 +205,7 @@ describe("an outage of the lock session", () => {
     });
     await locks.connect();
     const count = 200;
-    await utils.addJobs(
+    await h.utils.addJobs(
       [...Array(count).keys()].map((id) => ({
         identifier: "restart",
         payload: { id },
@@ -388,7 +346,7 @@ describe("a parked job leaves no row behind", () => {
       concurrency: 1,
     });
     workers.push(first);
-    const job = await utils.addJob("exec", { k: "a" });
+    const job = await h.utils.addJob("exec", { k: "a" });
     await waitFor(async () => (await jobCount()) === 2, { message: "the park to commit" });
     first.child.kill("SIGKILL");
     await first.exited;

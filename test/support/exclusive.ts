@@ -10,7 +10,8 @@ import { makeLocks, type Locks } from "../../src/index.js";
 import { useTestDatabase } from "./db.js";
 import { quietLogger, startRunner } from "./runner.js";
 
-export function useExclusiveHarness() {
+/** `clear`: more SQL run after each test, once its cleanups ran (e.g. truncating recorded executions). */
+export function useExclusiveHarness(clear = "") {
   const db = useTestDatabase();
   const cleanups: Array<() => Promise<unknown>> = [];
   const h = {
@@ -112,7 +113,7 @@ export function useExclusiveHarness() {
     await db
       .pool()
       .query(
-        "delete from graphile_worker._private_jobs; delete from graphile_worker_locks.waiters",
+        `delete from graphile_worker._private_jobs; delete from graphile_worker_locks.waiters; ${clear}`,
       );
   });
   afterAll(async () => {
