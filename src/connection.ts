@@ -125,6 +125,8 @@ export class LockConnection {
   client: pg.Client | null = null;
   /** Changes whenever a connection is lost or closed. */
   generation = 0;
+  /** Aborts when the current connection is lost (made on first use, one per connection). */
+  private lossController: AbortController | undefined;
   /** Why the connection is `refused`. */
   refusal: LocksError | null = null;
   /** Set when the holds changed since the holder registry was last written. */
@@ -440,6 +442,19 @@ export class LockConnection {
    * The connection of this generation failed: it is dropped, and the host told. It reconnects, unless it
    * was refused (`refusal`, set before the call). A call about a client already gone does nothing.
    */
+  /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
+  lossSignal(): AbortSignal {
+    this.lossController ??= new AbortController();
+    return this.lossController.signal;
+  }
+
+  /** Aborts the loss signal of the connection that is gone (the session calls it once its holds are lost). */
+  abortLossSignal(reason: Error): void {
+    const controller = this.lossController;
+    this.lossController = undefined;
+    controller?.abort(reason);
+  }
+
   lost(client: pg.Client | null, error: Error): void {
     if (client !== this.client || this.state !== "ready") return;
     this.generation++;

@@ -8,7 +8,8 @@
  *   which key held here. When idle workers of this process's attached runners can fetch the woken jobs,
  *   they are nudged instead of every worker being notified (`IdleWorkers`).
  * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
- *   `handovers`; the hold's release passes it the key without an unlock (`handOver`).
+ *   `handovers`; the hold's release passes it the key without an unlock (`handOver`), and the job gets it
+ *   once the connection has answered a statement sent after the pass (`confirmHandOvers`).
  * - Across sessions: a job woken early that finds its key held by another session waits in
  *   `awaitingRelease` for the release's notification (`onReleaseNotice`) or its time limit, then tries
  *   again, its key still pending meanwhile.
@@ -40,8 +41,12 @@ export interface HandoffHost {
   retryLock(request: LockRequest): void;
   /** Makes sure a lock statement goes out soon. */
   scheduleFlush(): void;
-  /** Gives `key` to `request` in memory: `from`, whose key it was, has ended. */
-  passKey(from: HoldImpl, request: LockRequest): void;
+  /** Gives `from`'s key to `request` in memory (`from` has ended); returns the new hold. */
+  passKey(from: HoldImpl, request: LockRequest): HoldImpl;
+  /** Resolves whether the connection answered a statement sent now, from its own backend. */
+  confirm(): Promise<boolean>;
+  /** The error of a request that cannot be answered because the connection is gone. */
+  unavailable(): Error;
 }
 
 /** A request that waits for its key (a job woken early waits for its holder to finish). */
@@ -75,6 +80,10 @@ export class Handoff {
   private readonly awaitingRelease = new Map<string, Waiting>();
   /** For keys being acquired: the number of the last release notification seen for each. */
   private readonly releaseNotices = new Map<string, number>();
+  /** Keys passed in memory whose jobs wait for the connection to answer a statement sent after the pass. */
+  private toConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
+  /** Whether the statement confirming hand-overs is on its way. */
+  private confirming = false;
   /** How many release notifications this session has seen. */
   notices = 0;
 
@@ -150,8 +159,32 @@ export class Handoff {
     clearTimeout(next.timer);
     this.handovers.delete(key);
     this.counts.handedOver++;
-    this.host.passKey(hold, next.request);
+    this.toConfirm.push({ hold: this.host.passKey(hold, next.request), request: next.request });
+    this.confirmHandOvers();
     return true;
+  }
+
+  /**
+   * Gives the jobs that were passed a key in memory their holds once the connection answers a statement sent
+   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a
+   * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
+   * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
+   * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
+   * answered. A job whose check fails gets the connection's error (its hold is lost with the connection).
+   * Hand-overs that come while a check is on its way share the next one.
+   */
+  private confirmHandOvers(): void {
+    if (this.confirming || this.toConfirm.length === 0) return;
+    const waiting = this.toConfirm.splice(0);
+    this.confirming = true;
+    void this.host.confirm().then((alive) => {
+      this.confirming = false;
+      for (const { hold, request } of waiting) {
+        if (alive && !hold.lost) request.resolve({ acquired: true, hold });
+        else request.reject(this.host.unavailable());
+      }
+      this.confirmHandOvers();
+    });
   }
 
   /** `key`'s hold here has ended (unlocked). */
@@ -235,6 +268,7 @@ export class Handoff {
       clearTimeout(waiting.timer);
       waiting.request.reject(error);
     }
+    for (const { request } of this.toConfirm.splice(0)) request.reject(error);
     this.handovers.clear();
     this.awaitingRelease.clear();
     this.releaseNotices.clear();

@@ -27,7 +27,6 @@
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
  */
-import type pg from "pg";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
 import { LockConnection, type LockConnectionOptions, type SessionState } from "./connection.js";
 import { lockLost, lockSessionUnavailable, type LocksError } from "./errors.js";
@@ -46,26 +45,12 @@ import {
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
 import { lockFlag } from "./key.js";
+import { probeAnswered, probeQueued } from "./probe.js";
 import { BatchOp, type Sql } from "./sql.js";
 
 export type { SessionState } from "./connection.js";
 
-/**
- * Timings of the lock session's requests, for the benchmark (`performance.now()` values): when a request
- * was queued, when its statement was sent, when the answer arrived. Off unless `setSessionProbe` set one;
- * then each request costs a map entry and a few clock reads.
- */
-export interface SessionProbe {
-  lock(queuedAt: number, sentAt: number, answeredAt: number): void;
-  unlock(queuedAt: number, sentAt: number, answeredAt: number): void;
-}
-
-let probe: SessionProbe | null = null;
-
-/** Sets (or, with null, removes) the probe of every lock session of this process. Not part of the API. */
-export function setSessionProbe(next: SessionProbe | null): void {
-  probe = next;
-}
+export { setSessionProbe, type SessionProbe } from "./probe.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
   sql: Sql;
@@ -88,19 +73,11 @@ export class LockSession implements HoldOwner {
   private inFlight: Promise<void> | null = null;
   /** When the lock statement in flight was sent (`performance.now()`). */
   private inFlightSince = 0;
-  /** When each request was queued, while a probe is set (see `setSessionProbe`). */
-  private readonly queuedAt = new WeakMap<object, number>();
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   private readonly handoff: Handoff;
-  /** Keys passed in memory whose jobs wait for the connection to answer a statement sent after the pass. */
-  private handOversToConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
-  /** Whether the statement confirming hand-overs is on its way. */
-  private confirming = false;
-  /** Aborts when the current connection is lost (made on first use, one per connection). */
-  private lossController: AbortController | undefined;
 
   constructor(private readonly options: LockSessionOptions) {
     this.connection = new LockConnection(options, {
@@ -128,12 +105,12 @@ export class LockSession implements HoldOwner {
         passKey: (from, request) => {
           this.holds.delete(from.keyText);
           from.settle(RELEASED);
-          // The next job was woken from a line, so it is taken to have one behind it. Its hold counts from
-          // now, and it gets it once the connection is confirmed alive (confirmHandOvers).
-          const hold = this.grant(request, from.keyText, from.generation, true);
-          this.handOversToConfirm.push({ hold, request });
-          this.confirmHandOvers();
+          // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
+          return this.grant(request, from.keyText, from.generation, true);
         },
+        confirm: () => this.connection.confirm("a hand-over's check"),
+        unavailable: () =>
+          this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
       },
       options.idleWorkers,
     );
@@ -151,35 +128,6 @@ export class LockSession implements HoldOwner {
   /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
   get statements(): number {
     return this.connection.statements;
-  }
-
-  private set statements(count: number) {
-    this.connection.statements = count;
-  }
-
-  private get state(): SessionState {
-    return this.connection.state;
-  }
-
-  private get client(): pg.Client | null {
-    return this.connection.client;
-  }
-
-  private get generation(): number {
-    return this.connection.generation;
-  }
-
-  /** Why the connection is `refused`. */
-  private get refusal(): LocksError | null {
-    return this.connection.refusal;
-  }
-
-  private checkBackend(client: pg.Client, pid: number | undefined, what: string): boolean {
-    return this.connection.checkBackend(client, pid, what);
-  }
-
-  private handleLost(client: pg.Client | null, error: Error): void {
-    this.connection.lost(client, error);
   }
 
   /**
@@ -202,14 +150,7 @@ export class LockSession implements HoldOwner {
 
   /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
   lossSignal(): AbortSignal {
-    this.lossController ??= new AbortController();
-    return this.lossController.signal;
-  }
-
-  private abortLossSignal(reason: Error): void {
-    const controller = this.lossController;
-    this.lossController = undefined;
-    controller?.abort(reason);
+    return this.connection.lossSignal();
   }
 
   /** Keys this process holds right now. */
@@ -264,7 +205,7 @@ export class LockSession implements HoldOwner {
     info: HoldInfo,
     receiver: AcquireReceiver | undefined,
   ): Acquisition | null {
-    if (this.state !== "ready" || slots.length !== 1) return null;
+    if (this.connection.state !== "ready" || slots.length !== 1) return null;
     const key = slots[0]!.toString();
     return this.isFree(key) ? this.queueLock([key], slots, info, receiver) : null;
   }
@@ -273,7 +214,7 @@ export class LockSession implements HoldOwner {
     const keys = slots.map(String);
     let free: string[];
     for (;;) {
-      if (this.state !== "ready") await this.connection.ensureReady();
+      if (this.connection.state !== "ready") await this.connection.ensureReady();
       free = keys.filter((k) => this.isFree(k));
       if (free.length > 0) break;
       // A job that waits its turn (`reschedule`) does not give up on a key another job of this process is
@@ -313,29 +254,6 @@ export class LockSession implements HoldOwner {
     ).promise();
   }
 
-  /**
-   * Gives the jobs that were passed a key in memory their holds once the connection answers a statement sent
-   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a
-   * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
-   * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
-   * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
-   * answered. A job whose check fails gets GWL_LOCK_SESSION_UNAVAILABLE (its hold is lost with the
-   * connection). Hand-overs that come while a check is on its way share the next one.
-   */
-  private confirmHandOvers(): void {
-    if (this.confirming || this.handOversToConfirm.length === 0) return;
-    const waiting = this.handOversToConfirm.splice(0);
-    this.confirming = true;
-    void this.connection.confirm("a hand-over's check").then((alive) => {
-      this.confirming = false;
-      for (const { hold, request } of waiting) {
-        if (alive && !hold.lost) request.resolve({ acquired: true, hold });
-        else request.reject(this.refusal ?? lockSessionUnavailable("the connection was lost"));
-      }
-      this.confirmHandOvers();
-    });
-  }
-
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
   private queueLock(
     free: string[],
@@ -344,7 +262,7 @@ export class LockSession implements HoldOwner {
     receiver: AcquireReceiver | undefined,
   ): Acquisition {
     const acquisition = new Acquisition(free, keys as bigint[], info, receiver);
-    if (probe) this.queuedAt.set(acquisition, performance.now());
+    probeQueued(acquisition);
     this.lockQueue.push(acquisition);
     this.scheduleFlush();
     for (const k of free) this.pending.set(k, acquisition);
@@ -357,12 +275,16 @@ export class LockSession implements HoldOwner {
    */
   release(hold: HoldImpl): void {
     hold.cancelPrewake();
-    if (hold.lost || hold.generation !== this.generation || this.state !== "ready") {
+    if (
+      hold.lost ||
+      hold.generation !== this.connection.generation ||
+      this.connection.state !== "ready"
+    ) {
       hold.settle(LOST);
       return;
     }
     if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
-    if (probe) this.queuedAt.set(hold, performance.now());
+    probeQueued(hold);
     this.unlockQueue.push(hold);
     this.scheduleFlush();
   }
@@ -392,7 +314,8 @@ export class LockSession implements HoldOwner {
   }
 
   private flush(force = false): void {
-    if (this.inFlight || this.state !== "ready" || !this.client) return;
+    const { client, generation } = this.connection;
+    if (this.inFlight || this.connection.state !== "ready" || !client) return;
     if (
       !force &&
       this.options.unlockDelayMs > 0 &&
@@ -411,8 +334,6 @@ export class LockSession implements HoldOwner {
     }
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
-    const client = this.client;
-    const generation = this.generation;
     const noticesAtSend = this.handoff.notices;
     const { prewakes, wakeHere } = this.handoff.takePrewakes();
     const batch = makeBatch(
@@ -429,27 +350,27 @@ export class LockSession implements HoldOwner {
       for (const hold of prewakes) hold.prewaking = prewaking;
     }
 
-    this.statements++;
+    this.connection.statements++;
     const sentAt = performance.now();
     this.inFlightSince = sentAt;
     this.inFlight = client
       .query<BatchRow>(batchQuery(this.options.sql, batch))
       .then(
         ({ rows }) => {
-          if (generation !== this.generation) {
+          if (generation !== this.connection.generation) {
             // The connection died after answering: whatever this statement took died with it.
             const unavailable = lockSessionUnavailable("the connection was lost");
             for (const request of locks) request.reject(unavailable);
             for (const hold of unlocks) hold.settle(LOST);
             return;
           }
-          if (probe) this.probeAnswer(probe, sentAt, locks, unlocks);
+          probeAnswered(sentAt, locks, unlocks);
           const answer = decodeBatch(rows);
-          if (!this.checkBackend(client, answer.backendPid, "a lock statement")) {
+          if (!this.connection.checkBackend(client, answer.backendPid, "a lock statement")) {
             // What it took is on another backend, out of reach: none of it is granted.
             for (const request of locks) {
               for (const k of request.slots) this.pending.delete(k);
-              request.reject(this.refusal!);
+              request.reject(this.connection.refusal!);
             }
             for (const hold of unlocks) hold.settle(LOST);
             return;
@@ -478,9 +399,9 @@ export class LockSession implements HoldOwner {
             request.reject(unavailable);
           }
           for (const hold of unlocks) hold.settle(LOST);
-          if (generation === this.generation) {
+          if (generation === this.connection.generation) {
             this.options.onWarning("A lock statement failed; dropping the lock session", error);
-            this.handleLost(client, error);
+            this.connection.lost(client, error);
           }
         },
       )
@@ -490,17 +411,6 @@ export class LockSession implements HoldOwner {
         this.inFlight = null;
         this.flush();
       });
-  }
-
-  private probeAnswer(
-    to: SessionProbe,
-    sentAt: number,
-    locks: LockRequest[],
-    unlocks: HoldImpl[],
-  ): void {
-    const answeredAt = performance.now();
-    for (const r of locks) to.lock(this.queuedAt.get(r) ?? sentAt, sentAt, answeredAt);
-    for (const h of unlocks) to.unlock(this.queuedAt.get(h) ?? sentAt, sentAt, answeredAt);
   }
 
   /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
@@ -561,11 +471,10 @@ export class LockSession implements HoldOwner {
     this.holds.clear();
     this.pending.clear();
     this.handoff.dropAll(unavailable);
-    for (const { request } of this.handOversToConfirm.splice(0)) request.reject(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
     for (const hold of open) hold.markLost(reason);
-    this.abortLossSignal(reason);
+    this.connection.abortLossSignal(reason);
     return open;
   }
 
@@ -581,7 +490,7 @@ export class LockSession implements HoldOwner {
    * signals abort. Idempotent.
    */
   async close(): Promise<void> {
-    if (this.state === "closed") return;
+    if (this.connection.state === "closed") return;
     if (this.unlockTimer) clearTimeout(this.unlockTimer);
     await this.connection.close(
       async () => this.inFlight?.catch(() => undefined),
