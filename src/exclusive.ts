@@ -150,10 +150,10 @@ class DeferredCopies {
   private async runWhenReady(helpers: JobHelpers): Promise<void> {
     try {
       for (;;) {
-        const ready = await this.ctx.session.whenReady(
+        const ready = await this.ctx.session.connection.whenReady(
           Math.max(DEFER_MIN_MS, this.ctx.lockSessionWaitMs),
         );
-        if (this.ctx.session.currentState === "closed") return;
+        if (this.ctx.session.connection.state === "closed") return;
         if (!ready) continue;
         const ids = [...this.ids];
         this.ids.clear();
@@ -251,7 +251,7 @@ export function makeExclusiveTask<TPayload>(
             lockKey.toString(),
             holdTime.estimateMs(),
             latest.toISOString(),
-            ctx.session.pid,
+            ctx.session.connection.pid,
           ]);
           const row = rows[0];
           // The holder may have released between our attempt and the park's commit: then wake it now. The
@@ -336,7 +336,7 @@ export function makeExclusiveTask<TPayload>(
           const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
             job.id,
             runAt.toISOString(),
-            ctx.session.pid,
+            ctx.session.connection.pid,
           ]);
           return rows[0]?.id ?? null;
         } catch (error) {
@@ -378,11 +378,11 @@ export function makeExclusiveTask<TPayload>(
       } catch (error) {
         if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
         const left = deadline - performance.now();
-        if (left > 0 && (await ctx.session.whenReady(left))) continue;
+        if (left > 0 && (await ctx.session.connection.whenReady(left))) continue;
         if (await defer(job, helpers, error)) return null;
         // The queue's database is out of reach too (a server restart): wait for it, then try again.
-        if (ctx.session.currentState === "closed") throw error;
-        await ctx.session.whenReady(Math.max(DEFER_MIN_MS, waitMs));
+        if (ctx.session.connection.state === "closed") throw error;
+        await ctx.session.connection.whenReady(Math.max(DEFER_MIN_MS, waitMs));
         deadline = performance.now() + waitMs;
       }
     }

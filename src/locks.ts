@@ -133,7 +133,7 @@ export function makeLocks(options: LocksOptions): Locks {
       });
     },
     onConnected() {
-      emit("session:connected", { pid: session.pid });
+      emit("session:connected", { pid: session.connection.pid });
       cleanParked();
     },
     onWarning(message, error) {
@@ -297,7 +297,7 @@ export function makeLocks(options: LocksOptions): Locks {
       assertOpen();
       // (here, so that a schema that cannot be installed rejects with its own error)
       await ensureMigrated();
-      await session.warmUp();
+      await session.connection.warmUp();
     },
     attach(runner) {
       assertOpen();
@@ -316,15 +316,15 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     status() {
       return {
-        state: session.currentState,
-        pid: session.pid,
+        state: session.connection.state,
+        pid: session.connection.pid,
         held: session.heldKeys().map((h) => ({
           lockKey: h.key,
           taskIdentifier: h.info.taskIdentifier,
           jobId: h.info.jobId,
           since: h.since,
         })),
-        statements: session.statements,
+        statements: session.connection.statements,
         handoffs: { ...session.handoffs },
       };
     },

@@ -28,7 +28,7 @@
  *   time limit, then tries the key again.
  */
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
-import { LockConnection, type LockConnectionOptions, type SessionState } from "./connection.js";
+import { LockConnection, type LockConnectionOptions } from "./connection.js";
 import { lockLost, lockSessionUnavailable, type LocksError } from "./errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
@@ -63,8 +63,11 @@ export interface LockSessionOptions extends LockConnectionOptions {
 }
 
 export class LockSession implements HoldOwner {
-  /** The connection, its state and its generation (connection.ts). */
-  private readonly connection: LockConnection;
+  /**
+   * The connection: its state, backend pid, generation, `whenReady` and `warmUp` (connection.ts). Others
+   * read it; only the session sends lock statements on it.
+   */
+  readonly connection: LockConnection;
   private readonly holds = new Map<string, HoldImpl>();
   /** Keys being acquired, with the acquisition (settles when its statement answered). */
   private readonly pending = new Map<string, Acquisition>();
@@ -114,33 +117,6 @@ export class LockSession implements HoldOwner {
       },
       options.idleWorkers,
     );
-  }
-
-  get currentState(): SessionState {
-    return this.connection.state;
-  }
-
-  /** The backend pid of the current connection, if connected. */
-  get pid(): number | null {
-    return this.connection.pid;
-  }
-
-  /** Statements sent on the lock session, for the benchmark's statements-per-job figure. */
-  get statements(): number {
-    return this.connection.statements;
-  }
-
-  /**
-   * Resolves true as soon as the session is ready (connecting it if it never was), false when it is still
-   * not ready after `timeoutMs`, or is closed. Never rejects.
-   */
-  whenReady(timeoutMs: number): Promise<boolean> {
-    return this.connection.whenReady(timeoutMs);
-  }
-
-  /** Connects now rather than on the first acquisition (which then starts without the connection delay). */
-  warmUp(): Promise<void> {
-    return this.connection.warmUp();
   }
 
   /** What the session has done about hand-offs, for `locks.status()`. */
@@ -360,20 +336,13 @@ export class LockSession implements HoldOwner {
           if (generation !== this.connection.generation) {
             // The connection died after answering: whatever this statement took died with it.
             const unavailable = lockSessionUnavailable("the connection was lost");
-            for (const request of locks) request.reject(unavailable);
-            for (const hold of unlocks) hold.settle(LOST);
-            return;
+            return this.fail(locks, unlocks, unavailable, false);
           }
           probeAnswered(sentAt, locks, unlocks);
           const answer = decodeBatch(rows);
           if (!this.connection.checkBackend(client, answer.backendPid, "a lock statement")) {
             // What it took is on another backend, out of reach: none of it is granted.
-            for (const request of locks) {
-              for (const k of request.slots) this.pending.delete(k);
-              request.reject(this.connection.refusal!);
-            }
-            for (const hold of unlocks) hold.settle(LOST);
-            return;
+            return this.fail(locks, unlocks, this.connection.refusal!, true);
           }
           for (const [i, key] of answer.slots)
             this.settleLock(multis[i - 1]!, key, generation, false);
@@ -394,11 +363,7 @@ export class LockSession implements HoldOwner {
         },
         (error: Error) => {
           const unavailable = lockSessionUnavailable("a lock statement failed", error);
-          for (const request of locks) {
-            for (const k of request.slots) this.pending.delete(k);
-            request.reject(unavailable);
-          }
-          for (const hold of unlocks) hold.settle(LOST);
+          this.fail(locks, unlocks, unavailable, true);
           if (generation === this.connection.generation) {
             this.options.onWarning("A lock statement failed; dropping the lock session", error);
             this.connection.lost(client, error);
@@ -411,6 +376,18 @@ export class LockSession implements HoldOwner {
         this.inFlight = null;
         this.flush();
       });
+  }
+
+  /**
+   * Fails a statement's lock requests with `error` and settles its unlocks as lost. `forget`: their keys stop
+   * counting as pending (not after the connection changed, when a new request may own them).
+   */
+  private fail(locks: LockRequest[], unlocks: HoldImpl[], error: Error, forget: boolean): void {
+    for (const request of locks) {
+      if (forget) for (const k of request.slots) this.pending.delete(k);
+      request.reject(error);
+    }
+    for (const hold of unlocks) hold.settle(LOST);
   }
 
   /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
