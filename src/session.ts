@@ -265,10 +265,15 @@ export class LockSession implements HoldOwner {
     this.scheduleFlush();
   }
 
+  /**
+   * Sends what is queued at the end of the current turn (a microtask), so that the requests a turn makes
+   * share one statement and the first request after a quiet spell leaves without waiting for the event loop.
+   * While a statement is in flight, requests queue up for the one sent when it answers.
+   */
   private scheduleFlush(): void {
     if (this.flushScheduled || this.inFlight) return;
     this.flushScheduled = true;
-    setImmediate(() => {
+    queueMicrotask(() => {
       this.flushScheduled = false;
       this.flush();
     });
