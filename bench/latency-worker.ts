@@ -3,7 +3,9 @@
  * bench/latency-worker.ts`: one graphile-worker runner per run, whose task waits `taskMs` on a timer (as
  * an HTTP call would), plain, wrapped by `locks.exclusive()` (`onConflict: "drop"`, a distinct key per
  * job, `locks.attach()` on the runner) or wrapped naively the way que-locks does it (a connection of the
- * job's own from a pool of one per worker: `pg_try_advisory_lock`, the task, `pg_advisory_unlock`).
+ * job's own from a pool of one per worker: `pg_try_advisory_lock`, the task, `pg_advisory_unlock`), or
+ * preceded by one empty statement on a connection of the process's own (`roundTrip`: what a round trip
+ * before each job costs, with no lock at all).
  *
  * It records, per job: from graphile-worker's `job:start` to the first line of the task's body (what the
  * wrapper adds before the task runs; for plain, graphile-worker's own few microseconds) and from
@@ -27,7 +29,7 @@ import type { WorkerPreset } from "./throughput.js";
 
 export const LATENCY_TASK = "io";
 
-export type LatencyVariant = "plain" | "wrapped" | "queLocks";
+export type LatencyVariant = "plain" | "wrapped" | "queLocks" | "roundTrip";
 
 export type StartRequest = {
   type: "start";
@@ -75,6 +77,8 @@ async function main(): Promise<void> {
   quePool.on("error", () => undefined);
   const floorClient = new pg.Client({ connectionString: url });
   await floorClient.connect();
+  const roundTripClient = new pg.Client({ connectionString: url });
+  await roundTripClient.connect();
   const startFloorClient = new pg.Client({ connectionString: url });
   await startFloorClient.connect();
   let startFloorBusy = false;
@@ -137,6 +141,11 @@ async function main(): Promise<void> {
     }
   };
 
+  const roundTrip: Task = async (payload, helpers) => {
+    await roundTripClient.query("");
+    await body(payload, helpers);
+  };
+
   const probe = {
     lock(queuedAt: number, sentAt: number, answeredAt: number) {
       report.lockWait.push(sentAt - queuedAt);
@@ -177,8 +186,7 @@ async function main(): Promise<void> {
           report.lastSuccess = epoch(t);
         });
         events.on("job:error", () => report.failed++);
-        const task =
-          request.variant === "plain" ? body : request.variant === "wrapped" ? wrapped : queLocks;
+        const task = { plain: body, wrapped, queLocks, roundTrip }[request.variant];
         runner = await run({
           connectionString: url,
           concurrency: request.concurrency,
@@ -220,6 +228,7 @@ async function main(): Promise<void> {
       await quePool.end().catch(() => undefined);
       await floorClient.end().catch(() => undefined);
       await startFloorClient.end().catch(() => undefined);
+      await roundTripClient.end().catch(() => undefined);
     },
   )("ready");
 }

@@ -3,7 +3,9 @@
  * 20 or 100 ms on a timer (as an HTTP call would); every job has its own key, so none conflicts. Variants,
  * alternating within each round after a warm-up: plain graphile-worker, the task wrapped by
  * `locks.exclusive()` (`drop`, `locks.attach` on the runner), and the que-locks-shaped wrapper (a pool
- * connection per running job: try-lock, task, unlock). Configurations: A, concurrency 10 without the local
+ * connection per running job: try-lock, task, unlock), and one empty statement before the task on a
+ * connection of the process's own (no lock: the cost of one round trip per job, the floor of any lock taken
+ * before the task). Configurations: A, concurrency 10 without the local
  * queue; B, concurrency 24 with a local queue of 200 and batched completion; each in 1 and 3 worker
  * processes (bench/latency-worker.ts, forked once and kept).
  *
@@ -43,7 +45,7 @@ import type { WorkerPreset } from "./throughput.js";
 const ROUNDS = benchRounds(2);
 const TASK_MS = [1, 5, 20, 100];
 const PROCESSES = [1, 3];
-const VARIANTS: LatencyVariant[] = ["plain", "wrapped", "queLocks"];
+const VARIANTS: LatencyVariant[] = ["plain", "wrapped", "queLocks", "roundTrip"];
 
 interface LatencyConfig {
   id: "A" | "B";
@@ -169,6 +171,8 @@ export interface CaseFigures {
   label: string;
   wrappedRatio: number;
   queLocksRatio: number;
+  /** One empty statement before each job, no lock, against plain. */
+  roundTripRatio: number;
   plainJobsPerSecond: number;
   /** p50 and p99 in ms. */
   added: { p50: number; p99: number };
@@ -203,6 +207,7 @@ function summarize(c: Case, runs: LatencyRun[]): CaseFigures {
     label: `${c.config.id}${c.processes}: ${c.config.label}, ${c.processes} process${c.processes > 1 ? "es" : ""}, ${c.taskMs} ms task`,
     wrappedRatio: round(ratio("wrapped"), 3),
     queLocksRatio: round(ratio("queLocks"), 3),
+    roundTripRatio: round(ratio("roundTrip"), 3),
     plainJobsPerSecond: median(of("plain").map((r) => r.jobsPerSecond)),
     added: pp(samples("wrapped", (r) => r.beforeBody)),
     queLocksAdded: pp(samples("queLocks", (r) => r.beforeBody)),
@@ -266,7 +271,7 @@ export const latency: Section = {
         const f = summarize(c, caseRuns);
         figures.push(f);
         ctx.log(
-          `latency ${c.name}: wrapped/plain ${fmtFixed(f.wrappedRatio, 3)}, que-locks ${fmtFixed(f.queLocksRatio, 3)}, ` +
+          `latency ${c.name}: wrapped/plain ${fmtFixed(f.wrappedRatio, 3)}, que-locks ${fmtFixed(f.queLocksRatio, 3)}, round trip ${fmtFixed(f.roundTripRatio, 3)}, ` +
             `added p50/p99 ${ms(f.added.p50)}/${ms(f.added.p99)} ms, floor p50 ${ms(f.floor.p50)} ms, at start ${ms(f.floorAtStart.p50)} ms`,
         );
       }
@@ -281,6 +286,7 @@ export const latency: Section = {
         { header: "plain jobs/s" },
         { header: "wrapped/plain" },
         { header: "que-locks/plain" },
+        { header: "round trip/plain" },
         { header: "added before body" },
         { header: "que-locks added" },
         { header: "wait to send" },
@@ -296,6 +302,7 @@ export const latency: Section = {
         fmtInt(f.plainJobsPerSecond),
         fmtFixed(f.wrappedRatio, 3),
         fmtFixed(f.queLocksRatio, 3),
+        fmtFixed(f.roundTripRatio, 3),
         `${ms(f.added.p50)} / ${ms(f.added.p99)}`,
         `${ms(f.queLocksAdded.p50)} / ${ms(f.queLocksAdded.p99)}`,
         `${ms(f.lockWait.p50)} / ${ms(f.lockWait.p99)}`,
@@ -308,6 +315,7 @@ export const latency: Section = {
       ]),
       notes: [
         "case: configuration (A: c=10, no local queue; B: c=24, localQueue 200, batched completion, attach), processes, task ms.",
+        "round trip/plain: one empty statement on a connection of the process's own before each job, no lock: the floor of a lock taken before the task.",
         "added before body: graphile-worker's job:start to the task body's first line, wrapped (plain's is a few µs).",
         "wait to send / lock round trip: a lock request until its statement leaves, then until it is answered.",
         "release: an unlock request until its answer (no job waits for it).",
