@@ -1,7 +1,7 @@
 /**
  * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
  * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
- * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
+ * (enqueue.ts), the events, lock-ahead for attached runners, and the rules of the tasks
  * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";
@@ -25,7 +25,6 @@ import {
   type ResolvedExclusiveOptions,
 } from "./options.js";
 import { readHeldLocks } from "./held.js";
-import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
 import { LockSession } from "./session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
@@ -104,10 +103,8 @@ export function makeLocks(options: LocksOptions): Locks {
     };
   };
 
-  const idleWorkers = new IdleWorkers();
   const session = new LockSession({
     sql,
-    idleWorkers,
     client: lockClientConfig(),
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
@@ -302,13 +299,11 @@ export function makeLocks(options: LocksOptions): Locks {
     attach(runner) {
       assertOpen();
       const detachPrefetcher = prefetcher.attach(runner.events);
-      const detachIdle = idleWorkers.attach(runner.events);
       let attached = true;
       const detach = () => {
         if (!attached) return;
         attached = false;
         runner.events.off("stop", detach);
-        detachIdle();
         detachPrefetcher();
       };
       runner.events.once("stop", detach);
