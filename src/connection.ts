@@ -220,7 +220,8 @@ export class LockConnection {
 
   private async doConnect(): Promise<void> {
     this.state = "connecting";
-    const client = new pg.Client({ keepAlive: true, ...this.options.client });
+    // Pipelined: the session may send a lock statement before the previous one is answered (session.ts).
+    const client = new pg.Client({ keepAlive: true, ...this.options.client, pipeline: true });
     const onBroken = (error: Error) => this.lost(client, error);
     client.on("error", onBroken);
     client.on("end", () => onBroken(new Error("The lock session's connection ended")));

@@ -11,8 +11,10 @@
  *   module does: a key is held by at most one `Hold` (`holds`), and a key that is being acquired or
  *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
  *   round trip, never a re-entrant "success".
- * - Requests are coalesced: while one statement is in flight, every lock and unlock request queues up, and
- *   the next statement carries all of them (batch.ts). One statement is in flight at a time.
+ * - Requests are coalesced: the requests of one turn of the event loop share a statement (batch.ts). Up to
+ *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
+ *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
+ *   `holds`) settles from its own statement's answer, so no request depends on a statement still in flight.
  * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
@@ -59,6 +61,14 @@ export interface LockSessionOptions extends LockConnectionOptions {
   unlockDelayMs: number;
 }
 
+/**
+ * Lock statements in flight at once on a connection in node-postgres's `pipeline` mode (connection.ts opens
+ * it so): a lock request made while one is unanswered leaves at once in a second; beyond that, requests
+ * queue up for the next statement. More would only split a burst's requests into more statements, each a
+ * round of socket I/O on both sides, without starting any of them sooner.
+ */
+const PIPELINE_DEPTH = 2;
+
 export class LockSession implements HoldOwner {
   /**
    * The connection: its state, backend pid, generation, `whenReady` and `warmUp` (connection.ts). Others
@@ -70,9 +80,10 @@ export class LockSession implements HoldOwner {
   private readonly pending = new Map<string, Acquisition>();
   private lockQueue: LockRequest[] = [];
   private unlockQueue: HoldImpl[] = [];
-  private inFlight: Promise<void> | null = null;
-  /** When the lock statement in flight was sent (`performance.now()`). */
-  private inFlightSince = 0;
+  /** The lock statements in flight, oldest first, each with when it was sent (`performance.now()`). */
+  private readonly inFlight: Array<{ sentAt: number; done: Promise<void> }> = [];
+  /** PIPELINE_DEPTH on a pipelining connection; 1 with a node-postgres that has no pipeline mode. */
+  private maxInFlight = 1;
   private flushScheduled = false;
   private unlockTimer: NodeJS.Timeout | null = null;
   /** Acquisitions in this process waiting for a key this process is releasing. */
@@ -82,8 +93,10 @@ export class LockSession implements HoldOwner {
   constructor(private readonly options: LockSessionOptions) {
     this.connection = new LockConnection(options, {
       holds: () => [...this.holds.values()],
-      inFlightSince: () => (this.inFlight ? this.inFlightSince : null),
+      inFlightSince: () => this.inFlight[0]?.sentAt ?? null,
       onReady: () => {
+        const pipelining = (this.connection.client as { pipeline?: boolean } | null)?.pipeline;
+        this.maxInFlight = pipelining === true ? PIPELINE_DEPTH : 1;
         this.options.onConnected();
         this.scheduleFlush();
       },
@@ -265,7 +278,7 @@ export class LockSession implements HoldOwner {
    * While a statement is in flight, requests queue up for the one sent when it answers.
    */
   private scheduleFlush(): void {
-    if (this.flushScheduled || this.inFlight) return;
+    if (this.flushScheduled || this.inFlight.length >= this.maxInFlight) return;
     this.flushScheduled = true;
     queueMicrotask(() => {
       this.flushScheduled = false;
@@ -290,7 +303,8 @@ export class LockSession implements HoldOwner {
 
   private flush(force = false): void {
     const { client, generation } = this.connection;
-    if (this.inFlight || this.connection.state !== "ready" || !client) return;
+    if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
+      return;
     if (
       !force &&
       this.options.unlockDelayMs > 0 &&
@@ -322,8 +336,7 @@ export class LockSession implements HoldOwner {
 
     this.connection.statements++;
     const sentAt = performance.now();
-    this.inFlightSince = sentAt;
-    this.inFlight = client
+    const done: Promise<void> = client
       .query<BatchRow>(batchQuery(this.options.sql, batch))
       .then(
         ({ rows }) => {
@@ -366,9 +379,13 @@ export class LockSession implements HoldOwner {
       .finally(() => {
         for (const hold of prewakes) hold.prewaking = null;
         answered();
-        this.inFlight = null;
+        this.inFlight.splice(
+          this.inFlight.findIndex((s) => s.done === done),
+          1,
+        );
         this.flush();
       });
+    this.inFlight.push({ sentAt, done });
   }
 
   /**
@@ -463,7 +480,7 @@ export class LockSession implements HoldOwner {
     if (this.connection.state === "closed") return;
     if (this.unlockTimer) clearTimeout(this.unlockTimer);
     await this.connection.close(
-      async () => this.inFlight?.catch(() => undefined),
+      async () => Promise.allSettled(this.inFlight.map((s) => s.done)),
       () => {
         this.dropAll(
           lockSessionUnavailable("the Locks instance was released"),

@@ -1,0 +1,101 @@
+/**
+ * The lock session pipelines its statements: a lock request made while an earlier lock statement is still
+ * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer.
+ * Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays every
+ * answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
+ */
+import net from "node:net";
+import { afterEach, describe, expect, it } from "vitest";
+import { setSessionProbe } from "../../src/session.js";
+import { deferred } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { nextEvent } from "../support/runner.js";
+
+const h = useExclusiveHarness();
+const { db, cleanups, newLocks, runner } = h;
+
+/** How long the proxy holds every chunk from PostgreSQL to the client. */
+const DELAY_MS = 250;
+
+/** A TCP proxy in front of PostgreSQL that delays what the server sends by `delayMs` (in order). */
+async function slowProxy(delayMs: number): Promise<string> {
+  const url = new URL(db.url);
+  const sockets = new Set<net.Socket>();
+  const proxy = net.createServer((inbound) => {
+    const outbound = net.connect(Number(url.port), url.hostname);
+    sockets.add(inbound).add(outbound);
+    inbound.pipe(outbound);
+    outbound.on("data", (chunk: Buffer) => {
+      setTimeout(() => {
+        if (!inbound.destroyed) inbound.write(chunk);
+      }, delayMs);
+    });
+    const close = () => {
+      inbound.destroy();
+      outbound.destroy();
+    };
+    inbound.on("error", close).on("close", close);
+    outbound.on("error", close).on("close", () => setTimeout(close, delayMs));
+  });
+  await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
+  cleanups.push(async () => {
+    for (const socket of sockets) socket.destroy();
+    await new Promise((resolve) => proxy.close(resolve));
+  });
+  const proxied = new URL(db.url);
+  proxied.hostname = "127.0.0.1";
+  proxied.port = String((proxy.address() as net.AddressInfo).port);
+  return proxied.toString();
+}
+
+afterEach(() => setSessionProbe(null));
+
+describe("pipelined lock statements", () => {
+  it("a lock request made while another lock statement is unanswered is sent before that answer", async () => {
+    const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
+    await locks.connect();
+    const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
+    setSessionProbe({
+      lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
+      unlock: () => undefined,
+    });
+    const ran = new Set<string>();
+    const bothRan = deferred();
+    const task = locks.exclusive(
+      "pipelined",
+      (p: { k: string }) => {
+        ran.add(p.k);
+        if (ran.size === 2) bothRan.resolve();
+      },
+      { key: (p) => p.k, onConflict: "raise" },
+    );
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { pipelined: task },
+    });
+    // B is enqueued as A's job starts: a worker fetches it while A's lock statement is still unanswered.
+    const startedA = new Promise<void>((resolve) =>
+      r.events.once("job:start", () => {
+        void task.addJob({ k: "b" }).then(() => resolve());
+      }),
+    );
+    const released = nextEvent(
+      locks,
+      "lock:released",
+      (e) => (e.job.payload as { k: string }).k === "b",
+    );
+    await task.addJob({ k: "a" });
+    await startedA;
+    await bothRan.promise;
+    await released;
+
+    expect(ran).toEqual(new Set(["a", "b"]));
+    expect(requests).toHaveLength(2);
+    const [first, second] = requests as [(typeof requests)[0], (typeof requests)[0]];
+    // Both statements were in flight at once: the second left before the first was answered.
+    expect(second.queuedAt).toBeLessThan(first.answeredAt);
+    expect(second.sentAt).toBeLessThan(first.answeredAt);
+    expect(first.answeredAt - first.sentAt).toBeGreaterThanOrEqual(DELAY_MS - 1);
+  });
+});
