@@ -709,6 +709,25 @@ begin
 end;
 $$;
 
+-- The ids of `p_names` in the graphile-worker table whose row type `p_row` has (_private_tasks by
+-- identifier, _private_job_queues by queue_name), in the names' order. Missing names are created first, in
+-- name order (C collation), so that two batches never create names in opposite orders and wait for each
+-- other.
+create function :GWL_SCHEMA.name_ids(p_row anyelement, p_column text, p_names text[]) returns int[]
+language plpgsql volatile as $$
+declare
+  v_table regclass := (select c.oid from pg_catalog.pg_class c where c.reltype = pg_catalog.pg_typeof(p_row));
+  v_ids int[];
+begin
+  execute format('insert into %s (%I) select u.n from unnest($1) as u(n)
+      where not exists (select 1 from %s x where x.%I = u.n) order by u.n collate "C" on conflict do nothing',
+    v_table, p_column, v_table, p_column) using p_names;
+  execute format('select array(select x.id from unnest($1) with ordinality as u(n, i)
+      join %s x on x.%I = u.n order by u.i)', v_table, p_column) into v_ids using p_names;
+  return v_ids;
+end;
+$$;
+
 -- A batch of enqueues in one statement. The caller sends the batch's distinct task identifiers and queue
 -- names (p_tasks, p_queues), which the items (job_spec) name by place; marks the first scoped item of each
 -- key (p_first of them); and names the items it adds waiting in line: for each, its place among the items
@@ -757,25 +776,9 @@ declare
   v_new_ids bigint[];
   v_seq regclass;
 begin
-  insert into :GRAPHILE_WORKER_SCHEMA._private_tasks (identifier)
-    select t.identifier from unnest(p_tasks) as t(identifier)
-    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_tasks x where x.identifier = t.identifier)
-    order by t.identifier collate "C"
-    on conflict do nothing;
-  v_task_ids := array(
-    select t.id from unnest(p_tasks) with ordinality as u(identifier, n)
-    join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.identifier = u.identifier
-    order by u.n);
+  v_task_ids := :GWL_SCHEMA.name_ids(null:::GRAPHILE_WORKER_SCHEMA._private_tasks, 'identifier', p_tasks);
   if cardinality(p_queues) > 0 then
-    insert into :GRAPHILE_WORKER_SCHEMA._private_job_queues (queue_name)
-      select q.queue_name from unnest(p_queues) as q(queue_name)
-      where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_job_queues x where x.queue_name = q.queue_name)
-      order by q.queue_name collate "C"
-      on conflict do nothing;
-    v_queue_ids := array(
-      select q.id from unnest(p_queues) with ordinality as u(queue_name, n)
-      join :GRAPHILE_WORKER_SCHEMA._private_job_queues q on q.queue_name = u.queue_name
-      order by u.n);
+    v_queue_ids := :GWL_SCHEMA.name_ids(null:::GRAPHILE_WORKER_SCHEMA._private_job_queues, 'queue_name', p_queues);
   end if;
   -- The first scoped item of each key and every item without uniqueness, in one insert, ids following the
   -- items' order: the rows without a key, in id order, are the items without a unique key, in order. With
