@@ -236,7 +236,9 @@ $$;
 -- holder still runs, finds the key held and, being the one woken early, waits for the release instead of
 -- parking. The release then only has to tell it (a notification on 'gwl_release' whose payload is the key,
 -- which lock sessions listen to), and its session takes the key: one round trip after the unlock. When the
--- woken job is fetched by the holder's own process, the key passes from one job to the next in memory.
+-- woken job is fetched by the holder's own process, the key passes from one job to the next in memory. A
+-- session that knows an idle worker of its own process wakes the job without notifying every worker and
+-- nudges that worker itself; if nobody has fetched the job by the release, the release notifies.
 
 -- Replaces the running job (which the worker completes as soon as this commits) by a copy that runs at
 -- `p_run_at`, without counting the attempt that met the conflict. The running row gives up its job key and
@@ -458,8 +460,9 @@ end;
 $$;
 
 -- Wakes the first waiter of each key now, while the caller still holds the key, announcing it to every
--- worker. Returns, for each key (by its index in p_keys) that had a waiter to wake, the woken job's id.
-create function :GWL_SCHEMA.prewake(p_keys bigint[])
+-- worker when `p_notify` (without it, the caller's process fetches the job). Returns, for each key (by its
+-- index in p_keys) that had a waiter to wake, the woken job's id.
+create function :GWL_SCHEMA.prewake(p_keys bigint[], p_notify boolean)
 returns table (i int, job_id bigint)
 language plpgsql volatile as $$
 declare
@@ -467,7 +470,7 @@ declare
   v_job bigint;
 begin
   for v_i in 1 .. coalesce(cardinality(p_keys), 0) loop
-    if :GWL_SCHEMA.wake_waiters(array[p_keys[v_i]], true) > 0 then
+    if :GWL_SCHEMA.wake_waiters(array[p_keys[v_i]], p_notify) > 0 then
       select k.job_id into v_job from :GWL_SCHEMA.wakes k where k.lock_key = p_keys[v_i];
       insert into :GWL_SCHEMA.prewakes (lock_key, job_id, at)
         values (p_keys[v_i], v_job, clock_timestamp())

@@ -15,13 +15,20 @@ export interface Batch {
   multis: LockRequest[];
   /** Early wakes of the next job in line of these holds' keys. */
   prewakes: HoldImpl[];
+  /** Whether idle workers of this process fetch the jobs woken early (they are not announced). */
+  wakeHere: boolean;
 }
 
-export function makeBatch(unlocks: HoldImpl[], locks: LockRequest[], prewakes: HoldImpl[]): Batch {
+export function makeBatch(
+  unlocks: HoldImpl[],
+  locks: LockRequest[],
+  prewakes: HoldImpl[],
+  wakeHere: boolean,
+): Batch {
   const singles: LockRequest[] = [];
   const multis: LockRequest[] = [];
   for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
-  return { unlocks, singles, multis, prewakes };
+  return { unlocks, singles, multis, prewakes, wakeHere };
 }
 
 /**
@@ -42,7 +49,7 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
 
 /** The query of a batch: the plain statement when it carries no line, semaphore or early wake. */
 export function batchQuery(sql: Sql, batch: Batch): QueryConfig {
-  const { unlocks, singles, multis, prewakes } = batch;
+  const { unlocks, singles, multis, prewakes, wakeHere } = batch;
   const waking = unlocks.filter((hold) => hold.info.reschedule);
   const plain =
     multis.length === 0 &&
@@ -69,6 +76,7 @@ export function batchQuery(sql: Sql, batch: Batch): QueryConfig {
       integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))),
       integerArray(prewakes.map((hold) => hold.keyText)),
       integerArray(waking.map((hold) => hold.info.jobId)),
+      !wakeHere,
     ],
   };
 }

@@ -4,8 +4,9 @@
  * release notification, and around each lock statement; it owns no connection.
  *
  * - Early wake: a hold whose key has a line wakes the first waiter shortly before it expects to finish
- *   (`planPrewake`; the wake rides the next lock statement and notifies every worker). `prewoken` remembers
- *   which job was woken for which key held here.
+ *   (`planPrewake`; the wake rides the next lock statement). `prewoken` remembers which job was woken for
+ *   which key held here. When idle workers of this process's attached runners can fetch the woken jobs,
+ *   they are nudged instead of every worker being notified (`IdleWorkers`).
  * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
  *   `handovers`; the hold's release passes it the key without an unlock (`handOver`), and the job gets it
  *   once the connection has answered a statement sent after the pass (`confirmHandOvers`).
@@ -15,6 +16,7 @@
  * - Successor lines: `reschedule` jobs of this process that meet the same release go on in job id order, the
  *   job woken early first (`joinLine`).
  */
+import type { IdleWorkers } from "./idle.js";
 import type { AcquireResult, HoldImpl, HoldInfo, LockRequest } from "./holds.js";
 
 /** What the session has done about hand-offs, for `locks.status()`. */
@@ -25,6 +27,8 @@ export interface HandoffCounts {
   handedOver: number;
   /** Keys taken by a job woken early after waiting for another session's release. */
   afterRelease: number;
+  /** Early wakes left to an idle worker of this process to fetch (a runner given to `locks.attach`). */
+  wokenHere: number;
 }
 
 /** What the hand-off needs of the lock session. */
@@ -63,7 +67,7 @@ function releaseWaitMs(info: HoldInfo): number {
 }
 
 export class Handoff {
-  readonly counts: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0 };
+  readonly counts: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0, wokenHere: 0 };
   /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
   /** Keys whose first waiter a hold of this process woke early, with the woken job's id. */
@@ -83,7 +87,10 @@ export class Handoff {
   /** How many release notifications this session has seen. */
   notices = 0;
 
-  constructor(private readonly host: HandoffHost) {}
+  constructor(
+    private readonly host: HandoffHost,
+    private readonly idleWorkers: IdleWorkers | undefined,
+  ) {}
 
   /** Whether the next job in line for `key`, held here, was woken early. */
   isPrewoken(key: string): boolean {
@@ -207,20 +214,28 @@ export class Handoff {
     }, after);
   }
 
-  /** The early wakes for the next statement. */
-  takePrewakes(): HoldImpl[] {
+  /**
+   * The early wakes for the next statement, and whether idle workers of this process will fetch the woken
+   * jobs (nudged when the wakes are answered) rather than every worker hearing of them.
+   */
+  takePrewakes(): { prewakes: HoldImpl[]; wakeHere: boolean } {
     // A hold that ended since its early wake was queued has woken its line at its release already.
-    return this.prewakeQueue
+    const prewakes = this.prewakeQueue
       .splice(0)
       .filter((hold) => this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested);
+    const idle = this.idleWorkers;
+    const wakeHere = prewakes.length > 0 && idle !== undefined && idle.count >= prewakes.length;
+    return { prewakes, wakeHere };
   }
 
   /** `hold`'s early wake woke job `jobId`. */
-  prewoke(hold: HoldImpl, jobId: string): void {
+  prewoke(hold: HoldImpl, jobId: string, wakeHere: boolean): void {
     // (a hold released meanwhile has told the woken job at its release, in the database)
     if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested)
       this.prewoken.set(hold.keyText, jobId);
     this.counts.prewakes++;
+    // (should no worker be idle any more, the release announces the job if it is still unfetched)
+    if (wakeHere && this.idleWorkers?.nudge()) this.counts.wokenHere++;
   }
 
   /**

@@ -1,7 +1,7 @@
 /**
  * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
  * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
- * (enqueue.ts), the events, lock-ahead for attached runners, and the rules of the tasks
+ * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
  * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";
@@ -25,6 +25,7 @@ import {
   type ResolvedExclusiveOptions,
 } from "./options.js";
 import { readHeldLocks } from "./held.js";
+import { IdleWorkers } from "./idle.js";
 import { Prefetcher } from "./prefetch.js";
 import { LockSession } from "./session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
@@ -103,8 +104,10 @@ export function makeLocks(options: LocksOptions): Locks {
     };
   };
 
+  const idleWorkers = new IdleWorkers();
   const session = new LockSession({
     sql,
+    idleWorkers,
     client: lockClientConfig(),
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
@@ -299,11 +302,13 @@ export function makeLocks(options: LocksOptions): Locks {
     attach(runner) {
       assertOpen();
       const detachPrefetcher = prefetcher.attach(runner.events);
+      const detachIdle = idleWorkers.attach(runner.events);
       let attached = true;
       const detach = () => {
         if (!attached) return;
         attached = false;
         runner.events.off("stop", detach);
+        detachIdle();
         detachPrefetcher();
       };
       runner.events.once("stop", detach);

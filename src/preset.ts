@@ -8,7 +8,7 @@
  * - `postmigrate`: installs or upgrades the library's schema beside graphile-worker's.
  * - `loadTaskFromFiles`: reads a task file's `locks` export (its rules, beside its function).
  * - `startWorker`: on a pool's first worker, takes the process's `Locks` instance for this config (one per
- *   process and config, however many pools run), attaches the pool's events (lock-ahead),
+ *   process and config, however many pools run), attaches the pool's events (lock-ahead, early wakes),
  *   and wraps every task with rules, whether it came from `taskList`, `taskDirectory` or the CLI.
  * - `poolGracefulShutdown` / `poolForcefulShutdown` (middleware) and `pool:release`: the pool lets go of
  *   the instance; the last pool to do so releases it (closing the lock session).

@@ -45,6 +45,7 @@ import {
   type HoldOwner,
   type LockRequest,
 } from "./holds.js";
+import type { IdleWorkers } from "./idle.js";
 import { lockFlag } from "./key.js";
 import { probeAnswered, probeQueued } from "./probe.js";
 import { BatchOp, type Sql } from "./sql.js";
@@ -55,6 +56,8 @@ export { setSessionProbe, type SessionProbe } from "./probe.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
   sql: Sql;
+  /** Idle workers of this process's attached runners, which fetch a job woken early here. */
+  idleWorkers?: IdleWorkers;
   onLost(holds: HoldImpl[], error: Error): void;
   onConnected(): void;
   /** How long an unlock nobody waits for may wait for a lock request to share a statement with. */
@@ -106,24 +109,27 @@ export class LockSession implements HoldOwner {
       },
       onReleaseNotice: (payload) => this.handoff.onReleaseNotice(payload),
     });
-    this.handoff = new Handoff({
-      holdOf: (key) => this.holds.get(key),
-      isPending: (key) => this.pending.has(key),
-      retryLock: (request) => {
-        this.lockQueue.push(request);
-        this.scheduleFlush();
+    this.handoff = new Handoff(
+      {
+        holdOf: (key) => this.holds.get(key),
+        isPending: (key) => this.pending.has(key),
+        retryLock: (request) => {
+          this.lockQueue.push(request);
+          this.scheduleFlush();
+        },
+        scheduleFlush: () => this.scheduleFlush(),
+        passKey: (from, request) => {
+          this.holds.delete(from.keyText);
+          from.settle(RELEASED);
+          // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
+          return this.grant(request, from.keyText, from.generation, true);
+        },
+        confirm: () => this.connection.confirm("a hand-over's check"),
+        unavailable: () =>
+          this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
       },
-      scheduleFlush: () => this.scheduleFlush(),
-      passKey: (from, request) => {
-        this.holds.delete(from.keyText);
-        from.settle(RELEASED);
-        // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
-        return this.grant(request, from.keyText, from.generation, true);
-      },
-      confirm: () => this.connection.confirm("a hand-over's check"),
-      unavailable: () =>
-        this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
-    });
+      options.idleWorkers,
+    );
   }
 
   /** What the session has done about hand-offs, for `locks.status()`. */
@@ -324,8 +330,13 @@ export class LockSession implements HoldOwner {
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
     const noticesAtSend = this.handoff.notices;
-    const prewakes = this.handoff.takePrewakes();
-    const batch = makeBatch(this.unlockQueue.splice(0), this.lockQueue.splice(0), prewakes);
+    const { prewakes, wakeHere } = this.handoff.takePrewakes();
+    const batch = makeBatch(
+      this.unlockQueue.splice(0),
+      this.lockQueue.splice(0),
+      prewakes,
+      wakeHere,
+    );
     const { unlocks, singles, multis } = batch;
     const locks = [...singles, ...multis];
     let answered: () => void = () => undefined;
@@ -353,7 +364,8 @@ export class LockSession implements HoldOwner {
           }
           for (const [i, key] of answer.slots)
             this.settleLock(multis[i - 1]!, key, generation, false);
-          for (const [i, jobId] of answer.prewoken) this.handoff.prewoke(prewakes[i - 1]!, jobId);
+          for (const [i, jobId] of answer.prewoken)
+            this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
           unlocks.forEach((hold, index) =>
             this.settleUnlock(hold, !answer.failedUnlocks.has(index + 1)),
           );

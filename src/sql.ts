@@ -120,8 +120,9 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * list of slot keys tried in order; $4: keys whose waiters to wake (release_waiters), with $7 the
      * job ids that released them, which runs after the unlocks; $5: for each single key
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
-     * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake). The
-     * functions are in sql/000001.sql, sections 3 and 4.
+     * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
+     * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
+     * prewake). The functions are in sql/000001.sql, sections 3 and 4.
      */
     lockBatch: {
       name: `gwl_lock_batch`,
@@ -157,7 +158,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       union all
       select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
       union all
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[]) p where cardinality($6::bigint[]) > 0`,
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
     },
 
     /**

@@ -128,9 +128,12 @@ export interface Locks {
     handoffs: HandoffCounts;
   };
   /**
-   * Follows a runner of this process for lock-ahead, when it has graphile-worker's local queue
-   * (`localQueue.size`): the locks of each fetched batch are taken in one statement as the batch arrives,
-   * so jobs start without waiting for theirs.
+   * Follows a runner of this process:
+   * - Lock-ahead, for a runner with graphile-worker's local queue (`localQueue.size`): the locks of each
+   *   fetched batch are taken in one statement as the batch arrives, so jobs start without waiting for
+   *   theirs.
+   * - Early wakes here, for a runner without one: the next `reschedule` job in line for a key this process
+   *   holds is fetched by an idle worker of this runner, so that the key passes to it in memory.
    *
    * Returns a function that detaches (also done when the runner stops).
    */

@@ -143,6 +143,9 @@ describe("exclusive execution across processes", () => {
     expect(sum("prewakes")).toBeGreaterThan(0);
     expect(sum("handedOver")).toBeGreaterThan(0);
     expect(sum("afterRelease")).toBeGreaterThan(0);
+    const wokenHere = (worker: string) => handoffs.find((h) => h.worker === worker)!.wokenHere;
+    expect(wokenHere("r1") + wokenHere("r2")).toBeGreaterThan(0);
+    expect(wokenHere("r3")).toBe(0);
   });
 
   it("reschedule enqueued with locks.addJobs, 3 processes x concurrency 4, 300 jobs over 3 keys in line from the start: no overlap, every job runs once, in enqueue order", async () => {

@@ -423,10 +423,13 @@ describe("reschedule hand-off", () => {
   it("across two sessions the job woken early waits for the other session's release, told by a notification", async () => {
     const handoffs = await twoSessionLine("early_remote", false);
     expect(total(handoffs, "afterRelease")).toBeGreaterThan(0);
+    // Without attach, no session knows an idle worker of its own: every early wake is announced to all.
+    expect(handoffs.map((h) => h.wokenHere)).toEqual([0, 0]);
   });
 
-  it("with runners attached, a job woken early and fetched by its holder's runner gets the key in memory", async () => {
+  it("with runners attached, an early wake goes to an idle worker of the holder's process, and the key passes in memory", async () => {
     const handoffs = await twoSessionLine("early_attached", true);
+    expect(total(handoffs, "wokenHere")).toBeGreaterThan(0);
     expect(total(handoffs, "handedOver")).toBeGreaterThan(0);
   });
 
@@ -488,7 +491,7 @@ describe("reschedule hand-off", () => {
 
     // The holder wakes the first in line early.
     const { rows: early } = await q(
-      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1, true)",
       [[key]],
     );
     expect(early).toEqual([{ i: 1, job_id: waitingA }]);
@@ -511,7 +514,7 @@ describe("reschedule hand-off", () => {
 
     // Next time the early-woken job gave up waiting and parked again (under a new id, in its place): the
     // release wakes the first in line, which is that job.
-    await q("select i from graphile_worker_locks.prewake($1)", [[key]]);
+    await q("select i from graphile_worker_locks.prewake($1, true)", [[key]]);
     const { rows: again } = await q(
       "select job_id::text as job_id from graphile_worker_locks.prewakes where lock_key = $1",
       [key],
@@ -523,7 +526,7 @@ describe("reschedule hand-off", () => {
     expect(notices).toHaveLength(1);
   });
 
-  it("an early wake is announced to every worker; its release announces it again if still unfetched", async () => {
+  it("an early wake left to the holder's process is not announced; its release announces it if still unfetched", async () => {
     const locks = newLocks();
     await locks.migrate();
     const key = lockKey("pq", "k").toString();
@@ -557,9 +560,9 @@ describe("reschedule hand-off", () => {
       return notices.splice(0).filter((n) => !n.endsWith(marker));
     };
 
-    // The first in line is woken (runnable now) and every worker is told.
+    // Quiet: the first in line is woken (runnable now) and nobody is told.
     const { rows: early } = await q(
-      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      "select i, job_id::text as job_id from graphile_worker_locks.prewake($1, false)",
       [[key]],
     );
     expect(early).toEqual([{ i: 1, job_id: waiting[0] }]);
@@ -568,7 +571,7 @@ describe("reschedule hand-off", () => {
       [waiting[0]],
     );
     expect(runnable).toEqual([{ runnable: true }]);
-    expect(await settle()).toEqual(["jobs:insert:1"]);
+    expect(await settle()).toEqual([]);
 
     // Nobody fetched it by the release: the release tells its session (should it be fetched meanwhile) and
     // announces it to every worker; it still wakes nobody else.
@@ -577,10 +580,10 @@ describe("reschedule hand-off", () => {
     expect((await release(holder)).rows[0]!.woken).toBe(0);
     expect((await settle()).sort()).toEqual([`gwl_release:${key}`, "jobs:insert:1"]);
 
-    // The next early wake, once the first woken job was fetched, is announced too.
+    // The one-argument prewake (older versions of this library) announces, as it did.
     await markFetched(waiting[0]!);
     const { rows: announced } = await q(
-      "select job_id::text as job_id from graphile_worker_locks.prewake($1)",
+      "select job_id::text as job_id from graphile_worker_locks.prewake($1, true)",
       [[key]],
     );
     expect(announced).toEqual([{ job_id: waiting[1] }]);
@@ -649,10 +652,10 @@ describe("plans with a long line analyzed", () => {
     await client.query({
       name: "lock_batch",
       text: lockBatch.text,
-      values: [[], [key], [], [], [id], [], []],
+      values: [[], [key], [], [], [id], [], [], true],
     });
     const { rows: batchPlan } = await client.query<{ "QUERY PLAN": string }>(
-      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}')`,
+      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true)`,
     );
     const batchText = batchPlan.map((row) => row["QUERY PLAN"]).join("\n");
     expect(batchText).toContain("waiters_lock_key_pos");
