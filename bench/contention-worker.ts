@@ -82,8 +82,6 @@ export interface FetchRecord {
   attempts: number;
   /** When graphile-worker's worker had the job (its row locked). */
   at: number;
-  /** The job's run_at as fetched (ms since the epoch): for a woken waiter, the time it was woken. */
-  runAt: number;
 }
 
 export interface WorkerRecords {
@@ -92,8 +90,6 @@ export interface WorkerRecords {
   fetches: FetchRecord[];
   /** Job id → when its unlock statement was answered. */
   releases: Array<[string, number]>;
-  /** New job id of each parked copy → its safety-net run_at (ms since the epoch). */
-  parked: Array<[string, number]>;
   counters: Record<string, Record<string, number>>;
   /** CPU time of this process (user + system) since the last `reset`, in ms. */
   cpuMs: number;
@@ -120,7 +116,6 @@ async function main(): Promise<void> {
   let executions: ExecutionRecord[] = [];
   let fetches: FetchRecord[] = [];
   let releases = new Map<string, number>();
-  let parked = new Map<string, number>();
   let counters: Record<string, Record<string, number>> = {};
   let cpuAtReset = process.cpuUsage();
   const count = (task: string, what: string) => {
@@ -157,10 +152,7 @@ async function main(): Promise<void> {
     if (local) count(taskIdentifier, "localConflicts");
   });
   locks.events.on("job:dropped", ({ taskIdentifier }) => count(taskIdentifier, "dropped"));
-  locks.events.on("job:rescheduled", ({ taskIdentifier, newJobId, runAt }) => {
-    count(taskIdentifier, "rescheduled");
-    parked.set(newJobId, runAt.getTime());
-  });
+  locks.events.on("job:rescheduled", ({ taskIdentifier }) => count(taskIdentifier, "rescheduled"));
 
   const taskList = {
     ...Object.fromEntries(
@@ -186,11 +178,9 @@ async function main(): Promise<void> {
       seq: payload.seq,
       attempts: job.attempts,
       at: clock(),
-      runAt: new Date(job.run_at).getTime(),
     });
   });
   events.on("job:error", ({ job }: { job: Job }) => count(job.task_identifier, "errors"));
-  events.on("worker:getJob:empty", () => count("*", "emptyFetches"));
 
   await locks.connect();
   // The runner's events, given to the library: early wakes go to this process's idle workers. `attach`
@@ -217,7 +207,6 @@ async function main(): Promise<void> {
         executions = [];
         fetches = [];
         releases = new Map();
-        parked = new Map();
         counters = {};
         cpuAtReset = process.cpuUsage();
       },
@@ -228,7 +217,6 @@ async function main(): Promise<void> {
           executions,
           fetches,
           releases: [...releases],
-          parked: [...parked],
           counters,
           cpuMs: (cpu.user + cpu.system) / 1000,
         };

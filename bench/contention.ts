@@ -180,19 +180,6 @@ interface Quantiles {
 
 export type RunFigures = ReturnType<typeof analyse>;
 
-/**
- * Why a worker fetched a job: its first fetch; a parked copy woken by a release (its run_at moved back to
- * the moment of the wake); a parked copy whose safety-net delay expired; a retry of a failed attempt.
- */
-type FetchCause = "first" | "wake" | "safetyNet" | "retry";
-const CAUSES: FetchCause[] = ["first", "wake", "safetyNet", "retry"];
-const CAUSE_LABEL: Record<FetchCause, string> = {
-  first: "first fetch",
-  wake: "wake",
-  safetyNet: "safety net",
-  retry: "retry",
-};
-
 function quantiles(values: number[]): Quantiles {
   if (values.length === 0) {
     return { n: 0, p50: Number.NaN, p90: Number.NaN, p99: Number.NaN, max: Number.NaN, mean: 0 };
@@ -373,24 +360,10 @@ function analyse(
   }
   const fetches = records.flatMap((r) => r.fetches).filter((f) => f.task === task);
   const releases = new Map(records.flatMap((r) => r.releases));
-  const parked = new Map(records.flatMap((r) => r.parked));
   const fetchOf = new Map<string, FetchRecord>(fetches.map((f) => [`${f.jobId}/${f.attempts}`, f]));
-  const causeOf = (f: FetchRecord): FetchCause => {
-    const plannedRunAt = parked.get(f.jobId);
-    if (plannedRunAt !== undefined) return f.runAt < plannedRunAt - 1 ? "wake" : "safetyNet";
-    return f.attempts > 1 ? "retry" : "first";
-  };
-  const executedIds = new Set(executions.map((e) => `${e.jobId}/${e.attempts}`));
-  const fetchesByCause = Object.fromEntries(
-    CAUSES.map((c) => [c, { fetches: 0, executed: 0 }]),
-  ) as Record<FetchCause, { fetches: number; executed: number }>;
   const firstFetchOf = new Map<number, number>();
-  for (const f of fetches) {
-    const entry = fetchesByCause[causeOf(f)];
-    entry.fetches++;
-    if (executedIds.has(`${f.jobId}/${f.attempts}`)) entry.executed++;
+  for (const f of fetches)
     firstFetchOf.set(f.seq, Math.min(firstFetchOf.get(f.seq) ?? Infinity, f.at));
-  }
   const sum = (what: string, t = task) =>
     records.reduce((total, r) => total + (r.counters[t]?.[what] ?? 0), 0);
 
@@ -411,51 +384,13 @@ function analyse(
   const unlock: number[] = [];
   const nextFetch: number[] = [];
   const fetchToStart: number[] = [];
-  const nextBy = Object.fromEntries(CAUSES.map((c) => [c, 0])) as Record<FetchCause, number>;
-  const handoffsBy = new Map<FetchCause, number[]>();
-  let lastKey = {
-    key: "",
-    firstStartMs: Number.NaN,
-    executingMs: 0,
-    handoffsMs: 0,
-    handoffs: 0,
-  };
-  let lastEnd = -Infinity;
   let maxPerKey = 0;
   let outOfOrder = 0;
-  let overtaken = 0;
-  const outOfOrderPerKey: Record<string, number> = {};
-  for (const [k, list] of [...byKey].sort((a, b) =>
-    a[0].localeCompare(b[0], "en", { numeric: true }),
-  )) {
+  for (const list of byKey.values()) {
     list.sort((a, b) => a.start - b.start);
     maxPerKey = Math.max(maxPerKey, highestConcurrency(list));
     const ranks = list.map((e) => rankOf.get(e.seq)!);
-    let highestRank = 0;
-    for (const rank of ranks) {
-      if (rank < highestRank) overtaken++;
-      highestRank = Math.max(highestRank, rank);
-    }
-    const displaced = ranks.length - longestIncreasing(ranks);
-    outOfOrderPerKey[k] = displaced;
-    outOfOrder += displaced;
-    const end = list.at(-1)!.end;
-    if (end > lastEnd) {
-      lastEnd = end;
-      lastKey = {
-        key: k,
-        firstStartMs: round(list[0]!.start - t0, 1),
-        executingMs: round(
-          list.reduce((total, e) => total + e.end - e.start, 0),
-          1,
-        ),
-        handoffsMs: round(
-          list.slice(1).reduce((total, e, i) => total + e.start - list[i]!.end, 0),
-          1,
-        ),
-        handoffs: list.length - 1,
-      };
-    }
+    outOfOrder += ranks.length - longestIncreasing(ranks);
     for (let i = 1; i < list.length; i++) {
       const previous = list[i - 1]!;
       const next = list[i]!;
@@ -471,11 +406,6 @@ function analyse(
       if (fetch) {
         nextFetch.push(fetch.at - previous.end);
         fetchToStart.push(next.start - fetch.at);
-        const cause = causeOf(fetch);
-        nextBy[cause]++;
-        const list = handoffsBy.get(cause) ?? [];
-        list.push(gap);
-        handoffsBy.set(cause, list);
       }
     }
   }
@@ -506,7 +436,6 @@ function analyse(
     fetches: fetches.length,
     fetchesPerExecuted: round(fetches.length / Math.max(1, executed), 3),
     fetchesPerJob: round(fetches.length / jobs, 3),
-    emptyFetches: sum("emptyFetches", "*"),
     conflicts: sum("conflicts"),
     localConflicts: sum("localConflicts"),
     rescheduled,
@@ -525,27 +454,12 @@ function analyse(
       firstPass: quantiles(when.firstPass),
       afterFirstPass: quantiles(when.afterFirstPass),
     },
-    nextBy,
-    handoffByCause: Object.fromEntries([...handoffsBy].map(([c, v]) => [c, quantiles(v)])),
-    fetchesByCause,
-    allFetchedOnceMs:
-      firstFetchOf.size === jobs ? round(Math.max(...firstFetchOf.values()) - t0, 1) : Number.NaN,
-    slowHandoffs: {
-      n: handoffs.filter((h) => h > 100).length,
-      totalMs: round(
-        handoffs.filter((h) => h > 100).reduce((a, b) => a + b, 0),
-        1,
-      ),
-    },
-    lastKey,
     workerCpuMs: round(
       records.reduce((total, r) => total + r.cpuMs, 0),
       0,
     ),
     maxPerKey,
     outOfOrder,
-    outOfOrderPerKey,
-    overtaken,
   };
 }
 
@@ -721,8 +635,8 @@ function tables(
       `fetches: graphile-worker job:start events (a worker locked a job row), whatever came of it: execution, drop, park, failure.`,
       "hand-off: (start of execution n+1) − (end of execution n) over consecutive executions of a key, all keys pooled.",
       "max per key: the most executions of one key at the same instant, worst run (1 = no overlap).",
-      "out of order: the fewest executions that would have to move for each key's to run in job id order, summed",
-      "(per key below).",
+      "out of order: the fewest executions that would have to move for each key's to run in job id order, summed over",
+      "the keys; reschedule's goal allows one per key (a key's first jobs race for it before any of them has waited).",
       "worker CPU: CPU time (user + system) of the three worker processes over the run (this machine has 2 cores).",
       `mean execution: ${summaries
         .map((v) => `${v.variant} ${fmtFixed(v.meanExecutionMs, 2)} ms`)
@@ -762,8 +676,6 @@ function tables(
       { header: "end → next fetched", align: "right" },
       { header: "fetched → started", align: "right" },
       { header: "end → next started", align: "right" },
-      { header: "> 100 ms (total s)", align: "right" },
-      { header: "by what brought the next job: n, p50 / p99", align: "left" },
       { header: "same process / other: n, mean", align: "right" },
       { header: "first pass / after: n, mean", align: "right" },
     ],
@@ -774,84 +686,18 @@ function tables(
       q(r.breakdown.nextFetchMs),
       q(r.breakdown.fetchToStartMs),
       q(r.handoffMs),
-      `${fmtInt(r.slowHandoffs.n)} (${s(r.slowHandoffs.totalMs)})`,
-      CAUSES.filter((c) => r.handoffByCause[c])
-        .map((c) => `${CAUSE_LABEL[c]} ${r.handoffByCause[c]!.n}, ${q(r.handoffByCause[c]!)}`)
-        .join("; "),
       `${nMean(r.handoffWhere.sameProcess)} / ${nMean(r.handoffWhere.otherProcess)}`,
       `${nMean(r.handoffWhere.firstPass)} / ${nMean(r.handoffWhere.afterFirstPass)}`,
     ]),
     notes: [
       "end: the task body returned (execution n); unlock answered: its lock statement (unlock + wake of the key's oldest",
       "waiter + NOTIFY) came back; next fetched: a worker locked the row of execution n+1's job; started: it took the lock.",
-      "What brought the next job: wake = a parked job woken by a release; safety net = a parked job fetched when its delay",
-      "expired; first fetch = a job fetched for the first time; retry = a failed attempt retried by graphile-worker.",
       "same process / other: where execution n+1 ran against execution n; first pass: execution n+1 started before every",
       "job had been fetched once (while first fetches park the jobs of held keys); means in ms.",
     ],
   };
 
-  const fetchTable: Table = {
-    title:
-      "Contention: fetches by cause, and the makespan of the key that finished last (median-makespan run)",
-    columns: [
-      { header: "variant", align: "left" },
-      ...CAUSES.map((c) => ({
-        header: `${CAUSE_LABEL[c]}: executed/fetched`,
-        align: "right" as const,
-      })),
-      { header: "empty fetches", align: "right" },
-      { header: "all fetched once by s", align: "right" },
-      { header: "last key: first start + executing + hand-offs (n) = s", align: "right" },
-    ],
-    rows: picked.map((r) => [
-      r.variant,
-      ...CAUSES.map((c) => {
-        const f = r.fetchesByCause[c];
-        return f.fetches > 0 ? `${fmtInt(f.executed)}/${fmtInt(f.fetches)}` : "–";
-      }),
-      fmtInt(r.emptyFetches),
-      s(r.allFetchedOnceMs),
-      `${s(r.lastKey.firstStartMs)} + ${s(r.lastKey.executingMs)} + ${s(r.lastKey.handoffsMs)} (${r.lastKey.handoffs}) = ` +
-        s(r.lastKey.firstStartMs + r.lastKey.executingMs + r.lastKey.handoffsMs),
-    ]),
-    notes: [
-      "A fetch that did not execute met a held key: dropped, parked again (reschedule) or failed (raise).",
-      "empty fetches: graphile-worker fetches, of any worker, that found no job (e.g. nudged by a NOTIFY another took).",
-    ],
-  };
-
-  const fifoRuns = measured.filter(
-    (r) => r.variant.startsWith("reschedule") || r.variant.startsWith("queue"),
-  );
-  const keys = Array.from({ length: KEYS }, (_, i) => `k${i}`);
-  const fifo: Table = {
-    title:
-      "Contention: executions out of enqueue order, per key (reschedule promises FIFO; the anchors' queues are FIFO)",
-    columns: [
-      { header: "variant", align: "left" },
-      { header: "round", align: "right" },
-      ...keys.map((k) => ({ header: k, align: "right" as const })),
-      { header: "total", align: "right" },
-      { header: "overtaken", align: "right" },
-    ],
-    rows: fifoRuns.map((r) => [
-      r.variant,
-      String(r.round),
-      ...keys.map((k) => fmtInt(r.outOfOrderPerKey[k] ?? 0)),
-      fmtInt(r.outOfOrder),
-      fmtInt(r.overtaken),
-    ]),
-    notes: [
-      "Per key: executions − the longest sequence of them that ran in job id order, i.e. the fewest that would have to move.",
-      "overtaken: executions that started after a job of their key enqueued later (one early overtaker counts against",
-      "every job it passed).",
-      "reschedule's goal allows one per key: a key's first jobs race for it before any of them has waited (their",
-      "lock statements reach PostgreSQL in any order); from then on the line decides.",
-    ],
-  };
-
-  return [summary, breakdown, fetchTable, fifo];
+  return [summary, breakdown];
 }
 
 function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
