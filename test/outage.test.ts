@@ -3,7 +3,6 @@
  * deferred) leaves no row behind, whatever dies when. Real PostgreSQL, real runners, a TCP proxy in front of
  * the lock session that can be cut, and a worker in a separate process that is killed.
  */
-import net from "node:net";
 import { describe, expect, inject, it } from "vitest";
 import { InvalidArgumentError, lockKey, makeLocks } from "../src/index.js";
 import { withAdmin } from "./support/admin.js";
@@ -12,6 +11,7 @@ import { useExclusiveHarness } from "./support/exclusive.js";
 import { readExecutions } from "./support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
 import { nextEvent, Timeline } from "./support/runner.js";
+import { startProxy } from "./support/proxy.js";
 
 const h = useExclusiveHarness("truncate test_executions, test_events");
 const { db, cleanups, newLocks, runner, holdExternally } = h;
@@ -23,36 +23,22 @@ const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
  * refused, until it is restored.
  */
 async function cuttableProxy(): Promise<{ url: string; cut(): void; restore(): void }> {
-  const target = new URL(db.url);
-  const sockets = new Set<net.Socket>();
   let down = false;
-  const proxy = net.createServer((inbound) => {
+  const { url, sockets } = await startProxy(db.url, cleanups, (inbound, open) => {
     inbound.on("error", () => undefined);
     if (down) {
       inbound.destroy();
       return;
     }
-    const outbound = net.connect(Number(target.port), target.hostname);
+    const outbound = open();
     outbound.on("error", () => undefined);
-    for (const socket of [inbound, outbound]) {
-      sockets.add(socket);
-      socket.on("close", () => sockets.delete(socket));
-    }
     inbound.pipe(outbound);
     outbound.pipe(inbound);
     inbound.on("close", () => outbound.destroy());
     outbound.on("close", () => inbound.destroy());
   });
-  await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
-  cleanups.push(async () => {
-    for (const socket of sockets) socket.destroy();
-    await new Promise((resolve) => proxy.close(resolve));
-  });
-  const url = new URL(db.url);
-  url.hostname = "127.0.0.1";
-  url.port = String((proxy.address() as net.AddressInfo).port);
   return {
-    url: url.toString(),
+    url,
     cut() {
       down = true;
       for (const socket of sockets) socket.destroy();

@@ -4,12 +4,12 @@
  * Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays every
  * answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
  */
-import net from "node:net";
 import { afterEach, describe, expect, it } from "vitest";
 import { setSessionProbe } from "../../src/session.js";
 import { deferred } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";
+import { startProxy } from "../support/proxy.js";
 
 const h = useExclusiveHarness();
 const { db, cleanups, newLocks, runner } = h;
@@ -19,11 +19,8 @@ const DELAY_MS = 250;
 
 /** A TCP proxy in front of PostgreSQL that delays what the server sends by `delayMs` (in order). */
 async function slowProxy(delayMs: number): Promise<string> {
-  const url = new URL(db.url);
-  const sockets = new Set<net.Socket>();
-  const proxy = net.createServer((inbound) => {
-    const outbound = net.connect(Number(url.port), url.hostname);
-    sockets.add(inbound).add(outbound);
+  const { url } = await startProxy(db.url, cleanups, (inbound, open) => {
+    const outbound = open();
     inbound.pipe(outbound);
     outbound.on("data", (chunk: Buffer) => {
       setTimeout(() => {
@@ -37,15 +34,7 @@ async function slowProxy(delayMs: number): Promise<string> {
     inbound.on("error", close).on("close", close);
     outbound.on("error", close).on("close", () => setTimeout(close, delayMs));
   });
-  await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
-  cleanups.push(async () => {
-    for (const socket of sockets) socket.destroy();
-    await new Promise((resolve) => proxy.close(resolve));
-  });
-  const proxied = new URL(db.url);
-  proxied.hostname = "127.0.0.1";
-  proxied.port = String((proxy.address() as net.AddressInfo).port);
-  return proxied.toString();
+  return url;
 }
 
 afterEach(() => setSessionProbe(null));

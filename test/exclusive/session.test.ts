@@ -3,12 +3,13 @@
  * nothing.
  * Real PostgreSQL, real graphile-worker runners, separate connections.
  */
-import net from "node:net";
+import type net from "node:net";
 import { describe, expect, it } from "vitest";
 import { lockKey } from "../../src/index.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent, startRunner } from "../support/runner.js";
+import { startProxy } from "../support/proxy.js";
 
 const h = useExclusiveHarness();
 const { db, cleanups, newLocks, runner } = h;
@@ -101,12 +102,9 @@ describe("lock loss", () => {
   it("a connection that goes silent (no reset, no answer) is given up after heartbeatTimeout: holders abort", async () => {
     // A TCP proxy in front of PostgreSQL whose connections can be frozen: bytes stop flowing both ways,
     // nothing is closed, as when a network drops packets.
-    const target = new URL(db.url);
     const frozen = new Set<net.Socket>();
-    const sockets: net.Socket[] = [];
-    const proxy = net.createServer((inbound) => {
-      const outbound = net.connect(Number(target.port), target.hostname);
-      sockets.push(inbound, outbound);
+    const { url: proxied, sockets } = await startProxy(db.url, cleanups, (inbound, open) => {
+      const outbound = open();
       for (const [from, to] of [
         [inbound, outbound],
         [outbound, inbound],
@@ -121,17 +119,9 @@ describe("lock loss", () => {
         });
       }
     });
-    await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
-    cleanups.push(async () => {
-      for (const socket of sockets) socket.destroy();
-      await new Promise((resolve) => proxy.close(resolve));
-    });
-    const proxied = new URL(db.url);
-    proxied.hostname = "127.0.0.1";
-    proxied.port = String((proxy.address() as net.AddressInfo).port);
 
     const locks = newLocks({
-      lockConnectionString: proxied.toString(),
+      lockConnectionString: proxied,
       // (generous enough that a test machine busy with the other test files is not taken for a dead one)
       heartbeatInterval: 200,
       heartbeatTimeout: 2000,
