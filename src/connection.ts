@@ -75,9 +75,16 @@ export async function backendPid(client: pg.Client): Promise<number> {
 }
 
 /**
+ * Whether `client` reaches PostgreSQL directly: PostgreSQL's BackendKeyData names the backend (`pid`, as
+ * `pg_backend_pid()` reports it), and a proxy sends its own (PgBouncer: a random key).
+ */
+export function isDirect(client: pg.Client, pid: number): boolean {
+  return pid === (client as unknown as { processID?: number }).processID;
+}
+
+/**
  * Whether `client`, on backend `pid`, reaches PostgreSQL through a pooler that pools by transaction.
- * PostgreSQL's BackendKeyData names the backend and a proxy sends its own (PgBouncer: a random key), so a
- * direct connection is recognised without a probe. Behind a proxy, a second client (`config`) opens a
+ * A direct connection (`isDirect`) needs no probe. Behind a proxy, a second client (`config`) opens a
  * transaction, which pins a backend (a pooler hands out the backend released last first: this client's),
  * and this client asks for its backend again. A session pool gives each client its own backend throughout;
  * a transaction pool shows this client's backend to the other client, or another backend to this one.
@@ -89,7 +96,7 @@ export async function probeTransactionPooling(
   pid: number,
   config: ClientConfig,
 ): Promise<string | null> {
-  if (pid === (client as unknown as { processID?: number }).processID) return null;
+  if (isDirect(client, pid)) return null;
   const other = new pg.Client(config);
   other.on("error", () => undefined);
   try {
@@ -439,10 +446,6 @@ export class LockConnection {
     this.tellReadyWaiters();
   }
 
-  /**
-   * The connection of this generation failed: it is dropped, and the host told. It reconnects, unless it
-   * was refused (`refusal`, set before the call). A call about a client already gone does nothing.
-   */
   /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
   lossSignal(): AbortSignal {
     this.lossController ??= new AbortController();
@@ -456,6 +459,10 @@ export class LockConnection {
     controller?.abort(reason);
   }
 
+  /**
+   * The connection of this generation failed: it is dropped, and the host told. It reconnects, unless it
+   * was refused (`refusal`, set before the call). A call about a client already gone does nothing.
+   */
   lost(client: pg.Client | null, error: Error): void {
     if (client !== this.client || this.state !== "ready") return;
     this.generation++;

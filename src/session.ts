@@ -281,7 +281,7 @@ export class LockSession implements HoldOwner {
   /**
    * Sends what is queued at the end of the current turn (a microtask), so that the requests a turn makes
    * share one statement and the first request after a quiet spell leaves without waiting for the event loop.
-   * While a statement is in flight, requests queue up for the one sent when it answers.
+   * While `maxInFlight` statements are in flight, requests queue up for the one sent when the first answers.
    */
   private scheduleFlush(): void {
     if (this.flushScheduled || this.inFlight.length >= this.maxInFlight) return;

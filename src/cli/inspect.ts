@@ -5,7 +5,7 @@
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
-import { backendPid, probeTransactionPooling } from "../connection.js";
+import { backendPid, isDirect, probeTransactionPooling } from "../connection.js";
 import { readHeldLocks } from "../held.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
 
@@ -270,10 +270,9 @@ export async function runChecks(target: Target, options: CheckOptions): Promise<
         : {
             ok: true,
             check: "lock session connection",
-            detail:
-              pid === (lock as unknown as { processID?: number }).processID
-                ? `direct (backend ${pid})`
-                : `through a proxy that keeps one backend per session (backend ${pid})`,
+            detail: isDirect(lock, pid)
+              ? `direct (backend ${pid})`
+              : `through a proxy that keeps one backend per session (backend ${pid})`,
           },
     );
   } finally {
