@@ -6,6 +6,8 @@ export interface Execution {
   lockKey: string;
   worker: string;
   attempts: number;
+  /** What the task wrote beside the execution (the fixture worker: the payload's `n`). */
+  note?: string | null;
   /** Microseconds since the epoch, from PostgreSQL's clock_timestamp(). */
   start: bigint;
   end: bigint | null;
@@ -17,10 +19,11 @@ export async function readExecutions(pool: pg.Pool, task = "exec"): Promise<Exec
     lock_key: string;
     worker: string;
     attempts: number;
+    note: string | null;
     s: string;
     e: string | null;
   }>(
-    `select job_id::text, lock_key, worker, attempts,
+    `select job_id::text, lock_key, worker, attempts, note,
        (extract(epoch from started_at) * 1000000)::bigint::text as s,
        (extract(epoch from ended_at) * 1000000)::bigint::text as e
      from test_executions where task = $1 order by id`,
@@ -31,6 +34,7 @@ export async function readExecutions(pool: pg.Pool, task = "exec"): Promise<Exec
     lockKey: r.lock_key,
     worker: r.worker,
     attempts: r.attempts,
+    note: r.note,
     start: BigInt(r.s),
     end: r.e === null ? null : BigInt(r.e),
   }));
