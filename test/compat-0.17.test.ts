@@ -18,20 +18,29 @@ let locks: Locks;
 let runner: gw17.Runner | undefined;
 
 const admin = <T>(fn: (client: pg.Client) => Promise<T>) => withAdmin(inject("baseUrl"), fn);
+const quiet = new gw17.Logger(() => () => undefined);
+
+/** A graphile-worker 0.17 runner of `taskList` on the file's database: concurrency 2, polling every 50 ms. */
+const run17 = (taskList: gw17.TaskList) =>
+  gw17.run({
+    connectionString: url,
+    concurrency: 2,
+    taskList,
+    noHandleSignals: true,
+    pollInterval: 50,
+    logger: quiet,
+  });
 
 beforeAll(async () => {
   await admin((c) => c.query(`create database ${name} template template0`));
   url = databaseUrl(inject("baseUrl"), name);
-  await gw17.runMigrations({
-    connectionString: url,
-    logger: new gw17.Logger(() => () => undefined),
-  });
+  await gw17.runMigrations({ connectionString: url, logger: quiet });
   pool = new pg.Pool({ connectionString: url });
   // The database is dropped with force at the end: a backend it terminates under a client the pool has not
   // closed yet must not crash the test worker with an unhandled 'error' event (seen once in CI's Node 24 run).
   pool.on("error", () => undefined);
   pool.on("connect", (client) => client.on("error", () => undefined));
-  locks = makeLocks({ pgPool: pool, logger: new gw17.Logger(() => () => undefined) as never });
+  locks = makeLocks({ pgPool: pool, logger: quiet as never });
   await locks.migrate();
 });
 
@@ -74,14 +83,7 @@ describe("graphile-worker 0.17.3", () => {
     const rescheduled = new Promise<string>((resolve) =>
       locks.events.once("job:rescheduled", (e) => resolve(e.newJobId)),
     );
-    runner = await gw17.run({
-      connectionString: url,
-      concurrency: 2,
-      taskList: { later: task as unknown as gw17.Task },
-      noHandleSignals: true,
-      pollInterval: 50,
-      logger: new gw17.Logger(() => () => undefined),
-    });
+    runner = await run17({ later: task as unknown as gw17.Task });
     const newId = await rescheduled;
     const rows = await waitFor(
       async () => {
@@ -128,22 +130,12 @@ describe("graphile-worker 0.17.3", () => {
       "select graphile_worker_locks.reschedule_job($1, now())::text as id",
       [job!.id],
     );
-    const utils = await gw17.makeWorkerUtils({
-      connectionString: url,
-      logger: new gw17.Logger(() => () => undefined),
-    });
+    const utils = await gw17.makeWorkerUtils({ connectionString: url, logger: quiet });
     await utils.forceUnlockWorkers(["dead"]);
     await utils.release();
     const ran: string[] = [];
     const task = locks.exclusive("crashy", async (_p, helpers) => void ran.push(helpers.job.id));
-    runner = await gw17.run({
-      connectionString: url,
-      concurrency: 2,
-      taskList: { crashy: task as unknown as gw17.Task },
-      noHandleSignals: true,
-      pollInterval: 50,
-      logger: new gw17.Logger(() => () => undefined),
-    });
+    runner = await run17({ crashy: task as unknown as gw17.Task });
     await waitFor(async () => ran.length === 1, { message: "the copy to run" });
     await new Promise((r) => setTimeout(r, 300));
     expect(ran).toEqual([rows[0]!.id]);
@@ -199,15 +191,7 @@ describe("graphile-worker 0.17.3", () => {
     expect(bulk.map((r) => r.outcome)).toEqual(["added", "duplicate", "added"]);
     // And a 0.17 runner runs them.
     const ran: string[] = [];
-    const quiet = new gw17.Logger(() => () => undefined);
-    runner = await gw17.run({
-      connectionString: url,
-      concurrency: 2,
-      taskList: { b17: async (p: unknown) => void ran.push(JSON.stringify(p)) },
-      noHandleSignals: true,
-      pollInterval: 50,
-      logger: quiet,
-    });
+    runner = await run17({ b17: async (p: unknown) => void ran.push(JSON.stringify(p)) });
     await waitFor(async () => ran.length === 2, { message: "the bulk jobs to run" });
     await runner.stop();
     runner = undefined;

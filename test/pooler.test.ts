@@ -5,7 +5,7 @@
  * says for the version: before 1.21 named ones fail through transaction mode, from 1.21 on they work with
  * `max_prepared_statements`. Each binary's tests skip, with a message, where it is missing.
  */
-import { Logger, makeWorkerUtils, type Runner, type WorkerUtils } from "graphile-worker";
+import { Logger, makeWorkerUtils, type Runner, type Task, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { makeLocks, type Locks, type LocksError } from "../src/index.js";
@@ -154,6 +154,18 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
     startPgBouncer(db.url, { binary: binary!.path, ...options });
   /** The library's options for this version, as the README gives them: its default where it can. */
   const preparedOption = prepared ? {} : { preparedStatements: false };
+  /** One runner per task through the pooler at `via` (concurrency 4, graphile-worker's side as the README sets it). */
+  const startRunnersVia = (via: string, tasks: Task[]) =>
+    Promise.all(
+      tasks.map((exec) =>
+        startRunner({
+          connectionString: via,
+          noPreparedStatements: !prepared,
+          concurrency: 4,
+          taskList: { exec },
+        }).then(track),
+      ),
+    );
 
   beforeAll(async () => {
     bouncer = await start(prepared ? { maxPreparedStatements: 100 } : {});
@@ -188,16 +200,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       for (const locks of instances) locks.events.on("job:dropped", () => dropped++);
       const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
       await enqueueExec(instances[0]!, 160, 4);
-      await Promise.all(
-        tasks.map((exec) =>
-          startRunner({
-            connectionString: via,
-            noPreparedStatements: !prepared,
-            concurrency: 4,
-            taskList: { exec },
-          }).then(track),
-        ),
-      );
+      await startRunnersVia(via, tasks);
       await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
 
       const executions = await readExecutions(db.pool());
@@ -248,16 +251,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
 
       const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
       await enqueueExec(instances[0]!, 40, 4, 50);
-      await Promise.all(
-        tasks.map((exec) =>
-          startRunner({
-            connectionString: via,
-            noPreparedStatements: !prepared,
-            concurrency: 4,
-            taskList: { exec },
-          }).then(track),
-        ),
-      );
+      await startRunnersVia(via, tasks);
       // Every job is tried, and fails with the refusal instead of running.
       await waitFor(async () => (await jobCount("last_error is not null")) === 40, {
         timeoutMs: 60_000,

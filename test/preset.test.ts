@@ -91,17 +91,23 @@ const WORKER = `concurrentJobs: 4,
 
 const range = (n: number) => Array.from({ length: n }, (_, i) => i);
 
+/** A project with the `charge_card` (TypeScript) and `report` tasks under WORKER's preset, and that preset. */
+async function chargeCardProject() {
+  const project = await writeProject({
+    entry: built.entry,
+    worker: WORKER,
+    tasks: { "charge_card.ts": CHARGE_CARD_TS, "report.js": REPORT_JS },
+  });
+  projects.push(project);
+  const { default: preset } = (await import(project.configPath)) as {
+    default: GraphileConfig.Preset;
+  };
+  return { project, preset };
+}
+
 describe("LocksPreset through the graphile-worker CLI", () => {
   it("2 processes x concurrency 4: no overlap per key, every job run once (rules from the preset and from a task file)", async () => {
-    const project = await writeProject({
-      entry: built.entry,
-      worker: WORKER,
-      tasks: { "charge_card.ts": CHARGE_CARD_TS, "report.js": REPORT_JS },
-    });
-    projects.push(project);
-    const { default: preset } = (await import(project.configPath)) as {
-      default: GraphileConfig.Preset;
-    };
+    const { project, preset } = await chargeCardProject();
 
     // Enqueue-only side: the same preset gives `locks.addJob` the task's rules.
     const utils = await makeWorkerUtils({ connectionString: db.url });
@@ -215,15 +221,7 @@ describe("LocksPreset through the graphile-worker CLI", () => {
 
 describe("LocksPreset through run({ preset }) in this process", () => {
   it("two runners share one lock session; no overlap per key; every job run once", async () => {
-    const project = await writeProject({
-      entry: built.entry,
-      worker: WORKER,
-      tasks: { "charge_card.ts": CHARGE_CARD_TS, "report.js": REPORT_JS },
-    });
-    projects.push(project);
-    const { default: preset } = (await import(project.configPath)) as {
-      default: GraphileConfig.Preset;
-    };
+    const { preset } = await chargeCardProject();
     // This process loads the TypeScript task file as the CLI does under `--import tsx`.
     const unregister = register();
     const locks = makeLocksFromPreset(preset, { connectionString: db.url });
