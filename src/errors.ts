@@ -1,9 +1,8 @@
-import type { Job } from "graphile-worker";
-
 /**
  * Errors thrown by graphile-worker-locks. Every error carries a stable, readable `code`; subclasses exist
  * only where callers are expected to branch on them.
  */
+import type { Job } from "graphile-worker";
 
 /** Codes carried by {@link LocksError} and its subclasses. */
 export const ErrorCodes = {
