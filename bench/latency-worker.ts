@@ -25,7 +25,7 @@ import pg from "pg";
 import { run, type Runner, type Task, type WorkerEvents } from "graphile-worker";
 import { isMain, quietLogger, serveParent, sleep } from "./lib.js";
 import { library, sessionModule } from "./library.js";
-import type { WorkerPreset } from "./throughput.js";
+import type { WorkerPreset } from "./lib.js";
 
 export const LATENCY_TASK = "io";
 

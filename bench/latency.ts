@@ -40,7 +40,7 @@ import {
   type LatencyVariant,
   type StartRequest,
 } from "./latency-worker.js";
-import type { WorkerPreset } from "./throughput.js";
+import type { WorkerPreset } from "./lib.js";
 
 const ROUNDS = benchRounds(2);
 const TASK_MS = [1, 5, 20, 100];
