@@ -58,9 +58,12 @@ export interface Table {
   notes?: string[];
 }
 
-/** A table whose columns are right-aligned, except the first and those whose header starts with "<". */
-export function table(title: string, headers: string[], rows: string[][], notes?: string[]): Table {
-  const columns = headers.map((h, i) => ({
+/**
+ * A table; `headers` are separated by " | ", and its columns right-aligned except the first and those
+ * whose header starts with "<".
+ */
+export function table(title: string, headers: string, rows: string[][], notes?: string[]): Table {
+  const columns = headers.split(" | ").map((h, i) => ({
     header: h.replace(/^</, ""),
     align: i === 0 || h.startsWith("<") ? ("left" as const) : ("right" as const),
   }));

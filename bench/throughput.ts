@@ -387,21 +387,7 @@ function overheadTable(results: ConfigFigures[]) {
   const ratio = (value: number | null) => (value === null ? "–" : fmtFixed(value, 2));
   return table(
     `Execution overhead: no-op task, jobs/s (median of ${ROUNDS} alternating runs; ± = spread (max−min)/median)`,
-    [
-      "config",
-      "jobs/run",
-      "plain",
-      "wrapped",
-      "wrapped/plain",
-      "goal",
-      "<met",
-      "lock stmts/job",
-      "naive",
-      "naive/plain",
-      "naive, conn/job",
-      "its /plain",
-      "node CPU µs/job p/w/n/c",
-    ],
+    "config | jobs/run | plain | wrapped | wrapped/plain | goal | <met | lock stmts/job | naive | naive/plain | naive, conn/job | its /plain | node CPU µs/job p/w/n/c",
     results.map(({ variants: v, ...c }) => [
       `${c.id}: ${c.label}`,
       !v.naive || v.naive.jobs === v.plain.jobs
@@ -461,11 +447,7 @@ function sessionTable(
   const embedded = ctx.postgresServer === "embedded";
   return table(
     "Lock session cost, wrapped runs (per worker process; medians over the measured rounds)",
-    [
-      "",
-      ...results.map((c) => `${c.id} (${c.processes} process${c.processes > 1 ? "es" : ""})`),
-      "<goal",
-    ],
+    ` | ${results.map((c) => `${c.id} (${c.processes} process${c.processes > 1 ? "es" : ""})`).join(" | ")} | <goal`,
     [
       row(
         "lock session connections per process",
