@@ -40,7 +40,6 @@ export interface Goal {
   /** e.g. "wrapped/plain ≥ 0.90" */
   target: string;
   value: number;
-  threshold?: number;
   met: boolean;
 }
 
@@ -517,13 +516,40 @@ export const sendEvent = (event: string, data?: unknown): void => {
 };
 
 /**
- * Answers each request with its handler's result (or its error). On `leave`, or when the parent goes
- * away, runs `leave` and exits. Returns `sendEvent`.
+ * A worker process's entry point: when `moduleUrl` is the script node was started with (not a module the
+ * parent imports for its types and constants), calls `setup` with DATABASE_URL and the process's name,
+ * serves the handlers it returns and sends `ready`; exits with 1 if setting up fails.
  */
-export function serveParent<R extends Request>(
-  handlers: Handlers<R>,
-  leave: () => Promise<void>,
-): (event: string, data?: unknown) => void {
+export function workerMain<R extends Request>(
+  moduleUrl: string,
+  setup: (url: string, name: string) => Promise<{ handlers: Handlers<R>; leave(): Promise<void> }>,
+): void {
+  if (process.argv[1] === undefined || moduleUrl !== pathToFileURL(process.argv[1]).href) return;
+  const name = process.env.WORKER_NAME ?? String(process.pid);
+  setup(process.env.DATABASE_URL!, name).then(
+    ({ handlers, leave }) => {
+      serve(handlers, leave);
+      sendEvent("ready");
+    },
+    (error: unknown) => {
+      console.error(`[${basename(fileURLToPath(moduleUrl), ".ts")} ${name}] failed:`, error);
+      process.exit(1);
+    },
+  );
+}
+
+/** graphile-worker's worker options (`preset.worker`), as the sections' configurations give them. */
+export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
+
+/** graphile-worker's `run()` as the bench's runners start: quiet, no signal handlers. */
+export const startRunner = (options: RunnerOptions) =>
+  run({ noHandleSignals: true, logger: quietLogger, ...options });
+
+/**
+ * Answers each request with its handler's result (or its error). On `leave`, or when the parent goes
+ * away, runs `leave` and exits.
+ */
+function serve<R extends Request>(handlers: Handlers<R>, leave: () => Promise<void>): void {
   const send = (reply: Reply, then?: () => void) =>
     process.send!(reply, undefined, {}, () => then?.());
   const exit = (then: (code: number) => void) => {
@@ -548,60 +574,4 @@ export function serveParent<R extends Request>(
       );
   });
   process.on("disconnect", () => exit((code) => process.exit(code)));
-  return sendEvent;
-}
-
-/**
- * A worker process's entry point: when `moduleUrl` is the script node was started with (not a module the
- * parent imports for its types and constants), calls `setup` with DATABASE_URL and the process's name,
- * serves the handlers it returns and sends `ready`; exits with 1 if setting up fails.
- */
-export function workerMain<R extends Request>(
-  moduleUrl: string,
-  setup: (url: string, name: string) => Promise<{ handlers: Handlers<R>; leave(): Promise<void> }>,
-): void {
-  if (process.argv[1] === undefined || moduleUrl !== pathToFileURL(process.argv[1]).href) return;
-  const name = process.env.WORKER_NAME ?? String(process.pid);
-  setup(process.env.DATABASE_URL!, name).then(
-    ({ handlers, leave }) => {
-      serveParent(handlers, leave);
-      sendEvent("ready");
-    },
-    (error: unknown) => {
-      console.error(`[${basename(fileURLToPath(moduleUrl), ".ts")} ${name}] failed:`, error);
-      process.exit(1);
-    },
-  );
-}
-
-/** Whether this module is the script node was started with. */
-export const isMain = (url: string): boolean =>
-  process.argv[1] !== undefined && url === pathToFileURL(process.argv[1]).href;
-
-/** graphile-worker's worker options (`preset.worker`), as the sections' configurations give them. */
-export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
-
-/** graphile-worker's `run()` as the bench's runners start: quiet, no signal handlers. */
-export const startRunner = (options: RunnerOptions) =>
-  run({ noHandleSignals: true, logger: quietLogger, ...options });
-
-/** Forks processes of `script`, for the sections not yet on `withWorkers`. */
-export async function forkWorkers(
-  script: URL,
-  count: number,
-  env: Record<string, string>,
-  execArgv: string[] = [],
-): Promise<WorkerProcess[]> {
-  let forked: WorkerProcess[] = [];
-  await withWorkers(
-    script,
-    count,
-    env,
-    async (workers) => {
-      // Kept running: the caller stops them.
-      forked = workers.splice(0);
-    },
-    execArgv,
-  );
-  return forked;
 }
