@@ -1,244 +1,144 @@
 /**
- * A worker process of the contention section (bench/contention.ts), forked three times as
- * `node --import tsx bench/contention-worker.ts`.
+ * A worker process of the contention section (contention.ts), forked three times and kept. It runs one
+ * graphile-worker runner (concurrency CONCURRENCY) whose task list holds the section's four tasks, so that
+ * the same processes serve every run: `cx_drop`, `cx_reschedule` and `cx_raise`, the 20 ms task wrapped
+ * by `locks.exclusive()` with that conflict strategy (key: `payload.k`), and `cx_queue`, the same task
+ * without the library, for the anchors whose jobs graphile-worker's named queues serialise. The runner is
+ * given to `locks.attach`: early wakes go to this process's idle workers.
  *
- * It runs one graphile-worker runner (concurrency CONCURRENCY, poll interval POLL_INTERVAL) whose task list
- * holds the four tasks of the section, so that the same processes serve every run:
- * - `cx_drop`, `cx_reschedule`, `cx_raise`: the 20 ms task wrapped by `locks.exclusive()` with that conflict
- *   strategy (key: `payload.k`; the library's default reschedule backoff, unless BENCH_RESCHEDULE gives one
- *   as JSON, for experiments);
- * - `cx_queue`: the same task without the library, for the anchor run whose jobs are serialised by
- *   graphile-worker's own named queues (one `queueName` per key).
+ * It records, on the common clock `performance.timeOrigin + performance.now()` (ms since the epoch; every
+ * process is on this machine, and the parent measures the offsets): each execution's start and end
+ * (inside the task, while the job holds its lock or its queue), each fetch (`job:start`: a worker locked
+ * the job's row), each release (`lock:released`: the unlock statement, which also woke the key's next
+ * waiter, was answered), the parks per task (`job:rescheduled`) and this process's CPU time.
  *
- * Everything is recorded in memory, with the clock `performance.timeOrigin + performance.now()` (ms since
- * the epoch, sub-millisecond; every process is on the same machine, and the parent checks the offsets):
- * each execution's start and end (taken inside the task, i.e. while the job holds its lock or its queue),
- * each fetch (graphile-worker's `job:start`, emitted when a worker has locked a job row), each release
- * (`lock:released`, once PostgreSQL answered the unlock statement, which also woke the key's next waiter),
- * each park (`job:rescheduled`), and counters of conflicts, drops, failures and empty fetches.
- *
- * Requests (serveParent in lib.ts): `clock` (answers this process's clock), `reset` (forgets what was
- * recorded), `collect` (answers the records), `poll` (restarts the runner with another poll interval, and
- * with or without `forbiddenFlags: locks.forbiddenFlags`), `leave` (stops the runner, releases the lock
- * session and exits). Sends `ready` once its runner runs and its lock session is open.
+ * Requests: `clock`, `reset` (forgets the records), `collect` (answers them), `poll` (restarts the runner
+ * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`).
  */
 import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
-import { Logger, run, type Job, type JobHelpers, type WorkerEvents } from "graphile-worker";
-import type { ExclusiveOptions, RescheduleOptions } from "../src/index.js";
-import { isMain, serveParent } from "./lib.js";
+import type { Job, JobHelpers, Runner, WorkerEvents } from "graphile-worker";
+import type { ExclusiveOptions } from "../src/index.js";
+import { quietLogger, sleep, startRunner, workerMain } from "./lib.js";
 import { library } from "./library.js";
 
 export const TASK_MS = 20;
-export const STRATEGY_TASKS = {
-  drop: "cx_drop",
-  reschedule: "cx_reschedule",
-  raise: "cx_raise",
-} as const;
+export const STRATEGY_TASKS = { drop: "cx_drop", reschedule: "cx_reschedule", raise: "cx_raise" };
 export const QUEUE_TASK = "cx_queue";
-export const ALL_TASKS = [...Object.values(STRATEGY_TASKS), QUEUE_TASK];
+export type Strategy = keyof typeof STRATEGY_TASKS;
 
-/** Every job's payload: its key, and its position in the enqueue order (1-based, = job id order). */
-export interface ContentionPayload {
-  k: string;
-  seq: number;
-}
+/** Every job's payload: its key, and its position in the enqueue order (1-based). */
+export type ContentionPayload = { k: string; seq: number };
 
-/**
- * How every process defines the task of `strategy` (the workers to run it, the bench to enqueue it with
- * `locks.addJobs`, which reads the definition). For experiments only: BENCH_RESCHEDULE='{"minDelay":10000}'
- * overrides the library's default backoff.
- */
-export function strategyOptions(
-  strategy: keyof typeof STRATEGY_TASKS,
-): ExclusiveOptions<ContentionPayload> {
-  return {
-    onConflict: strategy,
-    key: (p) => p.k,
-    ...(strategy === "reschedule" && process.env.BENCH_RESCHEDULE
-      ? { reschedule: JSON.parse(process.env.BENCH_RESCHEDULE) as RescheduleOptions }
-      : {}),
-  };
-}
+/** How every process defines the task of `strategy` (and the bench, which enqueues with `locks.addJobs`). */
+export const strategyOptions = (strategy: Strategy): ExclusiveOptions<ContentionPayload> => ({
+  onConflict: strategy,
+  key: (p) => p.k,
+});
 
 /** The common clock: milliseconds since the epoch, with sub-millisecond resolution. */
 export const clock = (): number => performance.timeOrigin + performance.now();
 
-export interface ExecutionRecord {
+/** A job's execution (`at` its start, `end` its end) or fetch (`at`). */
+export type Mark = ContentionPayload & {
   jobId: string;
   task: string;
-  k: string;
-  seq: number;
   attempts: number;
-  start: number;
-  end: number;
-}
-
-export interface FetchRecord {
-  jobId: string;
-  task: string;
-  k: string;
-  seq: number;
-  attempts: number;
-  /** When graphile-worker's worker had the job (its row locked). */
   at: number;
-}
+  end?: number;
+};
 
 export interface WorkerRecords {
   name: string;
-  executions: ExecutionRecord[];
-  fetches: FetchRecord[];
+  executions: Mark[];
+  fetches: Mark[];
   /** Job id → when its unlock statement was answered. */
   releases: Array<[string, number]>;
-  counters: Record<string, Record<string, number>>;
-  /** CPU time of this process (user + system) since the last `reset`, in ms. */
+  /** Parks per task. */
+  rescheduled: Record<string, number>;
+  /** CPU time (user + system) since the last `reset`, ms. */
   cpuMs: number;
 }
 
-type ParentMessage =
+export type ContentionRequest =
   | { type: "clock" }
   | { type: "reset" }
   | { type: "collect" }
   | { type: "poll"; pollInterval: number; skipHeld: boolean };
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
-
-async function main(): Promise<void> {
-  const url = process.env.DATABASE_URL;
-  if (!url) throw new Error("contention-worker: DATABASE_URL is not set");
-  const name = process.env.WORKER_NAME ?? String(process.pid);
-  const concurrency = Number(process.env.CONCURRENCY ?? 8);
-  let pollInterval = Number(process.env.POLL_INTERVAL ?? 2000);
-  /** Whether the runner skips jobs of the keys this process holds (`forbiddenFlags: locks.forbiddenFlags`). */
-  let skipHeld = false;
-  const quiet = new Logger(() => () => undefined);
-
-  let executions: ExecutionRecord[] = [];
-  let fetches: FetchRecord[] = [];
-  let releases = new Map<string, number>();
-  let counters: Record<string, Record<string, number>> = {};
-  let cpuAtReset = process.cpuUsage();
-  const count = (task: string, what: string) => {
-    const c = (counters[task] ??= {});
-    c[what] = (c[what] ?? 0) + 1;
+workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
+  const blank = () => ({
+    executions: [] as Mark[],
+    fetches: [] as Mark[],
+    releases: new Map<string, number>(),
+    rescheduled: {} as Record<string, number>,
+    cpu: process.cpuUsage(),
+  });
+  let records = blank();
+  const mark = (job: Job, at: number): Mark => {
+    const { k, seq } = job.payload as ContentionPayload;
+    return { jobId: job.id, task: job.task_identifier, k, seq, attempts: job.attempts, at };
   };
-
-  const body =
-    (task: string) =>
-    async (payload: ContentionPayload, helpers: JobHelpers): Promise<void> => {
-      const start = clock();
-      await sleep(TASK_MS);
-      executions.push({
-        jobId: helpers.job.id,
-        task,
-        k: payload.k,
-        seq: payload.seq,
-        attempts: helpers.job.attempts,
-        start,
-        end: clock(),
-      });
-    };
+  const body = async (_payload: ContentionPayload, { job }: JobHelpers): Promise<void> => {
+    const at = clock();
+    await sleep(TASK_MS);
+    records.executions.push({ ...mark(job, at), end: clock() });
+  };
 
   const locks = library.makeLocks({
     connectionString: url,
-    logger: quiet,
+    logger: quietLogger,
     applicationName: `gwl-bench-contention/${name}`,
   });
-  locks.events.on("lock:released", ({ job }) => {
-    releases.set(job.id, clock());
+  locks.events.on("lock:released", ({ job }) => void records.releases.set(job.id, clock()));
+  locks.events.on("job:rescheduled", ({ taskIdentifier: t }) => {
+    records.rescheduled[t] = (records.rescheduled[t] ?? 0) + 1;
   });
-  locks.events.on("lock:conflict", ({ taskIdentifier, local }) => {
-    count(taskIdentifier, "conflicts");
-    if (local) count(taskIdentifier, "localConflicts");
-  });
-  locks.events.on("job:dropped", ({ taskIdentifier }) => count(taskIdentifier, "dropped"));
-  locks.events.on("job:rescheduled", ({ taskIdentifier }) => count(taskIdentifier, "rescheduled"));
-
   const taskList = {
     ...Object.fromEntries(
-      (Object.keys(STRATEGY_TASKS) as Array<keyof typeof STRATEGY_TASKS>).map((strategy) => {
-        const task = STRATEGY_TASKS[strategy];
-        return [
-          task,
-          locks.exclusive<ContentionPayload>(task, body(task), strategyOptions(strategy)),
-        ];
-      }),
+      Object.entries(STRATEGY_TASKS).map(([strategy, task]) => [
+        task,
+        locks.exclusive<ContentionPayload>(task, body, strategyOptions(strategy as Strategy)),
+      ]),
     ),
-    [QUEUE_TASK]: body(QUEUE_TASK),
+    [QUEUE_TASK]: body,
   };
-
   const events = new EventEmitter() as WorkerEvents;
-  events.on("job:start", ({ job }: { job: Job }) => {
-    const payload = job.payload as ContentionPayload;
-    count(job.task_identifier, "starts");
-    fetches.push({
-      jobId: job.id,
-      task: job.task_identifier,
-      k: payload.k,
-      seq: payload.seq,
-      attempts: job.attempts,
-      at: clock(),
-    });
-  });
-  events.on("job:error", ({ job }: { job: Job }) => count(job.task_identifier, "errors"));
+  events.on("job:start", ({ job }) => void records.fetches.push(mark(job, clock())));
 
   await locks.connect();
-  // The runner's events, given to the library: early wakes go to this process's idle workers. `attach`
-  // detaches itself when the runner stops, so each runner started on these events is attached anew.
-  const start = () => {
+  // `attach` detaches itself when the runner stops: each runner started on these events is attached anew.
+  const start = (pollInterval: number, skipHeld: boolean) => {
     locks.attach({ events });
-    return run({
+    return startRunner({
       connectionString: url,
-      concurrency,
+      concurrency: Number(process.env.CONCURRENCY),
       taskList: taskList as never,
-      noHandleSignals: true,
       pollInterval,
-      logger: quiet,
       events,
       ...(skipHeld ? { forbiddenFlags: locks.forbiddenFlags } : {}),
     });
   };
-  let runner = await start();
+  let runner: Runner = await start(Number(process.env.POLL_INTERVAL), false);
 
-  const send = serveParent<ParentMessage>(
-    {
-      clock: () => clock(),
-      reset: () => {
-        executions = [];
-        fetches = [];
-        releases = new Map();
-        counters = {};
-        cpuAtReset = process.cpuUsage();
-      },
+  return {
+    handlers: {
+      clock,
+      reset: () => void (records = blank()),
       collect: (): WorkerRecords => {
-        const cpu = process.cpuUsage(cpuAtReset);
-        return {
-          name,
-          executions,
-          fetches,
-          releases: [...releases],
-          counters,
-          cpuMs: (cpu.user + cpu.system) / 1000,
-        };
+        const cpu = process.cpuUsage(records.cpu);
+        const { executions, fetches, releases, rescheduled } = records;
+        const cpuMs = (cpu.user + cpu.system) / 1000;
+        return { name, executions, fetches, releases: [...releases], rescheduled, cpuMs };
       },
-      poll: async (message) => {
+      poll: async ({ pollInterval, skipHeld }) => {
         await runner.stop();
-        pollInterval = message.pollInterval;
-        skipHeld = message.skipHeld;
-        runner = await start();
+        runner = await start(pollInterval, skipHeld);
       },
     },
-    async () => {
+    async leave() {
       await runner.stop();
       await locks.release();
     },
-  );
-  send("ready");
-}
-
-if (isMain(import.meta.url)) {
-  main().catch((error: unknown) => {
-    console.error(`[contention-worker ${process.env.WORKER_NAME ?? process.pid}] failed:`, error);
-    process.exit(1);
-  });
-}
+  };
+});

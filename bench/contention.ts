@@ -2,45 +2,25 @@
  * Section "contention": 2,000 jobs over 10 keys, 20 ms tasks, 3 worker processes (contention-worker.ts)
  * × concurrency 8, per conflict strategy and against graphile-worker's queueName anchors (method and
  * variants: bench/README.md). The jobs go in with one statement; the clock runs from just before it to the
- * end of the last execution. Every process records each execution's start and end (inside the task, on the
- * common clock `performance.timeOrigin + performance.now()`, offsets measured over IPC), each fetch, unlock
- * and park; `analyse` turns them into makespan, fetches, hand-offs, overlap and FIFO figures. A warm-up of
- * each variant, then BENCH_ROUNDS alternating rounds (medians), then one raise run stopped at a time limit.
+ * end of the last execution. The processes record each execution, fetch, unlock and park on a common clock
+ * (offsets measured over IPC); `analyse` turns them into makespan, fetches, hand-offs, overlap and FIFO
+ * figures. A warm-up of each variant, then BENCH_ROUNDS rounds alternating them (medians), then one raise
+ * run stopped at a time limit. BENCH_CONTENTION=<variant ids> runs only those variants.
  */
 import { highestConcurrency } from "../scripts/overlap.js";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
-import {
-  countJobs,
-  fmtFixed,
-  fmtInt,
-  fmtPercent,
-  forkWorkers,
-  median,
-  quietLogger,
-  resetJobs,
-  round,
-  sleep,
-  spread,
-  type BenchContext,
-  type Goal,
-  type Section,
-  type SectionResult,
-  type Table,
-  type WorkerProcess,
-  benchRounds,
-} from "./lib.js";
+import { benchRounds, countJobs, fmtFixed, fmtInt, fmtPercent, goal, median } from "./lib.js";
+import { quietLogger, resetJobs, round, sleep, spread, table, withWorkers } from "./lib.js";
+import type { BenchContext, Section, WorkerProcess } from "./lib.js";
 import {
   QUEUE_TASK,
   STRATEGY_TASKS,
   TASK_MS,
   clock,
   strategyOptions,
-  type ContentionPayload,
-  type ExecutionRecord,
-  type FetchRecord,
-  type WorkerRecords,
 } from "./contention-worker.js";
+import type { ContentionPayload, Mark, WorkerRecords } from "./contention-worker.js";
 
 const WORKER_SCRIPT = new URL("./contention-worker.ts", import.meta.url);
 const PROCESSES = 3;
@@ -54,74 +34,10 @@ const POLL_INTERVAL_MS = 2000;
  */
 const FAST_POLL_INTERVAL_MS = 100;
 const ROUNDS = benchRounds(3);
-
 const SIZES = {
   full: { jobs: 2000, warmJobs: 200, raiseLimitMs: 45_000 },
   quick: { jobs: 200, warmJobs: 50, raiseLimitMs: 6_000 },
 };
-
-interface Variant {
-  id: string;
-  label: string;
-  task: string;
-  /** One named queue per key (the anchor). */
-  queues: boolean;
-  /** graphile-worker's poll interval for this run (the runners are restarted when it changes). */
-  pollInterval: number;
-  /**
-   * Whether the jobs carry their key's flag and the runners skip the keys their process holds
-   * (`forbiddenFlags: locks.forbiddenFlags`; the runners are restarted when it changes).
-   */
-  skipHeld?: boolean;
-  /**
-   * Enqueued with `locks.addJobs` (a Locks instance of the bench's, the task defined as the workers define
-   * it) instead of graphile-worker's `add_jobs`: the jobs after each key's first are added waiting in line.
-   */
-  viaLocks?: boolean;
-}
-
-const def = (id: string, label: string, task: string, more: Partial<Variant> = {}): Variant => ({
-  id,
-  label,
-  task,
-  queues: task === QUEUE_TASK,
-  pollInterval: POLL_INTERVAL_MS,
-  ...more,
-});
-const VARIANTS = {
-  drop: def("drop", "drop", STRATEGY_TASKS.drop),
-  reschedule: def("reschedule", "reschedule", STRATEGY_TASKS.reschedule),
-  rescheduleLine: def(
-    "rescheduleLine",
-    "reschedule, enqueued with locks.addJobs",
-    STRATEGY_TASKS.reschedule,
-    { viaLocks: true },
-  ),
-  rescheduleSkip: def(
-    "rescheduleSkip",
-    "reschedule, forbiddenFlags: locks.forbiddenFlags",
-    STRATEGY_TASKS.reschedule,
-    { skipHeld: true },
-  ),
-  raise: def("raise", "raise", STRATEGY_TASKS.raise),
-  queueName: def("queueName", "graphile-worker queueName (anchor)", QUEUE_TASK),
-  queueName100: def(
-    "queueName100",
-    `graphile-worker queueName, poll ${FAST_POLL_INTERVAL_MS} ms (anchor)`,
-    QUEUE_TASK,
-    { pollInterval: FAST_POLL_INTERVAL_MS },
-  ),
-};
-type VariantId = keyof typeof VARIANTS;
-const VARIANT_IDS = Object.keys(VARIANTS) as VariantId[];
-
-/** BENCH_CONTENTION (comma-separated variant ids) runs only those variants, for experiments. */
-const wanted: VariantId[] = process.env.BENCH_CONTENTION
-  ? (process.env.BENCH_CONTENTION.split(",").filter((v) =>
-      (VARIANT_IDS as string[]).includes(v),
-    ) as VariantId[])
-  : VARIANT_IDS;
-
 const GOALS = {
   fetchesPerExecuted: 2,
   makespanOverIdeal: 1.1,
@@ -130,77 +46,153 @@ const GOALS = {
   outOfOrderPerKey: 1,
 };
 
-// ---------------------------------------------------------------------------------------------------------
-// Worker processes
-
-/** The runners' current settings, the same in every worker process. */
-const runnerSettings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
-
-/**
- * Offset of each process's clock from ours: over IPC, the sample with the shortest round trip, offset =
- * theirs − midpoint of ours; its uncertainty is half that round trip.
- */
-async function clockOffsets(
-  workers: WorkerProcess[],
-): Promise<Array<{ name: string; offsetMs: number; uncertaintyMs: number }>> {
-  const result = [];
-  for (const w of workers) {
-    let best = { offsetMs: Number.NaN, uncertaintyMs: Number.POSITIVE_INFINITY };
-    for (let i = 0; i < 10; i++) {
-      const sent = clock();
-      const theirs = await w.request<number>({ type: "clock" });
-      const received = clock();
-      if ((received - sent) / 2 < best.uncertaintyMs) {
-        best = {
-          offsetMs: theirs - (sent + received) / 2,
-          uncertaintyMs: (received - sent) / 2,
-        };
-      }
-    }
-    result.push({
-      name: w.name,
-      offsetMs: round(best.offsetMs, 3),
-      uncertaintyMs: round(best.uncertaintyMs, 3),
-    });
-  }
-  return result;
+interface Variant {
+  label: string;
+  task: string;
+  /** graphile-worker's poll interval (the runners are restarted when it changes). */
+  pollInterval?: number;
+  /** The jobs carry their key's flag and the runners skip the keys their process holds (`forbiddenFlags`). */
+  skipHeld?: boolean;
+  /** Enqueued with `locks.addJobs`, which adds the jobs after each key's first waiting in line. */
+  viaLocks?: boolean;
 }
+
+const VARIANTS = {
+  drop: { label: "drop", task: STRATEGY_TASKS.drop },
+  reschedule: { label: "reschedule", task: STRATEGY_TASKS.reschedule },
+  rescheduleLine: {
+    label: "reschedule, enqueued with locks.addJobs",
+    task: STRATEGY_TASKS.reschedule,
+    viaLocks: true,
+  },
+  rescheduleSkip: {
+    label: "reschedule, forbiddenFlags: locks.forbiddenFlags",
+    task: STRATEGY_TASKS.reschedule,
+    skipHeld: true,
+  },
+  raise: { label: "raise", task: STRATEGY_TASKS.raise },
+  queueName: { label: "graphile-worker queueName (anchor)", task: QUEUE_TASK },
+  queueName100: {
+    label: `graphile-worker queueName, poll ${FAST_POLL_INTERVAL_MS} ms (anchor)`,
+    task: QUEUE_TASK,
+    pollInterval: FAST_POLL_INTERVAL_MS,
+  },
+} satisfies Record<string, Variant>;
+type VariantId = keyof typeof VARIANTS;
+const VARIANT_IDS = Object.keys(VARIANTS) as VariantId[];
+const wanted = VARIANT_IDS.filter((v) =>
+  (process.env.BENCH_CONTENTION?.split(",") ?? VARIANT_IDS).includes(v),
+);
 
 // ---------------------------------------------------------------------------------------------------------
 // One run
 
-interface Quantiles {
-  n: number;
-  p50: number;
-  p90: number;
-  p99: number;
-  max: number;
-  mean: number;
+/**
+ * Inserts the jobs in one statement, round-robin over the keys (job i has key k((i − 1) mod KEYS) and
+ * seq i); resolves each job's rank in the enqueue order (job id order) by its seq (a parked copy has a new
+ * id but the same payload). add_jobs does not assign ids in array order (it joins the specs with the task
+ * and queue tables), hence the ranks.
+ */
+async function insertContentionJobs(
+  ctx: BenchContext,
+  locks: Locks,
+  variant: Variant,
+  jobs: number,
+) {
+  let rows: Array<{ id: string; seq: number }>;
+  if (variant.viaLocks) {
+    const specs = Array.from({ length: jobs }, (_, i) => ({
+      identifier: variant.task,
+      payload: { k: `k${i % KEYS}`, seq: i + 1 } satisfies ContentionPayload,
+    }));
+    rows = (await locks.addJobs(specs)).map((r, i) => ({ id: r.job!.id, seq: i + 1 }));
+  } else {
+    // With skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
+    const flags = variant.skipHeld
+      ? Array.from({ length: KEYS }, (_, k) =>
+          library.lockFlag(library.lockKey(variant.task, `k${k}`)),
+        )
+      : null;
+    const queues = variant.task === QUEUE_TASK;
+    ({ rows } = await ctx.pool.query<{ id: string; seq: number }>(
+      `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
+         array(select row($1::text,
+                          json_build_object('k', 'k' || ((i - 1) % $3::int), 'seq', i),
+                          case when $4::boolean then 'cx:k' || ((i - 1) % $3::int) end,
+                          null, null, null, null,
+                          case when $5::text[] is not null
+                            then array[($5::text[])[(i - 1) % $3::int + 1]] end)::graphile_worker.job_spec
+               from generate_series(1, $2::int) as i order by i)) as j`,
+      [variant.task, jobs, KEYS, queues, flags],
+    ));
+  }
+  rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
+  return new Map(rows.map((r, index) => [r.seq, index + 1]));
 }
 
-export type RunFigures = ReturnType<typeof analyse>;
-
-function quantiles(values: number[]): Quantiles {
-  if (values.length === 0) {
-    return { n: 0, p50: Number.NaN, p90: Number.NaN, p99: Number.NaN, max: Number.NaN, mean: 0 };
+/** Inserts, waits for an empty table (or, with `limitMs`, deletes what has not run by then), collects. */
+async function measure(
+  ctx: BenchContext,
+  locks: Locks,
+  workers: WorkerProcess[],
+  id: VariantId,
+  jobs: number,
+  roundNumber: number,
+  limitMs: number | null,
+) {
+  await resetJobs(ctx.pool);
+  // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
+  await ctx.pool.query("delete from graphile_worker_locks.waiters");
+  await Promise.all(workers.map((w) => w.request({ type: "reset" })));
+  const t0 = clock();
+  const rankOf = await insertContentionJobs(ctx, locks, VARIANTS[id], jobs);
+  let left = 0;
+  while ((await countJobs(ctx.pool)) > 0) {
+    if (clock() > t0 + (limitMs ?? 120_000)) {
+      if (limitMs === null) throw new Error(`contention ${id}: jobs still queued after 120 s`);
+      // Time limit: delete the jobs not running; those running finish (or fail, and are deleted next).
+      for (;;) {
+        const { rowCount } = await ctx.pool.query(
+          "delete from graphile_worker._private_jobs where locked_at is null",
+        );
+        left += rowCount ?? 0;
+        if ((await countJobs(ctx.pool)) === 0) break;
+        await sleep(20);
+      }
+      break;
+    }
+    await sleep(10);
   }
+  const drainedMs = clock() - t0;
+  const records: WorkerRecords[] = [];
+  for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
+  return {
+    ...analyse(VARIANTS[id].task, jobs, t0, records, rankOf),
+    variant: id,
+    round: roundNumber,
+    left,
+    drainedMs: round(drainedMs, 1),
+  };
+}
+
+/** n, p50, p99 (interpolated) and mean, in ms. */
+function quantiles(values: number[]) {
   const sorted = [...values].sort((a, b) => a - b);
   const at = (p: number) => {
     const index = (sorted.length - 1) * p;
     const lo = Math.floor(index);
-    const hi = Math.ceil(index);
-    return sorted[lo]! + (sorted[hi]! - sorted[lo]!) * (index - lo);
+    return sorted[lo]! + (sorted[Math.ceil(index)]! - sorted[lo]!) * (index - lo);
   };
-  const r = (v: number) => round(v, 2);
+  const n = values.length;
+  if (n === 0) return { n, p50: Number.NaN, p99: Number.NaN, mean: 0 };
   return {
-    n: values.length,
-    p50: r(at(0.5)),
-    p90: r(at(0.9)),
-    p99: r(at(0.99)),
-    max: r(sorted.at(-1)!),
-    mean: r(values.reduce((a, b) => a + b, 0) / values.length),
+    n,
+    p50: round(at(0.5), 2),
+    p99: round(at(0.99), 2),
+    mean: round(values.reduce((a, b) => a + b, 0) / n, 2),
   };
 }
+type Quantiles = ReturnType<typeof quantiles>;
 
 /** Length of the longest strictly increasing subsequence (patience sorting). */
 function longestIncreasing(values: readonly number[]): number {
@@ -218,244 +210,95 @@ function longestIncreasing(values: readonly number[]): number {
   return tails.length;
 }
 
-/** The bench's own Locks instance, for the variants enqueued through it (one per run of the section). */
-let enqueuers: { ctx: BenchContext; locks: Locks; tasks: Set<string> } | null = null;
-
-function enqueuer(ctx: BenchContext, strategy: keyof typeof STRATEGY_TASKS): Locks {
-  const task = STRATEGY_TASKS[strategy];
-  if (enqueuers?.ctx !== ctx) {
-    enqueuers = {
-      ctx,
-      locks: library.makeLocks({ connectionString: ctx.url, logger: quietLogger }),
-      tasks: new Set(),
-    };
-  }
-  const { locks, tasks } = enqueuers;
-  if (!tasks.has(task)) {
-    // As the workers define it: the definition is what addJobs reads.
-    locks.exclusive<ContentionPayload>(task, async () => undefined, strategyOptions(strategy));
-    tasks.add(task);
-  }
-  return locks;
-}
-
-/**
- * Inserts the jobs in one statement; resolves each job's rank in the enqueue order (job id order) by its
- * payload's `seq` (a parked copy has a new id but the same payload).
- */
-async function insertContentionJobs(
-  ctx: BenchContext,
-  variant: Variant,
-  jobs: number,
-): Promise<Map<number, number>> {
-  if (variant.viaLocks) {
-    // (only `reschedule` jobs are added waiting in line: the variants enqueued this way are of that task)
-    const locks = enqueuer(ctx, "reschedule");
-    const results = await locks.addJobs(
-      Array.from({ length: jobs }, (_, index) => ({
-        identifier: variant.task,
-        payload: { k: `k${index % KEYS}`, seq: index + 1 },
-      })),
-    );
-    const ranked = results
-      .map((r, index) => ({ id: BigInt(r.job!.id), seq: index + 1 }))
-      .sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
-    return new Map(ranked.map((r, index) => [r.seq, index + 1]));
-  }
-  // Round-robin over the keys: job i (1-based) has key k((i − 1) mod KEYS) and seq i. add_jobs does not
-  // assign ids in array order (it joins the specs with the task and queue tables), hence the ranks. With
-  // skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
-  const flags = variant.skipHeld
-    ? Array.from({ length: KEYS }, (_, k) =>
-        library.lockFlag(library.lockKey(variant.task, `k${k}`)),
-      )
-    : null;
-  const { rows } = await ctx.pool.query<{ id: string; seq: number }>(
-    `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
-       array(select row($1::text,
-                        json_build_object('k', 'k' || ((i - 1) % $3::int), 'seq', i),
-                        case when $4::boolean then 'cx:k' || ((i - 1) % $3::int) end,
-                        null, null, null, null,
-                        case when $5::text[] is not null
-                          then array[($5::text[])[(i - 1) % $3::int + 1]] end)::graphile_worker.job_spec
-             from generate_series(1, $2::int) as i order by i)) as j`,
-    [variant.task, jobs, KEYS, variant.queues, flags],
-  );
-  rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
-  return new Map(rows.map((r, index) => [r.seq, index + 1]));
-}
-
-async function measure(
-  ctx: BenchContext,
-  workers: WorkerProcess[],
-  variant: Variant,
-  jobs: number,
-  roundNumber: number,
-  limitMs: number | null,
-): Promise<RunFigures> {
-  const skipHeld = variant.skipHeld ?? false;
-  if (
-    runnerSettings.pollInterval !== variant.pollInterval ||
-    runnerSettings.skipHeld !== skipHeld
-  ) {
-    const settings = { pollInterval: variant.pollInterval, skipHeld };
-    await Promise.all(workers.map((w) => w.request({ type: "poll", ...settings })));
-    Object.assign(runnerSettings, settings);
-  }
-  await resetJobs(ctx.pool);
-  // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
-  await ctx.pool.query("delete from graphile_worker_locks.waiters");
-  await Promise.all(workers.map((w) => w.request({ type: "reset" })));
-
-  const t0 = clock();
-  const rankOf = await insertContentionJobs(ctx, variant, jobs);
-  const deadline = t0 + (limitMs ?? 120_000);
-  let left = 0;
-  for (;;) {
-    if ((await countJobs(ctx.pool)) === 0) break;
-    if (clock() > deadline) {
-      if (limitMs === null) {
-        throw new Error(`contention ${variant.id}: jobs still queued after 120 s`);
-      }
-      // Time limit: delete the jobs not running; those running finish (or fail, and are deleted next).
-      for (;;) {
-        const { rowCount } = await ctx.pool.query(
-          "delete from graphile_worker._private_jobs where locked_at is null",
-        );
-        left += rowCount ?? 0;
-        if ((await countJobs(ctx.pool)) === 0) break;
-        await sleep(20);
-      }
-      break;
-    }
-    await sleep(10);
-  }
-  const drainedMs = clock() - t0;
-
-  const records: WorkerRecords[] = [];
-  for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
-  return analyse(variant, roundNumber, jobs, limitMs, left, t0, drainedMs, records, rankOf);
-}
-
 function analyse(
-  variant: Variant,
-  roundNumber: number,
+  task: string,
   jobs: number,
-  limitMs: number | null,
-  left: number,
   t0: number,
-  drainedMs: number,
   records: WorkerRecords[],
   rankOf: Map<number, number>,
 ) {
-  const task = variant.task;
-  const executions: ExecutionRecord[] = [];
-  const processOf = new Map<ExecutionRecord, string>();
-  for (const r of records) {
-    for (const e of r.executions) {
-      if (e.task !== task) continue;
-      executions.push(e);
-      processOf.set(e, r.name);
-    }
-  }
+  const processOf = new Map<Mark, string>();
+  const executions = records.flatMap((r) =>
+    r.executions.filter((e) => e.task === task).map((e) => (processOf.set(e, r.name), e)),
+  );
   const fetches = records.flatMap((r) => r.fetches).filter((f) => f.task === task);
   const releases = new Map(records.flatMap((r) => r.releases));
-  const fetchOf = new Map<string, FetchRecord>(fetches.map((f) => [`${f.jobId}/${f.attempts}`, f]));
+  const fetchOf = new Map(fetches.map((f) => [`${f.jobId}/${f.attempts}`, f]));
   const firstFetchOf = new Map<number, number>();
   for (const f of fetches)
     firstFetchOf.set(f.seq, Math.min(firstFetchOf.get(f.seq) ?? Infinity, f.at));
-  const sum = (what: string, t = task) =>
-    records.reduce((total, r) => total + (r.counters[t]?.[what] ?? 0), 0);
-
-  const byKey = new Map<string, ExecutionRecord[]>();
-  for (const e of executions) {
-    const list = byKey.get(e.k) ?? [];
-    list.push(e);
-    byKey.set(e.k, list);
-  }
+  // Hand-offs after this instant come after every job had been fetched once.
   const allFetchedOnceAt =
-    firstFetchOf.size === jobs ? Math.max(...firstFetchOf.values()) : Number.POSITIVE_INFINITY;
-  let busiest: ExecutionRecord[] = [];
-  for (const list of byKey.values()) if (list.length > busiest.length) busiest = list;
+    firstFetchOf.size === jobs ? Math.max(...firstFetchOf.values()) : Infinity;
+  const byKey = new Map<string, Mark[]>();
+  for (const e of executions) {
+    if (byKey.has(e.k)) byKey.get(e.k)!.push(e);
+    else byKey.set(e.k, [e]);
+  }
+  const busiest = Math.max(0, ...[...byKey.values()].map((list) => list.length));
 
-  const handoffs: number[] = [];
-  const where = { sameProcess: [] as number[], otherProcess: [] as number[] };
-  const when = { firstPass: [] as number[], afterFirstPass: [] as number[] };
-  const unlock: number[] = [];
-  const nextFetch: number[] = [];
-  const fetchToStart: number[] = [];
+  const gaps = {
+    handoff: [] as number[],
+    sameProcess: [] as number[],
+    otherProcess: [] as number[],
+    firstPass: [] as number[],
+    afterFirstPass: [] as number[],
+  };
+  const parts = { unlock: [] as number[], nextFetch: [] as number[], fetchToStart: [] as number[] };
   let maxPerKey = 0;
   let outOfOrder = 0;
   for (const list of byKey.values()) {
-    list.sort((a, b) => a.start - b.start);
-    maxPerKey = Math.max(maxPerKey, highestConcurrency(list));
+    list.sort((a, b) => a.at - b.at);
+    maxPerKey = Math.max(
+      maxPerKey,
+      highestConcurrency(list.map((e) => ({ start: e.at, end: e.end! }))),
+    );
     const ranks = list.map((e) => rankOf.get(e.seq)!);
     outOfOrder += ranks.length - longestIncreasing(ranks);
     for (let i = 1; i < list.length; i++) {
-      const previous = list[i - 1]!;
-      const next = list[i]!;
-      const gap = next.start - previous.end;
-      handoffs.push(gap);
-      where[processOf.get(next) === processOf.get(previous) ? "sameProcess" : "otherProcess"].push(
+      const [previous, next] = [list[i - 1]!, list[i]!];
+      const gap = next.at - previous.end!;
+      gaps.handoff.push(gap);
+      gaps[processOf.get(next) === processOf.get(previous) ? "sameProcess" : "otherProcess"].push(
         gap,
       );
-      when[next.start <= allFetchedOnceAt ? "firstPass" : "afterFirstPass"].push(gap);
+      gaps[next.at <= allFetchedOnceAt ? "firstPass" : "afterFirstPass"].push(gap);
       const released = releases.get(previous.jobId);
-      if (released !== undefined) unlock.push(released - previous.end);
+      if (released !== undefined) parts.unlock.push(released - previous.end!);
       const fetch = fetchOf.get(`${next.jobId}/${next.attempts}`);
       if (fetch) {
-        nextFetch.push(fetch.at - previous.end);
-        fetchToStart.push(next.start - fetch.at);
+        parts.nextFetch.push(fetch.at - previous.end!);
+        parts.fetchToStart.push(next.at - fetch.at);
       }
     }
   }
-
   const executed = executions.length;
-  const idealMs = busiest.length * TASK_MS;
-  const makespanMs = executed > 0 ? Math.max(...executions.map((e) => e.end)) - t0 : Number.NaN;
-  const durations = executions.map((e) => e.end - e.start);
-  const rescheduled = sum("rescheduled");
+  const idealMs = busiest * TASK_MS;
+  const makespanMs = executed > 0 ? Math.max(...executions.map((e) => e.end!)) - t0 : Number.NaN;
+  const rescheduled = records.reduce((sum, r) => sum + (r.rescheduled[task] ?? 0), 0);
+  const q = <K extends string>(values: Record<K, number[]>) =>
+    Object.fromEntries(
+      Object.entries<number[]>(values).map(([k, v]) => [k, quantiles(v)]),
+    ) as Record<K, Quantiles>;
   return {
-    variant: variant.id as VariantId,
-    round: roundNumber,
     jobs,
-    limitMs,
-    left,
     executed,
-    busiestKey: busiest.length,
+    busiestKey: busiest,
     idealMs,
-    busiestKeyWorkMs: round(
-      busiest.reduce((total, e) => total + e.end - e.start, 0),
-      1,
+    meanExecutionMs: round(
+      executions.reduce((sum, e) => sum + e.end! - e.at, 0) / Math.max(1, executed),
+      2,
     ),
-    meanExecutionMs: round(durations.reduce((a, b) => a + b, 0) / Math.max(1, executed), 2),
     makespanMs: round(makespanMs, 1),
     makespanOverIdeal: round(makespanMs / idealMs, 3),
-    firstStartMs: round(Math.min(...executions.map((e) => e.start)) - t0, 1),
-    drainedMs: round(drainedMs, 1),
     fetches: fetches.length,
     fetchesPerExecuted: round(fetches.length / Math.max(1, executed), 3),
     fetchesPerJob: round(fetches.length / jobs, 3),
-    conflicts: sum("conflicts"),
-    localConflicts: sum("localConflicts"),
-    rescheduled,
     reschedulesPerExecuted: round(rescheduled / Math.max(1, executed), 3),
-    dropped: sum("dropped"),
-    errors: sum("errors"),
-    handoffMs: quantiles(handoffs),
-    breakdown: {
-      unlockMs: quantiles(unlock),
-      nextFetchMs: quantiles(nextFetch),
-      fetchToStartMs: quantiles(fetchToStart),
-    },
-    handoffWhere: {
-      sameProcess: quantiles(where.sameProcess),
-      otherProcess: quantiles(where.otherProcess),
-      firstPass: quantiles(when.firstPass),
-      afterFirstPass: quantiles(when.afterFirstPass),
-    },
+    handoffs: q(gaps),
+    parts: q(parts),
     workerCpuMs: round(
-      records.reduce((total, r) => total + r.cpuMs, 0),
+      records.reduce((sum, r) => sum + r.cpuMs, 0),
       0,
     ),
     maxPerKey,
@@ -463,17 +306,43 @@ function analyse(
   };
 }
 
+type RunFigures = Awaited<ReturnType<typeof measure>>;
+
 // ---------------------------------------------------------------------------------------------------------
 // The section
 
-export type VariantFigures = ReturnType<typeof summarise>;
+/**
+ * Offset of each process's clock from ours, over IPC: of 10 samples the one with the shortest round trip,
+ * offset = theirs − the midpoint of ours; its uncertainty is half that round trip.
+ */
+async function clockOffsets(workers: WorkerProcess[]) {
+  const result = [];
+  for (const w of workers) {
+    let best = { name: w.name, offsetMs: Number.NaN, uncertaintyMs: Infinity };
+    for (let i = 0; i < 10; i++) {
+      const sent = clock();
+      const theirs = await w.request<number>({ type: "clock" });
+      const received = clock();
+      if ((received - sent) / 2 < best.uncertaintyMs) {
+        best = {
+          name: w.name,
+          offsetMs: theirs - (sent + received) / 2,
+          uncertaintyMs: (received - sent) / 2,
+        };
+      }
+    }
+    result.push({
+      ...best,
+      offsetMs: round(best.offsetMs, 3),
+      uncertaintyMs: round(best.uncertaintyMs, 3),
+    });
+  }
+  return result;
+}
 
 function summarise(variant: VariantId, runs: RunFigures[]) {
   const mine = runs.filter((r) => r.variant === variant && r.round > 0);
-  const m = (f: (r: RunFigures) => number, digits?: number) => {
-    const value = median(mine.map(f));
-    return digits === undefined ? value : round(value, digits);
-  };
+  const m = (f: (r: RunFigures) => number, digits = 3) => round(median(mine.map(f)), digits);
   return {
     variant,
     rounds: mine.length,
@@ -482,75 +351,79 @@ function summarise(variant: VariantId, runs: RunFigures[]) {
     idealMs: m((r) => r.idealMs),
     makespanMs: m((r) => r.makespanMs, 1),
     makespanSpread: round(spread(mine.map((r) => r.makespanMs)), 3),
-    makespanOverIdeal: m((r) => r.makespanOverIdeal, 3),
+    makespanOverIdeal: m((r) => r.makespanOverIdeal),
     drainedMs: m((r) => r.drainedMs, 1),
-    fetchesPerExecuted: m((r) => r.fetchesPerExecuted, 3),
-    fetchesPerJob: m((r) => r.fetchesPerJob, 3),
-    reschedulesPerExecuted: m((r) => r.reschedulesPerExecuted, 3),
-    handoffP50Ms: m((r) => r.handoffMs.p50, 2),
-    handoffP99Ms: m((r) => r.handoffMs.p99, 2),
+    fetchesPerExecuted: m((r) => r.fetchesPerExecuted),
+    fetchesPerJob: m((r) => r.fetchesPerJob),
+    reschedulesPerExecuted: m((r) => r.reschedulesPerExecuted),
+    handoffP50Ms: m((r) => r.handoffs.handoff.p50, 2),
+    handoffP99Ms: m((r) => r.handoffs.handoff.p99, 2),
     meanExecutionMs: m((r) => r.meanExecutionMs, 2),
     workerCpuMs: m((r) => r.workerCpuMs),
     maxPerKey: Math.max(...mine.map((r) => r.maxPerKey)),
     outOfOrder: m((r) => r.outOfOrder),
-    left: m((r) => r.left),
+    worstOutOfOrder: Math.max(...mine.map((r) => r.outOfOrder)),
   };
 }
+type VariantFigures = ReturnType<typeof summarise>;
 
 export const contention: Section = {
   id: "contention",
   title: "Contention: many jobs over few keys, across processes",
-  async run(ctx): Promise<SectionResult> {
+  async run(ctx) {
     const size = ctx.quick ? SIZES.quick : SIZES.full;
     const rounds = ctx.quick ? 1 : ROUNDS;
     ctx.log(`contention: starting ${PROCESSES} worker processes (concurrency ${CONCURRENCY} each)`);
-    const workers = await forkWorkers(WORKER_SCRIPT, PROCESSES, {
+    // The bench's own Locks instance, for the variants enqueued through it, the task defined as the
+    // workers define it (the definition is what addJobs reads).
+    const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+    locks.exclusive(
+      STRATEGY_TASKS.reschedule,
+      async () => undefined,
+      strategyOptions("reschedule"),
+    );
+    const env = {
       DATABASE_URL: ctx.url,
       CONCURRENCY: String(CONCURRENCY),
       POLL_INTERVAL: String(POLL_INTERVAL_MS),
-    });
-    Object.assign(runnerSettings, { pollInterval: POLL_INTERVAL_MS, skipHeld: false });
+    };
     const runs: RunFigures[] = [];
-    let offsets: Awaited<ReturnType<typeof clockOffsets>> = [];
-    try {
-      offsets = await clockOffsets(workers);
+    const offsets = await withWorkers(WORKER_SCRIPT, PROCESSES, env, async (workers) => {
+      const offsets = await clockOffsets(workers);
       ctx.log(
         `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
       );
-      const alternating = [
-        "drop",
-        "reschedule",
-        "rescheduleLine",
-        "rescheduleSkip",
-        "queueName",
-        "queueName100",
-      ].filter((v) => wanted.includes(v as VariantId)) as VariantId[];
-      const one = async (variant: VariantId, jobs: number, r: number, limitMs: number | null) => {
-        const figures = await measure(ctx, workers, VARIANTS[variant], jobs, r, limitMs);
-        ctx.log(
-          `contention: ${r === 0 ? "warm-up" : `round ${r}`} ${variant.padEnd(10)} ` +
-            `${fmtInt(figures.executed)} executed, makespan ${(figures.makespanMs / 1000).toFixed(2)} s ` +
-            `(ideal ${(figures.idealMs / 1000).toFixed(2)} s), ${figures.fetches} fetches, ` +
-            `hand-off p50 ${fmtFixed(figures.handoffMs.p50, 1)} ms p99 ${fmtFixed(figures.handoffMs.p99, 1)} ms, ` +
-            `max per key ${figures.maxPerKey}`,
-        );
-        if (figures.maxPerKey > 1) {
-          ctx.log(
-            `contention: OVERLAP: ${variant} ran ${figures.maxPerKey} executions of a key at once`,
-          );
+      let settings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
+      const one = async (id: VariantId, jobs: number, r: number, limitMs: number | null) => {
+        const v: Variant = VARIANTS[id];
+        const wanted = {
+          pollInterval: v.pollInterval ?? POLL_INTERVAL_MS,
+          skipHeld: v.skipHeld ?? false,
+        };
+        if (
+          wanted.pollInterval !== settings.pollInterval ||
+          wanted.skipHeld !== settings.skipHeld
+        ) {
+          await Promise.all(workers.map((w) => w.request({ type: "poll", ...wanted })));
+          settings = wanted;
         }
-        runs.push(figures);
+        const f = await measure(ctx, locks, workers, id, jobs, r, limitMs);
+        ctx.log(
+          `contention: ${r === 0 ? "warm-up" : `round ${r}`} ${id.padEnd(10)} ${fmtInt(f.executed)} executed, ` +
+            `makespan ${(f.makespanMs / 1000).toFixed(2)} s (ideal ${(f.idealMs / 1000).toFixed(2)} s), ` +
+            `${f.fetches} fetches, hand-off p50 ${fmtFixed(f.handoffs.handoff.p50, 1)} ms ` +
+            `p99 ${fmtFixed(f.handoffs.handoff.p99, 1)} ms, max per key ${f.maxPerKey}` +
+            (f.maxPerKey > 1 ? `; OVERLAP: ${f.maxPerKey} executions of a key at once` : ""),
+        );
+        runs.push(f);
       };
-      for (const variant of alternating) await one(variant, size.warmJobs, 0, null);
-      for (let r = 1; r <= rounds; r++) {
-        for (const variant of alternating) await one(variant, size.jobs, r, null);
+      const alternating = wanted.filter((v) => v !== "raise");
+      for (let r = 0; r <= rounds; r++) {
+        for (const v of alternating) await one(v, r === 0 ? size.warmJobs : size.jobs, r, null);
       }
       if (wanted.includes("raise")) await one("raise", size.jobs, 1, size.raiseLimitMs);
-    } finally {
-      await Promise.all(workers.map((w) => w.stop()));
-      await enqueuers?.locks.release();
-      enqueuers = null;
-    }
+      return offsets;
+    }).finally(() => locks.release());
 
     const summaries = wanted.map((v) => summarise(v, runs));
     return {
@@ -561,11 +434,9 @@ export const contention: Section = {
         concurrency: CONCURRENCY,
         keys: KEYS,
         taskMs: TASK_MS,
-        pollIntervalMs: POLL_INTERVAL_MS,
-        jobs: size.jobs,
-        raiseLimitMs: size.raiseLimitMs,
+        ...size,
         rounds,
-        clockOffsets: offsets,
+        offsets,
         summaries,
         runs,
       },
@@ -576,39 +447,21 @@ export const contention: Section = {
 function tables(
   summaries: VariantFigures[],
   runs: RunFigures[],
-  offsets: Array<{ name: string; offsetMs: number; uncertaintyMs: number }>,
-  size: (typeof SIZES)["full"],
+  offsets: Awaited<ReturnType<typeof clockOffsets>>,
+  size: typeof SIZES.full,
   rounds: number,
-): Table[] {
+) {
   const s = (ms: number) => fmtFixed(ms / 1000, 2);
   const ms = (v: number) => fmtFixed(v, 1);
   const raise = runs.find((r) => r.variant === "raise");
-  const label = (v: VariantFigures) =>
-    v.variant === "raise"
-      ? `raise (stopped at ${size.raiseLimitMs / 1000} s, 1 run)`
-      : VARIANTS[v.variant].label;
-  const summary: Table = {
-    title:
-      `Contention: ${fmtInt(size.jobs)} jobs over ${KEYS} keys, ${TASK_MS} ms tasks, ${PROCESSES} processes × ` +
+  const summary = table(
+    `Contention: ${fmtInt(size.jobs)} jobs over ${KEYS} keys, ${TASK_MS} ms tasks, ${PROCESSES} processes × ` +
       `concurrency ${CONCURRENCY} (median of ${rounds} runs; raise: 1 run)`,
-    columns: [
-      { header: "variant", align: "left" },
-      { header: "executed", align: "right" },
-      { header: "busiest key", align: "right" },
-      { header: "makespan s", align: "right" },
-      { header: "ideal s", align: "right" },
-      { header: "makespan/ideal", align: "right" },
-      { header: "fetches/executed", align: "right" },
-      { header: "fetches/job", align: "right" },
-      { header: "reschedules/executed", align: "right" },
-      { header: "hand-off p50 ms", align: "right" },
-      { header: "p99 ms", align: "right" },
-      { header: "max per key", align: "right" },
-      { header: "out of order", align: "right" },
-      { header: "worker CPU s", align: "right" },
-    ],
-    rows: summaries.map((v) => [
-      label(v),
+    "variant | executed | busiest key | makespan s | ideal s | makespan/ideal | fetches/executed | fetches/job | reschedules/executed | hand-off p50 ms | p99 ms | max per key | out of order | worker CPU s",
+    summaries.map((v) => [
+      v.variant === "raise"
+        ? `raise (stopped at ${size.raiseLimitMs / 1000} s, 1 run)`
+        : VARIANTS[v.variant].label,
       fmtInt(v.executed),
       fmtInt(v.busiestKey),
       `${s(v.makespanMs)}${v.rounds > 1 ? ` ±${fmtPercent(v.makespanSpread)}` : ""}`,
@@ -623,7 +476,7 @@ function tables(
       fmtInt(v.outOfOrder),
       s(v.workerCpuMs),
     ]),
-    notes: [
+    [
       `ideal: the busiest key's executions × ${TASK_MS} ms. reschedule and the anchors execute every job, so 200 × ${TASK_MS} ms;`,
       "drop executes few jobs by design (the rest are dropped), so its ideal is only the busiest key's executed work, not",
       `a target: what matters is that it empties the queue (in ${s(summaries.find((v) => v.variant === "drop")?.drainedMs ?? Number.NaN)} s) without running two of a key at once.`,
@@ -632,114 +485,94 @@ function tables(
           `${size.raiseLimitMs / 1000} s and the ${fmtInt(raise.left)} job(s) still queued deleted: its figures cover what ran by then.`
         : "",
       "makespan: from just before the jobs were inserted (one add_jobs statement) to the end of the last execution.",
-      `fetches: graphile-worker job:start events (a worker locked a job row), whatever came of it: execution, drop, park, failure.`,
+      "fetches: graphile-worker job:start events (a worker locked a job row), whatever came of it: execution, drop, park, failure.",
       "hand-off: (start of execution n+1) − (end of execution n) over consecutive executions of a key, all keys pooled.",
       "max per key: the most executions of one key at the same instant, worst run (1 = no overlap).",
       "out of order: the fewest executions that would have to move for each key's to run in job id order, summed over",
       "the keys; reschedule's goal allows one per key (a key's first jobs race for it before any of them has waited).",
       "worker CPU: CPU time (user + system) of the three worker processes over the run (this machine has 2 cores).",
-      `mean execution: ${summaries
-        .map((v) => `${v.variant} ${fmtFixed(v.meanExecutionMs, 2)} ms`)
-        .join(", ")} (setTimeout(${TASK_MS}) overshoots).`,
-      ...(process.env.BENCH_RESCHEDULE
-        ? [
-            `BENCH_RESCHEDULE: reschedule options ${process.env.BENCH_RESCHEDULE} instead of the defaults.`,
-          ]
-        : []),
+      `mean execution: ${summaries.map((v) => `${v.variant} ${fmtFixed(v.meanExecutionMs, 2)} ms`).join(", ")} (setTimeout(${TASK_MS}) overshoots).`,
       `Poll interval ${POLL_INTERVAL_MS} ms (graphile-worker's default) except where said. Clock offsets of the worker processes from the bench's: ` +
-        offsets
-          .map((o) => `${o.name} ${fmtFixed(o.offsetMs, 2)} ±${fmtFixed(o.uncertaintyMs, 2)} ms`)
-          .join(", ") +
-        ".",
-    ].filter((n) => n.length > 0),
-  };
+        `${offsets.map((o) => `${o.name} ${fmtFixed(o.offsetMs, 2)} ±${fmtFixed(o.uncertaintyMs, 2)} ms`).join(", ")}.`,
+    ],
+  );
 
-  const measured = runs.filter((r) => r.round > 0);
-  const pick = (variant: VariantId) => {
-    const mine = measured.filter((r) => r.variant === variant);
-    // The run with the median makespan.
-    return [...mine].sort((a, b) => a.makespanMs - b.makespanMs)[(mine.length - 1) >> 1];
-  };
+  // Per variant, the measured run with the median makespan.
+  const picked = VARIANT_IDS.flatMap((variant) => {
+    const mine = runs
+      .filter((r) => r.variant === variant && r.round > 0)
+      .sort((a, b) => a.makespanMs - b.makespanMs);
+    return mine.length > 0 ? [mine[(mine.length - 1) >> 1]!] : [];
+  });
   const q = (x: Quantiles) => `${ms(x.p50)} / ${ms(x.p99)}`;
   const nMean = (x: Quantiles) => (x.n > 0 ? `${fmtInt(x.n)}, ${ms(x.mean)}` : "0");
-  const picked = VARIANT_IDS.flatMap((variant) => {
-    const r = pick(variant);
-    return r ? [r] : [];
-  });
-  const breakdown: Table = {
-    title:
-      "Contention: where a hand-off's time goes (the run with the median makespan; p50 / p99, ms)",
-    columns: [
-      { header: "variant", align: "left" },
-      { header: "hand-offs", align: "right" },
-      { header: "end → unlock answered", align: "right" },
-      { header: "end → next fetched", align: "right" },
-      { header: "fetched → started", align: "right" },
-      { header: "end → next started", align: "right" },
-      { header: "same process / other: n, mean", align: "right" },
-      { header: "first pass / after: n, mean", align: "right" },
-    ],
-    rows: picked.map((r) => [
-      r.variant,
-      fmtInt(r.handoffMs.n),
-      r.breakdown.unlockMs.n > 0 ? q(r.breakdown.unlockMs) : "–",
-      q(r.breakdown.nextFetchMs),
-      q(r.breakdown.fetchToStartMs),
-      q(r.handoffMs),
-      `${nMean(r.handoffWhere.sameProcess)} / ${nMean(r.handoffWhere.otherProcess)}`,
-      `${nMean(r.handoffWhere.firstPass)} / ${nMean(r.handoffWhere.afterFirstPass)}`,
+  const breakdown = table(
+    "Contention: where a hand-off's time goes (the run with the median makespan; p50 / p99, ms)",
+    "variant | hand-offs | end → unlock answered | end → next fetched | fetched → started | end → next started | same process / other: n, mean | first pass / after: n, mean",
+    picked.map(({ variant, handoffs: h, parts: p }) => [
+      variant,
+      fmtInt(h.handoff.n),
+      p.unlock.n > 0 ? q(p.unlock) : "–",
+      q(p.nextFetch),
+      q(p.fetchToStart),
+      q(h.handoff),
+      `${nMean(h.sameProcess)} / ${nMean(h.otherProcess)}`,
+      `${nMean(h.firstPass)} / ${nMean(h.afterFirstPass)}`,
     ]),
-    notes: [
+    [
       "end: the task body returned (execution n); unlock answered: its lock statement (unlock + wake of the key's oldest",
       "waiter + NOTIFY) came back; next fetched: a worker locked the row of execution n+1's job; started: it took the lock.",
       "same process / other: where execution n+1 ran against execution n; first pass: execution n+1 started before every",
       "job had been fetched once (while first fetches park the jobs of held keys); means in ms.",
     ],
-  };
-
+  );
   return [summary, breakdown];
 }
 
-function goals(summaries: VariantFigures[], runs: RunFigures[]): Goal[] {
-  const goal = (name: string, target: string, value: number, threshold: number): Goal => ({
-    section: "contention",
-    ...{ name, target, value, threshold },
-    met: value <= threshold,
-  });
-  const { fetchesPerExecuted, makespanOverIdeal, handoffP50Ms, handoffP99Ms } = GOALS;
+function goals(summaries: VariantFigures[], runs: RunFigures[]) {
+  const atMost = (name: string, target: string, value: number, threshold: number) =>
+    goal(name, target, value, value <= threshold);
   const outOfOrder = GOALS.outOfOrderPerKey * KEYS;
-  const rescheduleGoals = (r: VariantFigures): Goal[] => {
-    const name = VARIANTS[r.variant].label;
-    const worst = runs.filter((x) => x.variant === r.variant && x.round > 0);
-    return [
-      goal(
-        `${name}: no hot loop`,
-        `fetches per executed job ≤ ${fetchesPerExecuted}`,
-        r.fetchesPerExecuted,
-        fetchesPerExecuted,
-      ),
-      goal(
-        `${name}: makespan`,
-        `makespan/ideal ≤ ${fmtFixed(makespanOverIdeal, 2)}`,
-        r.makespanOverIdeal,
-        makespanOverIdeal,
-      ),
-      goal(`${name}: hand-off p50`, `≤ ${handoffP50Ms} ms`, r.handoffP50Ms, handoffP50Ms),
-      goal(`${name}: hand-off p99`, `≤ ${handoffP99Ms} ms`, r.handoffP99Ms, handoffP99Ms),
-      goal(
-        `${name}: FIFO per key`,
-        `executions out of enqueue order ≤ ${GOALS.outOfOrderPerKey} per key (${outOfOrder}), worst run`,
-        Math.max(...worst.map((x) => x.outOfOrder)),
-        outOfOrder,
-      ),
-    ];
-  };
   const rescheduling = summaries.filter(
     (v) => VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule,
   );
   return [
-    ...rescheduling.flatMap(rescheduleGoals),
-    goal(
+    ...rescheduling.flatMap((r) => {
+      const name = VARIANTS[r.variant].label;
+      return [
+        atMost(
+          `${name}: no hot loop`,
+          `fetches per executed job ≤ ${GOALS.fetchesPerExecuted}`,
+          r.fetchesPerExecuted,
+          GOALS.fetchesPerExecuted,
+        ),
+        atMost(
+          `${name}: makespan`,
+          `makespan/ideal ≤ ${fmtFixed(GOALS.makespanOverIdeal, 2)}`,
+          r.makespanOverIdeal,
+          GOALS.makespanOverIdeal,
+        ),
+        atMost(
+          `${name}: hand-off p50`,
+          `≤ ${GOALS.handoffP50Ms} ms`,
+          r.handoffP50Ms,
+          GOALS.handoffP50Ms,
+        ),
+        atMost(
+          `${name}: hand-off p99`,
+          `≤ ${GOALS.handoffP99Ms} ms`,
+          r.handoffP99Ms,
+          GOALS.handoffP99Ms,
+        ),
+        atMost(
+          `${name}: FIFO per key`,
+          `executions out of enqueue order ≤ ${GOALS.outOfOrderPerKey} per key (${outOfOrder}), worst run`,
+          r.worstOutOfOrder,
+          outOfOrder,
+        ),
+      ];
+    }),
+    atMost(
       "no overlap per key (every run, every variant)",
       "max executions of one key at once ≤ 1",
       Math.max(...runs.map((x) => x.maxPerKey)),

@@ -12,22 +12,16 @@ import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
 import {
+  benchRounds,
   fmtFixed,
   fmtInt,
   fmtPercent,
+  goal,
   median,
   now,
   quietLogger,
-  resetJobs,
-  round,
-  spread,
-  type BenchContext,
-  type Goal,
-  type Section,
-  type SectionResult,
-  type Table,
-  benchRounds,
 } from "./lib.js";
+import { resetJobs, round, spread, table, type BenchContext, type Section } from "./lib.js";
 
 const ROUNDS = benchRounds(5);
 const POOL_SIZE = 4;
@@ -322,7 +316,7 @@ export interface VariantFigures {
 export const enqueue: Section = {
   id: "enqueue",
   title: "Enqueue throughput",
-  async run(ctx): Promise<SectionResult> {
+  async run(ctx) {
     const size = ctx.quick ? SIZES.quick : SIZES.full;
     const rounds = ctx.quick ? 1 : ROUNDS;
     const opened: Tools[] = [];
@@ -384,33 +378,24 @@ export const enqueue: Section = {
     });
     const rate = (id: string) => summaries.find((s) => s.id === id)!.medianPerSecond;
     return {
-      tables: tables(summaries, runs, size, rounds, rate),
+      tables: tables(summaries, size, rounds, rate),
       goals: goals(rate),
       figures: { poolSize: POOL_SIZE, rounds, slices: SLICES, ...size, summaries, runs },
     };
   },
 };
 
-/** Which reference each variant is compared with in the table (ratio column). */
-function reference(id: string): string | null {
-  if (id === "preemptive" || id === "unchecked") return "addJob";
-  if (/^(queued|active|exists|uniqueFor)\//.test(id)) {
-    return id.endsWith("/fresh") ? "dedupe/fresh" : "dedupe/duplicate";
-  }
-  if (id === "bulk-unique/fresh") return "bulk-gw-libkeys/fresh";
-  if (id.startsWith("bulk-unique/")) return "bulk-gw-keys/fresh";
-  if (id === "dedupe/fresh" || id === "dedupe/duplicate") return "addJob";
-  if (
-    id === "bulk-gw-plain" ||
-    id === "bulk-gw-libkeys/fresh" ||
-    id === "bulk-gw-keys/duplicate" ||
-    id === "bulk-locks-plain"
-  ) {
-    return "bulk-gw-keys/fresh";
-  }
-  return null;
-}
-
+/** The reference of each variant's ratio, and its short name in the table. */
+const REFERENCES: Array<[RegExp, string]> = [
+  [/^(preemptive|unchecked|dedupe\/.*)$/, "addJob"],
+  [/^(queued|active|exists|uniqueFor)\/fresh$/, "dedupe/fresh"],
+  [/^(queued|active|exists|uniqueFor)\/duplicate$/, "dedupe/duplicate"],
+  [/^bulk-unique\/fresh$/, "bulk-gw-libkeys/fresh"],
+  [
+    /^(bulk-unique\/duplicate|bulk-gw-plain|bulk-gw-libkeys\/fresh|bulk-gw-keys\/duplicate|bulk-locks-plain)$/,
+    "bulk-gw-keys/fresh",
+  ],
+];
 const SHORT: Record<string, string> = {
   addJob: "addJob",
   "dedupe/fresh": "unsafe_dedupe fresh",
@@ -421,97 +406,83 @@ const SHORT: Record<string, string> = {
 
 function tables(
   summaries: VariantFigures[],
-  runs: RunFigures[],
   size: (typeof SIZES)["full"],
   rounds: number,
   rate: (id: string) => number,
-): Table[] {
-  const row = (s: VariantFigures) => {
-    const ref = reference(s.id);
-    return [
-      s.label,
-      s.keys,
-      fmtInt(s.enqueues),
-      `${fmtInt(s.medianPerSecond)} ±${fmtPercent(s.spread)}`,
-      ref ? `${fmtFixed(s.medianPerSecond / rate(ref), 2)} × ${SHORT[ref]}` : "",
-    ];
-  };
-  const columns = [
-    { header: "variant", align: "left" as const },
-    { header: "keys", align: "left" as const },
-    { header: "enqueues/run", align: "right" as const },
-    { header: "per second", align: "right" as const },
-    { header: "ratio", align: "left" as const },
-  ];
-  const single: Table = {
-    title: `Enqueue, single (sequential, awaited one by one): enqueues/s, median of ${rounds} rounds (± = spread)`,
-    columns,
-    rows: summaries.filter((s) => s.kind === "single").map(row),
-    notes: [
-      "fresh: every key new (every enqueue adds a job); duplicate: every key already has a queued job (nothing is added).",
-      `Variants interleaved in ${SLICES} slices per round, sharing the job table (each its own task and keys).`,
-      `Same pool for everyone (pg.Pool max ${POOL_SIZE}, given to makeWorkerUtils and makeLocks as pgPool); no runner;`,
-      "duplicates seeded through another pool (see openTools: a session's plan cache depends on what it ran).",
-      "preemptive: nothing is held, so the check passes and every job is added; the reference row is the same enqueue",
-      "without the check (preemptive: false), so the difference is the check's own cost (a read of pg_locks).",
-    ],
-  };
-  const bulk: Table = {
-    title:
+) {
+  const rows = (kind: Variant["kind"]) =>
+    summaries
+      .filter((s) => s.kind === kind)
+      .map((s) => {
+        const ref = REFERENCES.find(([pattern]) => pattern.test(s.id))?.[1];
+        const ratio = ref ? `${fmtFixed(s.medianPerSecond / rate(ref), 2)} × ${SHORT[ref]}` : "";
+        return [
+          s.label,
+          s.keys,
+          fmtInt(s.enqueues),
+          `${fmtInt(s.medianPerSecond)} ±${fmtPercent(s.spread)}`,
+          ratio,
+        ];
+      });
+  const headers = "variant | <keys | enqueues/run | per second | <ratio";
+  return [
+    table(
+      `Enqueue, single (sequential, awaited one by one): enqueues/s, median of ${rounds} rounds (± = spread)`,
+      headers,
+      rows("single"),
+      [
+        "fresh: every key new (every enqueue adds a job); duplicate: every key already has a queued job (nothing is added).",
+        `Variants interleaved in ${SLICES} slices per round, sharing the job table (each its own task and keys).`,
+        `Same pool for everyone (pg.Pool max ${POOL_SIZE}, given to makeWorkerUtils and makeLocks as pgPool); no runner;`,
+        "duplicates seeded through another pool (see openTools: a session's plan cache depends on what it ran).",
+        "preemptive: nothing is held, so the check passes and every job is added; the reference row is the same enqueue",
+        "without the check (preemptive: false), so the difference is the check's own cost (a read of pg_locks).",
+      ],
+    ),
+    table(
       `Enqueue, bulk (${size.bulkBatches} calls of ${fmtInt(size.bulkBatch)} jobs per round, interleaved): jobs/s, ` +
-      `median of ${rounds} rounds`,
-    columns,
-    rows: summaries.filter((s) => s.kind === "bulk").map(row),
-    notes: [
-      "graphile-worker's addJobs with existing keys replaces the waiting jobs (its job key semantics); locks.addJobs",
-      "answers duplicate and writes nothing.",
-    ],
-  };
-  return [single, bulk];
+        `median of ${rounds} rounds`,
+      headers,
+      rows("bulk"),
+      [
+        "graphile-worker's addJobs with existing keys replaces the waiting jobs (its job key semantics); locks.addJobs",
+        "answers duplicate and writes nothing.",
+      ],
+    ),
+  ];
 }
 
-function goals(rate: (id: string) => number): Goal[] {
-  const goal = (name: string, target: string, value: number, threshold: number): Goal => ({
-    section: "enqueue",
-    name,
-    target,
-    value: round(value, 3),
-    threshold,
-    met: value >= threshold,
-  });
-  const list: Goal[] = [
-    goal(
+function goals(rate: (id: string) => number) {
+  const atLeast = (name: string, target: string, value: number, threshold: number) =>
+    goal(name, target, round(value, 3), value >= threshold);
+  return [
+    atLeast(
       "preemptive check",
       "locks.addJob preemptive / graphile-worker addJob ≥ 0.90",
       rate("preemptive") / rate("addJob"),
       0.9,
     ),
-  ];
-  for (const keys of ["fresh", "duplicate"] as const) {
-    for (const scope of ["queued", "active", "exists", "uniqueFor"]) {
-      list.push(
-        goal(
+    ...(["fresh", "duplicate"] as const).flatMap((keys) =>
+      ["queued", "active", "exists", "uniqueFor"].map((scope) =>
+        atLeast(
           `unique single, ${scope}, ${keys} keys`,
           `locks.addJob / addJob unsafe_dedupe (${keys}) ≥ 1.00`,
           rate(`${scope}/${keys}`) / rate(`dedupe/${keys}`),
           1,
         ),
-      );
-    }
-  }
-  list.push(
-    goal(
+      ),
+    ),
+    atLeast(
       "unique bulk, fresh keys",
       "locks.addJobs unique / graphile-worker addJobs with job keys ≥ 0.80",
       rate("bulk-unique/fresh") / rate("bulk-gw-keys/fresh"),
       0.8,
     ),
-    goal(
+    atLeast(
       "unique bulk, fresh keys, same keys",
       "locks.addJobs unique / graphile-worker addJobs with the library's job keys ≥ 1.00",
       rate("bulk-unique/fresh") / rate("bulk-gw-libkeys/fresh"),
       1,
     ),
-  );
-  return list;
+  ];
 }

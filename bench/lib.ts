@@ -1,48 +1,54 @@
 /**
- * Shared helpers of the benchmark: timing and statistics, table printing, the benchmark database, job
- * insertion and reset, machine information, and the shape of a section.
+ * What the sections share: the shape of a section, its tables and goals; timing and statistics; the
+ * benchmark database and its job table; the machine's description; and the worker processes (forked,
+ * served and asked over IPC) that the throughput, contention and latency sections run their runners in.
  */
 import { execFileSync, fork } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { rename, writeFile } from "node:fs/promises";
 import { createRequire } from "node:module";
-import { availableParallelism, cpus, loadavg, platform, release, totalmem } from "node:os";
+import { cpus, loadavg } from "node:os";
 import { basename, dirname, join } from "node:path";
 import { performance } from "node:perf_hooks";
 import { fileURLToPath, pathToFileURL } from "node:url";
 import pg from "pg";
-import { Logger, runMigrations } from "graphile-worker";
+import { Logger, run, runMigrations, type RunnerOptions } from "graphile-worker";
 import { databaseUrl, startPostgres } from "../scripts/postgres.js";
 import { library, libraryBuild } from "./library.js";
 
 // ---------------------------------------------------------------------------------------------------------
-// Sections
+// Sections, tables and goals
 
-/** What every section gets from the orchestrator. */
 export interface BenchContext {
-  /** Connection URL of the benchmark's own database (graphile-worker's and this library's schemas installed). */
+  /** The benchmark's own database (graphile-worker's and this library's schemas installed). */
   url: string;
-  /** A small pool to that database, for setup, reset and polling (not used by the code under test). */
+  /** A small pool to it, for setup, reset and polling (not used by the code under test). */
   pool: pg.Pool;
-  /** `BENCH_QUICK=1`: small job counts, for a smoke run. Figures are not meaningful then. */
+  /** `BENCH_QUICK=1`: small job counts, for a smoke run; figures are not meaningful then. */
   quick: boolean;
-  /** Progress output (stderr), so that stdout carries only the results. */
+  /** Progress output (stderr): stdout carries only the results. */
   log(message: string): void;
-  /** Where the server runs: "embedded" is on this machine, so its processes can be read from /proc. */
-  postgresServer: MachineInfo["postgresServer"];
+  /** "embedded" runs on this machine, so its backends can be read from /proc. */
+  postgresServer: "embedded" | "DATABASE_URL";
 }
 
-/** A target from the issue, checked and reported, never enforced (a missed goal does not fail the run). */
+/** A goal, reported and never enforced; run.ts adds the section's id. */
 export interface Goal {
-  section: string;
+  section?: string;
   name: string;
   /** e.g. "wrapped/plain ≥ 0.90" */
   target: string;
   value: number;
-  threshold: number;
   met: boolean;
 }
+
+export const goal = (name: string, target: string, value: number, met: boolean): Goal => ({
+  name,
+  target,
+  value,
+  met,
+});
 
 export interface Table {
   title: string;
@@ -51,31 +57,74 @@ export interface Table {
   notes?: string[];
 }
 
+/**
+ * A table; `headers` are separated by " | ", and its columns right-aligned except the first and those
+ * whose header starts with "<".
+ */
+export function table(title: string, headers: string, rows: string[][], notes?: string[]): Table {
+  const columns = headers.split(" | ").map((h, i) => ({
+    header: h.replace(/^</, ""),
+    align: i === 0 || h.startsWith("<") ? ("left" as const) : ("right" as const),
+  }));
+  return { title, columns, rows, notes: notes?.filter((n) => n !== "") };
+}
+
 export interface SectionResult {
   tables: Table[];
   goals: Goal[];
-  /** Every figure of the section, for results.json. */
+  /** Every figure of the section, for results.full.json. */
   figures: unknown;
 }
 
 export interface Section {
-  /** Short id, used on the command line (`npm run bench -- throughput`) and in results.json. */
+  /** Used on the command line (`npm run bench -- throughput`) and in the results. */
   id: string;
   title: string;
   run(ctx: BenchContext): Promise<SectionResult>;
 }
 
+/** A plain-text table with aligned columns, its notes indented below. */
+export function formatTable(t: Table): string {
+  const widths = t.columns.map((c, i) =>
+    Math.max(c.header.length, ...t.rows.map((r) => (r[i] ?? "").length)),
+  );
+  const line = (cells: string[]) =>
+    cells
+      .map((text, i) =>
+        t.columns[i]!.align === "left" ? text.padEnd(widths[i]!) : text.padStart(widths[i]!),
+      )
+      .join("  ")
+      .trimEnd();
+  const out = [
+    t.title,
+    line(t.columns.map((c) => c.header)),
+    line(widths.map((w) => "-".repeat(w))),
+  ];
+  return [...out, ...t.rows.map(line), ...(t.notes ?? []).map((n) => `  ${n}`)].join("\n");
+}
+
+/** A table's rows for results.json: the first cell, then every other non-empty one after its header. */
+export const summaryRows = (t: Table): string[] =>
+  t.rows.map((row) =>
+    [
+      row[0] ?? "",
+      ...row.slice(1).flatMap((cell, i) => {
+        const header = t.columns[i + 1]?.header ?? "";
+        return cell === "" || cell === "–" ? [] : [header ? `${header}: ${cell}` : cell];
+      }),
+    ].join("; "),
+  );
+
 // ---------------------------------------------------------------------------------------------------------
-// Timing and statistics
+// Timing, statistics, formatting
 
 export const now = (): number => performance.now();
+export const sleep = (ms: number): Promise<void> =>
+  new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Measured rounds per configuration: BENCH_ROUNDS, else the section's default. */
 export const benchRounds = (fallback: number): number =>
   Math.max(1, Number(process.env.BENCH_ROUNDS ?? fallback) || fallback);
-
-export const sleep = (ms: number): Promise<void> =>
-  new Promise((resolve) => setTimeout(resolve, ms));
 
 export function median(values: readonly number[]): number {
   if (values.length === 0) return Number.NaN;
@@ -84,66 +133,30 @@ export function median(values: readonly number[]): number {
   return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2;
 }
 
-/** (max − min) / median, as a fraction: a rough measure of run-to-run noise. */
-export function spread(values: readonly number[]): number {
-  if (values.length < 2) return 0;
-  return (Math.max(...values) - Math.min(...values)) / median(values);
+/** The `p`-th percentile (0–100) by nearest rank; `above`: on an exact rank, the value after it. */
+export function percentile(values: readonly number[], p: number, above = false): number {
+  if (values.length === 0) return Number.NaN;
+  const sorted = Float64Array.from(values).sort();
+  const rank = above
+    ? Math.floor((p / 100) * sorted.length) + 1
+    : Math.ceil((p / 100) * sorted.length);
+  return sorted[Math.min(sorted.length, Math.max(1, rank)) - 1]!;
 }
 
-export function round(value: number, digits: number): number {
-  const f = 10 ** digits;
-  return Math.round(value * f) / f;
-}
+/** (max − min) / median: a rough measure of run-to-run noise. */
+export const spread = (values: readonly number[]): number =>
+  values.length < 2 ? 0 : (Math.max(...values) - Math.min(...values)) / median(values);
 
-// ---------------------------------------------------------------------------------------------------------
-// Formatting
+export const round = (value: number, digits: number): number =>
+  Math.round(value * 10 ** digits) / 10 ** digits;
 
 const integer = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
-
 export const fmtInt = (value: number): string =>
   Number.isFinite(value) ? integer.format(value) : "–";
 export const fmtFixed = (value: number, digits: number): string =>
   Number.isFinite(value) ? value.toFixed(digits) : "–";
 export const fmtPercent = (fraction: number): string =>
   Number.isFinite(fraction) ? `${(fraction * 100).toFixed(0)}%` : "–";
-
-/** A plain-text table with aligned columns. */
-export function formatTable(table: Table): string {
-  const widths = table.columns.map((c, i) =>
-    Math.max(c.header.length, ...table.rows.map((r) => (r[i] ?? "").length)),
-  );
-  const cell = (text: string, i: number) =>
-    table.columns[i]!.align === "left" ? text.padEnd(widths[i]!) : text.padStart(widths[i]!);
-  const line = (cells: string[]) =>
-    cells
-      .map((text, i) => cell(text, i))
-      .join("  ")
-      .trimEnd();
-  const out = [
-    table.title,
-    line(table.columns.map((c) => c.header)),
-    line(widths.map((w) => "-".repeat(w))),
-    ...table.rows.map((r) => line(r)),
-  ];
-  for (const note of table.notes ?? []) out.push(`  ${note}`);
-  return out.join("\n");
-}
-
-/**
- * A table's rows as one line each, for results.json: the row's first cell, then every other non-empty cell
- * after its column's header.
- */
-export function summaryRows(table: Table): string[] {
-  return table.rows.map((row) =>
-    [
-      row[0] ?? "",
-      ...row.slice(1).flatMap((cell, i) => {
-        const header = table.columns[i + 1]?.header ?? "";
-        return cell === "" || cell === "–" ? [] : [header ? `${header}: ${cell}` : cell];
-      }),
-    ].join("; "),
-  );
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Database
@@ -156,56 +169,42 @@ export interface BenchDatabase {
   drop(): Promise<void>;
 }
 
-/**
- * Creates a fresh database for the benchmark on the server of `serverUrl`, so that a server given through
- * DATABASE_URL keeps its own data: the benchmark truncates job tables.
- */
+/** A fresh database on the server of `serverUrl` (the bench truncates job tables: not the user's). */
 export async function createBenchDatabase(serverUrl: string): Promise<BenchDatabase> {
-  const name = `gwl_bench_${randomBytes(4).toString("hex")}`;
-  await withClient(serverUrl, (c) => c.query(`create database ${pg.escapeIdentifier(name)}`));
+  const name = pg.escapeIdentifier(`gwl_bench_${randomBytes(4).toString("hex")}`);
+  const admin = async (sql: string) => {
+    const client = new pg.Client({
+      connectionString: serverUrl,
+      application_name: "gwl-bench-admin",
+    });
+    client.on("error", () => undefined);
+    await client.connect();
+    await client.query(sql).finally(() => client.end().catch(() => undefined));
+  };
+  await admin(`create database ${name}`);
   return {
-    url: databaseUrl(serverUrl, name),
-    drop: () =>
-      withClient(serverUrl, async (c) => {
-        await c.query(`drop database if exists ${pg.escapeIdentifier(name)} with (force)`);
-      }),
+    url: databaseUrl(serverUrl, name.slice(1, -1)),
+    drop: () => admin(`drop database if exists ${name} with (force)`),
   };
 }
 
-export async function withClient<T>(
-  url: string,
-  fn: (client: pg.Client) => Promise<T>,
-): Promise<T> {
-  const client = new pg.Client({ connectionString: url, application_name: "gwl-bench-admin" });
-  client.on("error", () => undefined);
-  await client.connect();
-  try {
-    return await fn(client);
-  } finally {
-    await client.end().catch(() => undefined);
-  }
-}
-
-/** Empties graphile-worker's job tables (its task table stays: task ids are cached by runners). */
+/** Empties graphile-worker's job tables (its task table stays: runners cache task ids). */
 export async function resetJobs(pool: pg.Pool): Promise<void> {
   await pool.query("truncate graphile_worker._private_jobs, graphile_worker._private_job_queues");
 }
 
 /**
- * Inserts `count` jobs of `taskIdentifier` with payload `{ i }` (i = 1..count) through graphile-worker's
- * own `add_jobs`, in one statement built on the server, then refreshes the table's statistics so that
- * every run starts from the same state (and autovacuum has nothing to do mid-run).
+ * Empties the job tables and inserts `count` jobs of `task` with payload `{ i }` (i = 1..count) through
+ * graphile-worker's own `add_jobs`, in one statement built on the server, then refreshes the table's
+ * statistics, so that every run starts from the same state (and autovacuum has nothing to do mid-run).
  */
-export async function insertJobs(
-  pool: pg.Pool,
-  taskIdentifier: string,
-  count: number,
-): Promise<void> {
+export async function insertJobs(pool: pg.Pool, task: string, count: number): Promise<void> {
+  await resetJobs(pool);
   await pool.query(
     `select count(*) from graphile_worker.add_jobs(
        array(select row($1::text, json_build_object('i', i), null, null, null, null, null, null)::graphile_worker.job_spec
              from generate_series(1, $2::int) as i))`,
-    [taskIdentifier, count],
+    [task, count],
   );
   await pool.query("vacuum analyze graphile_worker._private_jobs");
 }
@@ -217,128 +216,73 @@ export async function countJobs(pool: pg.Pool): Promise<number> {
   return Number(rows[0]!.n);
 }
 
-/** Polls (every `intervalMs`) until graphile-worker's job table is empty; rejects after `timeoutMs`. */
-export async function waitUntilNoJobs(
-  pool: pg.Pool,
-  timeoutMs: number,
-  intervalMs = 5,
-): Promise<void> {
+/** Polls every 5 ms until graphile-worker's job table is empty; rejects after `timeoutMs`. */
+export async function waitUntilNoJobs(pool: pg.Pool, timeoutMs: number): Promise<void> {
   const deadline = now() + timeoutMs;
-  for (;;) {
-    const left = await countJobs(pool);
-    if (left === 0) return;
+  for (let left = await countJobs(pool); left > 0; left = await countJobs(pool)) {
     if (now() > deadline)
-      throw new Error(`${left} job(s) still in the table after ${Math.round(timeoutMs)} ms`);
-    await sleep(intervalMs);
+      throw new Error(`${left} job(s) still in the table after ${timeoutMs} ms`);
+    await sleep(5);
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Machine
+// Machine and set-up
 
-export interface MachineInfo {
-  cpuModel: string;
-  cores: number;
-  availableParallelism: number;
-  totalMemoryGiB: number;
-  platform: string;
-  osRelease: string;
-  node: string;
-  postgres: string;
-  postgresServer: "embedded" | "DATABASE_URL";
-  graphileWorker: string;
-  /** Which build of the library was measured: dist/ (the default), or src/ through tsx (BENCH_LIB=src), or another build (BENCH_LIB=<directory>). */
-  library: string;
-  /** The commit measured, and whether src/ differed from it (uncommitted changes). */
-  commit: string;
-  srcDirty: boolean;
-  /** 1-minute load average when the benchmark started: other work on the machine skews every figure. */
-  loadAverage1m: number;
-  date: string;
-}
+export type MachineInfo = Awaited<ReturnType<typeof machineInfo>>;
 
-export async function machineInfo(
-  pool: pg.Pool,
-  postgresServer: MachineInfo["postgresServer"],
-): Promise<MachineInfo> {
+async function machineInfo(pool: pg.Pool, postgresServer: BenchContext["postgresServer"]) {
   const { rows } = await pool.query<{ server_version: string }>("show server_version");
-  const list = cpus();
+  const root = fileURLToPath(new URL("..", import.meta.url));
+  const git = (...args: string[]) =>
+    execFileSync("git", args, { cwd: root, encoding: "utf8", stdio: ["ignore", "pipe", "ignore"] });
+  let state = { commit: "unknown", srcDirty: false };
+  try {
+    state = {
+      commit: git("rev-parse", "HEAD").trim(),
+      srcDirty: git("status", "--porcelain", "--", "src") !== "",
+    };
+  } catch {
+    // not a git checkout
+  }
+  let graphileWorker = "unknown";
+  try {
+    // graphile-worker exports only its entry point, not its package.json: read it next to that.
+    const entry = createRequire(import.meta.url).resolve("graphile-worker");
+    graphileWorker = (
+      JSON.parse(readFileSync(join(dirname(entry), "..", "package.json"), "utf8")) as {
+        version: string;
+      }
+    ).version;
+  } catch {
+    // left unknown
+  }
   return {
-    cpuModel: list[0]?.model.trim() ?? "unknown",
-    cores: list.length,
-    availableParallelism: availableParallelism(),
-    totalMemoryGiB: round(totalmem() / 2 ** 30, 1),
-    platform: platform(),
-    osRelease: release(),
+    cpuModel: cpus()[0]?.model.trim() ?? "unknown",
+    cores: cpus().length,
     node: process.version,
     postgres: rows[0]!.server_version,
     postgresServer,
-    graphileWorker: graphileWorkerVersion(),
+    graphileWorker,
+    /** dist (the default), src (through tsx) or another build: BENCH_LIB. */
     library: libraryBuild,
-    ...gitState(),
+    ...state,
+    /** When the benchmark started: other work on the machine skews every figure. */
     loadAverage1m: round(loadavg()[0] ?? 0, 2),
     date: new Date().toISOString(),
   };
 }
 
-/** The checked-out commit and whether src/ has uncommitted changes ("unknown" outside a git checkout). */
-function gitState(): { commit: string; srcDirty: boolean } {
-  const root = fileURLToPath(new URL("..", import.meta.url));
-  const git = (...args: string[]) =>
-    execFileSync("git", args, {
-      cwd: root,
-      encoding: "utf8",
-      stdio: ["ignore", "pipe", "ignore"],
-    }).trim();
-  try {
-    return {
-      commit: git("rev-parse", "HEAD"),
-      srcDirty: git("status", "--porcelain", "--", "src").length > 0,
-    };
-  } catch {
-    return { commit: "unknown", srcDirty: false };
-  }
-}
-
-/** graphile-worker exports only its entry point, not its package.json: read it next to that. */
-function graphileWorkerVersion(): string {
-  try {
-    const entry = createRequire(import.meta.url).resolve("graphile-worker");
-    const pkg = JSON.parse(readFileSync(join(dirname(entry), "..", "package.json"), "utf8")) as {
-      version: string;
-    };
-    return pkg.version;
-  } catch {
-    return "unknown";
-  }
-}
-
-export function describeMachine(m: MachineInfo): string {
-  return (
-    `${m.cpuModel}, ${m.cores} cores; Node ${m.node}; PostgreSQL ${m.postgres} (${m.postgresServer}); ` +
-    `graphile-worker ${m.graphileWorker}; library from ${m.library === "src" ? "src/ via tsx" : `${m.library}/`}` +
-    `${m.srcDirty ? " (uncommitted changes in src/)" : ""}; load average ${m.loadAverage1m} at start`
-  );
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Set-up
-
-export interface OpenBench {
-  ctx: BenchContext;
-  machine: MachineInfo;
-  /** Drops the benchmark database and stops the server (if embedded). */
-  close(): Promise<void>;
-}
+export const describeMachine = (m: MachineInfo): string =>
+  `${m.cpuModel}, ${m.cores} cores; Node ${m.node}; PostgreSQL ${m.postgres} (${m.postgresServer}); ` +
+  `graphile-worker ${m.graphileWorker}; library from ${m.library === "src" ? "src/ via tsx" : `${m.library}/`}` +
+  `${m.srcDirty ? " (uncommitted changes in src/)" : ""}; load average ${m.loadAverage1m} at start`;
 
 /**
  * Starts PostgreSQL (DATABASE_URL if set, else embedded), creates the benchmark's own database on it and
- * installs graphile-worker's and this library's schemas there.
+ * installs graphile-worker's and this library's schemas there. `close` drops it and stops the server.
  */
-export async function openBench(
-  log: (message: string) => void,
-  quick: boolean,
-): Promise<OpenBench> {
+export async function openBench(log: (message: string) => void, quick: boolean) {
   const server = process.env.DATABASE_URL ? "DATABASE_URL" : "embedded";
   log(
     `starting PostgreSQL (${server})${quick ? "; BENCH_QUICK: small job counts, figures not meaningful" : ""}`,
@@ -363,48 +307,38 @@ export async function openBench(
     log(describeMachine(machine));
     if (machine.loadAverage1m > machine.cores / 2) {
       log(
-        `warning: load average ${machine.loadAverage1m} on ${machine.cores} cores before starting: ` +
-          "other work on this machine will skew the figures",
+        `warning: load average ${machine.loadAverage1m} on ${machine.cores} cores: other work will skew the figures`,
       );
     }
-    return {
-      ctx: { url: database.url, pool, quick, log, postgresServer: server },
-      machine,
-      close,
-    };
+    const ctx: BenchContext = { url: database.url, pool, quick, log, postgresServer: server };
+    return { ctx, machine, close };
   } catch (error) {
     await close();
     throw error;
   }
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Output
-
 /**
  * Writes JSON (bigints as strings) through a temporary file, so a crash never leaves half a file, formatted
  * by the repository's Prettier settings so that `npm run lint` accepts the file as written.
  */
 export async function writeJsonAtomic(file: URL, data: unknown): Promise<void> {
-  const tmp = new URL(`${file.href}.tmp`);
-  let text = JSON.stringify(
-    data,
-    (_key, value: unknown) => (typeof value === "bigint" ? value.toString() : value),
-    2,
-  );
+  const replacer = (_key: string, value: unknown) =>
+    typeof value === "bigint" ? value.toString() : value;
+  let text = `${JSON.stringify(data, replacer, 2)}\n`;
   try {
     const prettier = await import("prettier");
     const options = await prettier.resolveConfig(fileURLToPath(file));
     text = await prettier.format(text, { ...options, parser: "json" });
   } catch {
-    text = `${text}\n`;
+    // unformatted, then
   }
-  await writeFile(tmp, text);
-  await rename(tmp, file);
+  await writeFile(new URL(`${file.href}.tmp`), text);
+  await rename(new URL(`${file.href}.tmp`), file);
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Worker processes: requests and answers over IPC
+// Worker processes: the parent's side
 
 /** A request to a worker process; `type` names the handler that answers it. */
 export type Request = { type: string } & Record<string, unknown>;
@@ -428,30 +362,32 @@ export interface WorkerProcess {
   failed: Promise<never>;
   /** Receives the process's other events. */
   onEvent: ((event: string, data: unknown) => void) | undefined;
-  /** Asks the process to leave (its `leave`), and kills it if it has not within 15 s. */
+  /** Asks the process to leave, and kills it if it has not within 15 s. */
   stop(): Promise<void>;
 }
 
 /**
- * Forks `count` processes of `script` (run through tsx, WORKER_NAME w1, w2, ... and `env` in their
- * environment) and waits until each has sent `ready`; if one fails to start, stops the others and throws.
+ * Forks `count` processes of `script` (through tsx; WORKER_NAME w1, w2, ... and `env` in their
+ * environment), waits until each has sent `ready`, runs `fn` with them and stops them.
  */
-export async function forkWorkers(
+export async function withWorkers<T>(
   script: URL,
   count: number,
   env: Record<string, string>,
+  fn: (workers: WorkerProcess[]) => Promise<T>,
   execArgv: string[] = [],
-): Promise<WorkerProcess[]> {
+): Promise<T> {
   const started = await Promise.allSettled(
     Array.from({ length: count }, (_, i) => forkWorker(script, `w${i + 1}`, env, execArgv)),
   );
   const workers = started.flatMap((s) => (s.status === "fulfilled" ? [s.value] : []));
-  const failure = started.find((s): s is PromiseRejectedResult => s.status === "rejected");
-  if (failure) {
+  try {
+    const failure = started.find((s): s is PromiseRejectedResult => s.status === "rejected");
+    if (failure) throw failure.reason;
+    return await fn(workers);
+  } finally {
     await Promise.all(workers.map((w) => w.stop()));
-    throw failure.reason;
   }
-  return workers;
 }
 
 async function forkWorker(
@@ -539,29 +475,92 @@ async function forkWorker(
 }
 
 /**
- * A worker process's side: answers each request with its handler's result (or its error). On `leave`, or
- * when the parent goes away, runs `leave` and exits. Returns the function that sends events: `ready` once
- * set up, `failed` when a run cannot finish, any other for `onEvent`.
+ * One run of the jobs already in the table: sends `start` to every worker, waits for `done` (if given)
+ * and then an empty table, racing the workers' failures and `timeoutMs`; calls `atEnd` with the runners
+ * still running, then sends `stop`. Resolves the workers' answers to `stop` and the time from sending
+ * `start` to the empty table.
  */
-export function serveParent<R extends Request>(
-  handlers: { [K in R["type"]]: (request: Extract<R, { type: K }>) => unknown },
-  leave: () => Promise<void>,
-): (event: string, data?: unknown) => void {
+export async function runWorkers<R>(
+  workers: WorkerProcess[],
+  pool: pg.Pool,
+  start: Request,
+  options: { timeoutMs: number; done?: Promise<void>; atEnd?: () => Promise<void> },
+): Promise<{ reports: R[]; ms: number }> {
+  const failed = Promise.race(workers.map((w) => w.failed));
+  failed.catch(() => undefined);
+  const limit = timeout(options.timeoutMs, `${start.type}: the jobs did not complete in time`);
+  const within = <T>(promise: Promise<T>) => Promise.race([promise, failed, limit.promise]);
+  try {
+    const t0 = now();
+    await within(Promise.all(workers.map((w) => w.request(start))));
+    if (options.done) await within(options.done);
+    await within(waitUntilNoJobs(pool, options.timeoutMs));
+    const ms = now() - t0;
+    await options.atEnd?.();
+    return { reports: await Promise.all(workers.map((w) => w.request<R>({ type: "stop" }))), ms };
+  } finally {
+    limit.clear();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Worker processes: the child's side
+
+type Handlers<R extends Request> = {
+  [K in R["type"]]: (request: Extract<R, { type: K }>) => unknown;
+};
+
+/** Sends an event to the parent: `failed` when a run cannot finish, any other for its `onEvent`. */
+export const sendEvent = (event: string, data?: unknown): void => {
+  process.send!({ event, data } satisfies Reply);
+};
+
+/**
+ * A worker process's entry point: when `moduleUrl` is the script node was started with (not a module the
+ * parent imports for its types and constants), calls `setup` with DATABASE_URL and the process's name,
+ * serves the handlers it returns and sends `ready`; exits with 1 if setting up fails.
+ */
+export function workerMain<R extends Request>(
+  moduleUrl: string,
+  setup: (url: string, name: string) => Promise<{ handlers: Handlers<R>; leave(): Promise<void> }>,
+): void {
+  if (process.argv[1] === undefined || moduleUrl !== pathToFileURL(process.argv[1]).href) return;
+  const name = process.env.WORKER_NAME ?? String(process.pid);
+  setup(process.env.DATABASE_URL!, name).then(
+    ({ handlers, leave }) => {
+      serve(handlers, leave);
+      sendEvent("ready");
+    },
+    (error: unknown) => {
+      console.error(`[${basename(fileURLToPath(moduleUrl), ".ts")} ${name}] failed:`, error);
+      process.exit(1);
+    },
+  );
+}
+
+/** graphile-worker's worker options (`preset.worker`), as the sections' configurations give them. */
+export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
+
+/** graphile-worker's `run()` as the bench's runners start: quiet, no signal handlers. */
+export const startRunner = (options: RunnerOptions) =>
+  run({ noHandleSignals: true, logger: quietLogger, ...options });
+
+/**
+ * Answers each request with its handler's result (or its error). On `leave`, or when the parent goes
+ * away, runs `leave` and exits.
+ */
+function serve<R extends Request>(handlers: Handlers<R>, leave: () => Promise<void>): void {
   const send = (reply: Reply, then?: () => void) =>
     process.send!(reply, undefined, {}, () => then?.());
   const exit = (then: (code: number) => void) => {
-    // Leave anyway if stopping hangs.
-    setTimeout(() => process.exit(1), 10_000).unref();
+    setTimeout(() => process.exit(1), 10_000).unref(); // leave anyway if stopping hangs
     leave().then(
       () => then(0),
       () => then(1),
     );
   };
   process.on("message", ({ id, request }: { id: number; request: R }) => {
-    if (request.type === "leave") {
-      exit((code) => send({ id }, () => process.exit(code)));
-      return;
-    }
+    if (request.type === "leave") return exit((code) => send({ id }, () => process.exit(code)));
     const handler = handlers[request.type as R["type"]] as (request: R) => unknown;
     Promise.resolve()
       .then(() => handler(request))
@@ -575,9 +574,4 @@ export function serveParent<R extends Request>(
       );
   });
   process.on("disconnect", () => exit((code) => process.exit(code)));
-  return (event, data) => send({ event, data });
 }
-
-/** Whether this module is the script node was started with (not imported by another). */
-export const isMain = (url: string): boolean =>
-  process.argv[1] !== undefined && url === pathToFileURL(process.argv[1]).href;

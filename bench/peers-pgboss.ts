@@ -1,6 +1,6 @@
 /**
  * pg-boss's side of section "peers": pg-boss 12 in a database of its own on the benchmark's server.
- * Imported only on a Node.js that pg-boss supports (see peers.ts).
+ * Imported only on a Node.js that pg-boss supports (see peers.ts), which holds what both sides share.
  *
  * Its best settings for these rows, from its documentation and source (dist/manager.js, dist/worker.js):
  * - `useListenNotify: true` on the instance and `notify: true` on every queue: without them an idle worker
@@ -19,18 +19,9 @@
  * - `schedule: false`, `supervise: false`: no cron or maintenance work during the measurements.
  */
 import pg from "pg";
-import { PgBoss } from "pg-boss";
-import type { WorkOptions } from "pg-boss";
-import { createBenchDatabase, now, sleep, type BenchContext, type BenchDatabase } from "./lib.js";
-import {
-  POLICIES,
-  Recorder,
-  type ContendedRun,
-  type Peer,
-  type PeerPayload,
-  type Policy,
-  type SendFigures,
-} from "./peers-common.js";
+import { PgBoss, type WorkOptions } from "pg-boss";
+import { createBenchDatabase, sleep, type BenchContext } from "./lib.js";
+import { JOB_MS, POLICIES, Recorder, type Peer, type PeerPayload, type Policy } from "./peers.js";
 
 const SCHEMA = "pgboss";
 /** The least pg-boss allows. */
@@ -39,9 +30,9 @@ const CONTENDED = "peers_contended";
 const PICKUP = "peers_pickup";
 const sendQueue = (policy: Policy) => `peers_send_${policy}`;
 
-export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
+export async function openPgBoss(ctx: BenchContext): Promise<Peer & { recorder: Recorder }> {
   const recorder = new Recorder();
-  const database: BenchDatabase = await createBenchDatabase(ctx.url);
+  const database = await createBenchDatabase(ctx.url);
   const admin = new pg.Pool({
     connectionString: database.url,
     max: 2,
@@ -59,9 +50,8 @@ export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
   });
   let reportedError = false;
   boss.on("error", (error) => {
-    if (reportedError) return;
+    if (!reportedError) ctx.log(`peers: pg-boss error: ${error.message}`);
     reportedError = true;
-    ctx.log(`peers: pg-boss error: ${error.message}`);
   });
   boss.on("warning", (warning) => ctx.log(`peers: pg-boss warning: ${warning.message}`));
 
@@ -75,13 +65,11 @@ export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
   const handler = async (jobs: Array<{ data: PeerPayload }>) => {
     for (const job of jobs) await recorder.run(job.data);
   };
-
   const close = async () => {
     await boss.stop({ graceful: false, close: true }).catch(() => undefined);
     await admin.end().catch(() => undefined);
     await database.drop();
   };
-
   try {
     await boss.start();
     for (const policy of POLICIES)
@@ -98,42 +86,26 @@ export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
     await boss.deleteAllJobs(name);
     await admin.query(`vacuum analyze ${SCHEMA}.job`);
   };
-
   let idleWorker: string | undefined;
 
   return {
     id: "pg-boss",
+    recorder,
     settings: [
       "new PgBoss({ useListenNotify: true, schedule: false, supervise: false, queueCacheIntervalSeconds: 1 }); pool of 10 (default)",
       "createQueue(name, { policy, notify: true })",
       "work(name, { batchSize: 1, localConcurrency: concurrency, burstWhenReadyExceeds: 1, pollingIntervalSeconds: 0.5, notifyPollingIntervalSeconds: 0.5 })",
       "contended runs: ready count refreshed (getQueueStats force) and queue cache reloaded before the workers start: burst mode from the first fetch",
     ],
-
-    async send(policy, keys, round): Promise<SendFigures> {
-      const name = sendQueue(policy);
-      await reset(name);
-      let added = 0;
-      let duplicates = 0;
-      const t0 = now();
-      for (let i = 0; i < keys.length; i++) {
-        const data: PeerPayload = { key: keys[i]!, i: round * 1_000_000 + i, ms: 0 };
-        const id = await boss.send(name, data, { singletonKey: keys[i]! });
-        if (id === null) duplicates++;
-        else added++;
-      }
-      const seconds = (now() - t0) / 1000;
-      return { seconds, opsPerSecond: keys.length / seconds, added, duplicates };
-    },
-
-    async contended(keys, jobMs, concurrency): Promise<ContendedRun> {
+    resetSends: (policy) => reset(sendQueue(policy)),
+    send: async (policy, payload) =>
+      (await boss.send(sendQueue(policy), payload, { singletonKey: payload.key })) !== null,
+    async contended(keys, concurrency) {
       await reset(CONTENDED);
+      const data = (key: string, index: number): PeerPayload => ({ key, i: index + 1, ms: JOB_MS });
       await boss.insert(
         CONTENDED,
-        keys.map((key, index) => ({
-          data: { key, i: index + 1, ms: jobMs } satisfies PeerPayload,
-          singletonKey: key,
-        })),
+        keys.map((key, index) => ({ data: data(key, index), singletonKey: key })),
       );
       await admin.query(`vacuum analyze ${SCHEMA}.job`);
       // A forced reading reuses one made in the last minute (pg-boss's own rate limit), so after an earlier
@@ -146,35 +118,27 @@ export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
       }
       // Let the instance's queue cache (reloaded every second here) pick it up: burst mode from the start.
       await sleep(1_200);
-      const done = recorder.expect(keys.length, 60_000 + keys.length * jobMs * 4);
+      const done = recorder.expect(keys.length, 60_000 + keys.length * JOB_MS * 4);
       const id = await boss.work<PeerPayload>(CONTENDED, work(concurrency), handler);
       try {
-        return { spans: await done, parked: [] };
+        await done;
+        return { parked: 0 };
       } finally {
         await boss.offWork(CONTENDED, { id, wait: true });
         await reset(CONTENDED);
       }
     },
-
     async startIdle(concurrency) {
       await reset(PICKUP);
       idleWorker = await boss.work<PeerPayload>(PICKUP, work(concurrency), handler);
     },
-
-    async pickup(i): Promise<number> {
-      const started = recorder.started(i, 10_000);
-      const t0 = now();
-      const data: PeerPayload = { key: `pickup-${i}`, i, ms: 0 };
-      await boss.send(PICKUP, data, { singletonKey: data.key });
-      return (await started) - t0;
-    },
-
+    sendPickup: async (payload) =>
+      void (await boss.send(PICKUP, payload, { singletonKey: payload.key })),
     async stopIdle() {
       if (idleWorker) await boss.offWork(PICKUP, { id: idleWorker, wait: true });
       idleWorker = undefined;
       await reset(PICKUP);
     },
-
     close,
   };
 }

@@ -1,78 +1,66 @@
 /**
- * Section "execution overhead": no-op jobs per second, graphile-worker alone ("plain") against the task in
- * `locks.exclusive()` with a distinct key per job ("wrapped") and two naive wrappers (method, variants and
- * configurations: bench/README.md). N jobs are inserted up front; the clock runs from `run()` (or, in the
- * worker processes of A3 and B3, the start signal) to an empty job table. A warm-up of each variant, then
- * rounds alternating the variants, medians. The wrapped runs also give the lock session's cost: connections
- * by role, backend memory, heap, locks left held.
+ * Section "throughput": no-op jobs per second, graphile-worker alone ("plain") against the task in
+ * `locks.exclusive()` with a distinct key per job ("wrapped") and two naive wrappers, in worker processes
+ * (throughput-worker.ts) forked once per process count and kept (method and configurations:
+ * bench/README.md). The jobs are inserted up front; the clock runs from the start signal to an empty job
+ * table. A warm-up of each variant, then rounds alternating the variants; medians. The wrapped runs also
+ * give the lock session's cost: connections by role, backend memory, heap, locks left held.
  */
 import { readFile } from "node:fs/promises";
 import type pg from "pg";
 import {
+  benchRounds,
   fmtFixed,
   fmtInt,
   fmtPercent,
+  goal,
   insertJobs,
   median,
-  now,
-  resetJobs,
   round,
-  spread,
-  waitUntilNoJobs,
-  forkWorkers,
-  timeout,
-  type BenchContext,
-  type WorkerProcess,
-  type Goal,
-  type Section,
-  type SectionResult,
-  type Table,
-  benchRounds,
 } from "./lib.js";
 import {
-  APPLICATION_PREFIX,
-  CONNECTION_ROLES,
-  parseApplicationName,
-  type ConnectionRole,
-  type Progress,
-  type ProcessReport,
-  type ProcessVariant,
-} from "./throughput-worker.js";
+  runWorkers,
+  sleep,
+  spread,
+  table,
+  withWorkers,
+  type BenchContext,
+  type Section,
+} from "./lib.js";
+import type { WorkerPreset, WorkerProcess } from "./lib.js";
+import { APPLICATION_PREFIX, CONNECTION_ROLES, type ConnectionRole } from "./throughput-worker.js";
+import type { ProcessReport, ProcessVariant, Progress, StartRequest } from "./throughput-worker.js";
 
-export const TASK = "noop";
-/** Measured rounds per configuration (BENCH_ROUNDS overrides). */
+const TASK = "noop";
 const ROUNDS = benchRounds(3);
+/** Worker processes of A3 and B3. */
+const PROCESSES = 3;
+/** How often pg_stat_activity is sampled during a run. */
+const SAMPLE_INTERVAL_MS = 250;
+const WORKER_SCRIPT = new URL("./throughput-worker.ts", import.meta.url);
 
-export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
-
-export interface Config {
+interface Config {
   id: string;
   label: string;
-  /** Worker processes (bench/throughput-worker.ts), each with this concurrency and these options. */
   processes: number;
   concurrency: number;
-  /** Jobs per measured run (chosen so that a run of the slowest variant takes a few seconds here). */
+  /** Jobs per measured run: a run of the slowest variant takes 2 s or more here. */
   jobs: number;
-  /** Jobs per measured run of the naive variants (one-process configurations only). */
+  /** Jobs per measured run of the naive variants (one-process configurations only: they run none else). */
   naiveJobs?: number;
-  /** Jobs per measured run with BENCH_QUICK=1 (every variant). */
+  /** Jobs per run with BENCH_QUICK=1. */
   quickJobs: number;
   /** graphile-worker options beyond concurrency, the same for every variant. */
   worker: WorkerPreset;
-  /** The issue's goal for wrapped/plain. */
+  /** The goal for wrapped/plain. */
   goal: number;
 }
 
 /**
- * B's settings are the best of a sweep for plain graphile-worker (60,000 jobs per run) on
- * the 2-core development machine: localQueue.size 24 / 100 / 250 / 500 / 1000 / 2000 gave about 15k / 28k
- * / 30k / 18k / 24k / 24k jobs/s with completeJobBatchDelay 0; at size 250, delays of 0…10 ms were all
- * within noise (26k–29k), -1 (no batching) 12k; maxPoolSize 26 instead of 10 did not help. Wrapped and
- * naive run with the same settings.
- *
- * Job counts make a measured run take 2 s or more here; naive is slow, so it gets fewer jobs in B.
+ * B's settings are the best of a sweep for plain graphile-worker on the 2-core development machine
+ * (localQueue.size 24 to 2000, completeJobBatchDelay -1 to 10 ms, maxPoolSize 10 and 26).
  */
-export const CONFIGS: Config[] = [
+const ONE_PROCESS: Config[] = [
   {
     id: "A",
     label: "c=10, no batching",
@@ -92,65 +80,72 @@ export const CONFIGS: Config[] = [
     jobs: 90_000,
     naiveJobs: 15_000,
     quickJobs: 2_000,
-    worker: {
-      localQueue: { size: 250 },
-      completeJobBatchDelay: 0,
-      failJobBatchDelay: 0,
-    },
+    worker: { localQueue: { size: 250 }, completeJobBatchDelay: 0, failJobBatchDelay: 0 },
     goal: 0.9,
   },
 ];
-
-/** Worker processes of the multi-process configurations. */
-const PROCESSES = 3;
-
-/**
- * A3 and B3: A and B in 3 processes, each with A's or B's concurrency and options (so 3 × the workers in
- * all), the same job counts and the same goals, without the naive variants (a one-process comparison).
- */
-export const PROCESS_CONFIGS: Config[] = CONFIGS.map(({ naiveJobs: _, ...config }) => ({
-  ...config,
-  id: `${config.id}${PROCESSES}`,
-  label: `${PROCESSES} processes × ${config.label}`,
+/** A3 and B3: A and B in 3 processes, each with A's or B's settings and its own runner and Locks. */
+const SEVERAL: Config[] = ONE_PROCESS.map(({ naiveJobs: _, ...c }) => ({
+  ...c,
+  id: `${c.id}${PROCESSES}`,
+  label: `${PROCESSES} processes × ${c.label}`,
   processes: PROCESSES,
 }));
 
-/** How often pg_stat_activity is sampled during a run. */
-const SAMPLE_INTERVAL_MS = 250;
-
-export type VariantId = ProcessVariant;
-
-export type RunFigures = ReturnType<typeof processRunFigures>;
-
-export type ConfigFigures = ReturnType<typeof summarise>;
-type VariantFigures = ReturnType<typeof variantFigures>;
-
 // ---------------------------------------------------------------------------------------------------------
-// One run in the worker processes
+// One run, and the lock session's connections and backends meanwhile
 
-const WORKER_SCRIPT = new URL("./throughput-worker.ts", import.meta.url);
+type Backend = { pid: number; processName: string; role: ConnectionRole };
+type Range = { min: number; max: number };
+type Memory = { role: ConnectionRole; ussKiB: number; pssKiB: number };
+type RunFigures = Awaited<ReturnType<typeof measure>>;
 
-/** Resolves once the workers reported `jobs` completed jobs between them in run `run`. */
-function allCompleted(workers: WorkerProcess[], run: number, jobs: number): Promise<void> {
-  const completed = new Map<string, number>();
-  return new Promise<void>((resolve) => {
-    for (const w of workers) {
-      w.onEvent = (event, data) => {
-        const progress = data as Progress;
-        if (event !== "progress" || progress.run !== run) return;
-        completed.set(w.name, progress.completed);
-        if ([...completed.values()].reduce((sum, n) => sum + n, 0) >= jobs) resolve();
-      };
-    }
+/** The benchmark's named connections (`gwl-bench-tp/<process>/<role>`), now. */
+async function namedBackends(pool: pg.Pool): Promise<Backend[]> {
+  const { rows } = await pool.query<{ pid: number; application_name: string }>(
+    `select pid, application_name from pg_stat_activity
+      where datname = current_database() and application_name like $1`,
+    [`${APPLICATION_PREFIX}/%`],
+  );
+  return rows.map(({ pid, application_name }) => {
+    const [, processName, role] = application_name.split("/");
+    return { pid, processName: processName!, role: role as ConnectionRole };
   });
+}
+
+/**
+ * The memory of the lock sessions' and graphile-worker's backends in `sample`, from
+ * /proc/<pid>/smaps_rollup: USS (Private_Clean + Private_Dirty: what the backend's exit would free) and Pss
+ * (shared pages divided among the processes that map them). Only when the server is the embedded one, on
+ * this machine (another host's pid means nothing here).
+ */
+async function backendMemory(ctx: BenchContext, sample: Backend[]): Promise<Memory[]> {
+  if (ctx.postgresServer !== "embedded") return [];
+  const read = async ({ pid, role }: Backend): Promise<Memory[]> => {
+    try {
+      const [comm, rollup] = await Promise.all([
+        readFile(`/proc/${pid}/comm`, "utf8"),
+        readFile(`/proc/${pid}/smaps_rollup`, "utf8"),
+      ]);
+      const kib = (field: string) =>
+        Number(new RegExp(`^${field}:\\s+(\\d+) kB$`, "m").exec(rollup)?.[1] ?? Number.NaN);
+      return comm.startsWith("postgres")
+        ? [{ role, ussKiB: kib("Private_Clean") + kib("Private_Dirty"), pssKiB: kib("Pss") }]
+        : [];
+    } catch {
+      return [];
+    }
+  };
+  return (await Promise.all(sample.filter((b) => b.role !== "locks-pool").map(read))).flat();
 }
 
 let lastRunId = 0;
 
 /**
- * One measured run: insert, start the runners (the clock starts with the start signal), wait until they
- * reported every job completed and the table is empty, sample the connections and the backends' memory,
- * stop the runners. pg_stat_activity is sampled during every run, so that every variant shares that load.
+ * One run: insert, start the runners, wait until they reported every job completed and the table is
+ * empty, take a last sample of the connections and the backends' memory, stop the runners.
+ * pg_stat_activity is sampled every SAMPLE_INTERVAL_MS during every run, so that every variant shares
+ * that load.
  */
 async function measure(
   ctx: BenchContext,
@@ -159,586 +154,335 @@ async function measure(
   variant: ProcessVariant,
   jobs: number,
   roundNumber: number,
-): Promise<RunFigures> {
-  await resetJobs(ctx.pool);
-  await insertJobs(ctx.pool, TASK, jobs);
-
-  const runId = ++lastRunId;
-  const failed = Promise.race(workers.map((w) => w.failed));
-  failed.catch(() => undefined);
-  const limit = timeout(
-    60_000 + jobs * 5,
-    `${config.id}/${variant}: ${jobs} jobs did not complete in time`,
-  );
-  const completed = allCompleted(workers, runId, jobs);
-  const sampling = sampleBackends(ctx.pool, SAMPLE_INTERVAL_MS);
-  const t0 = now();
-  try {
-    const started = workers.map((w) =>
-      w.request({
-        type: "start",
-        run: runId,
-        variant,
-        taskIdentifier: TASK,
-        concurrency: config.concurrency,
-        worker: config.worker,
-      }),
-    );
-    await Promise.race([Promise.all(started), failed, limit.promise]);
-    await Promise.race([completed, failed, limit.promise]);
-    await Promise.race([waitUntilNoJobs(ctx.pool, 30_000), failed, limit.promise]);
-    const seconds = (now() - t0) / 1000;
-    // With the runners still running: their pools are open, as they were during the run.
-    const samples = await sampling.finish();
-    const memory = await backendMemory(ctx, samples.at(-1)!);
-    const reports = await Promise.all(
-      workers.map((w) => w.request<ProcessReport>({ type: "stop" })),
-    );
-    const executed = reports.reduce((sum, r) => sum + r.completed, 0);
-    if (executed !== jobs) {
-      ctx.log(`warning: ${config.id}/${variant}: ${executed} job(s) completed, ${jobs} inserted`);
-    }
-    return processRunFigures(config, variant, roundNumber, jobs, seconds, reports, samples, memory);
-  } finally {
-    sampling.cancel();
-    limit.clear();
-    for (const w of workers) w.onEvent = undefined;
-  }
-}
-
-function processRunFigures(
-  config: Config,
-  variant: ProcessVariant,
-  roundNumber: number,
-  jobs: number,
-  seconds: number,
-  reports: ProcessReport[],
-  samples: Backend[][],
-  memory: BackendMemory[],
 ) {
+  await insertJobs(ctx.pool, TASK, jobs);
+  const run = ++lastRunId;
+  const completed = new Map<string, number>();
+  const done = new Promise<void>((resolve) => {
+    for (const w of workers) {
+      w.onEvent = (event, data) => {
+        if (event !== "progress" || (data as Progress).run !== run) return;
+        completed.set(w.name, (data as Progress).completed);
+        if ([...completed.values()].reduce((sum, n) => sum + n, 0) >= jobs) resolve();
+      };
+    }
+  });
+  const samples: Backend[][] = [];
+  let sampling = true;
+  const loop = (async () => {
+    for (;;) {
+      await sleep(SAMPLE_INTERVAL_MS);
+      if (!sampling) return;
+      samples.push(await namedBackends(ctx.pool));
+    }
+  })();
+  loop.catch(() => undefined);
+  let memory: Memory[] = [];
+  const start: StartRequest = {
+    type: "start",
+    run,
+    variant,
+    taskIdentifier: TASK,
+    concurrency: config.concurrency,
+    worker: config.worker,
+  };
+  const { reports, ms } = await runWorkers<ProcessReport>(workers, ctx.pool, start, {
+    timeoutMs: 60_000 + jobs * 5,
+    done,
+    // With the runners still running: their pools are open, as they were during the run.
+    atEnd: async () => {
+      sampling = false;
+      await loop;
+      samples.push(await namedBackends(ctx.pool));
+      memory = await backendMemory(ctx, samples.at(-1)!);
+    },
+  }).finally(() => {
+    sampling = false;
+    for (const w of workers) w.onEvent = undefined;
+  });
   const sum = (f: (r: ProcessReport) => number) => reports.reduce((total, r) => total + f(r), 0);
-  const known = (values: Array<number | null>) => values.filter((v): v is number => v !== null);
-  const startups = known(reports.map((r) => r.startupMs));
-  const lastCompletes = known(reports.map((r) => r.lastCompleteMs));
+  if (sum((r) => r.completed) !== jobs) {
+    ctx.log(
+      `warning: ${config.id}/${variant}: ${sum((r) => r.completed)} job(s) completed, ${jobs} inserted`,
+    );
+  }
+  // Connections of each role per process, fewest and most over the samples.
+  const counts = (role: ConnectionRole) =>
+    samples.flatMap((s) =>
+      reports.map((r) => s.filter((b) => b.processName === r.name && b.role === role).length),
+    );
+  const connections = Object.fromEntries(
+    CONNECTION_ROLES.map((role) => [
+      role,
+      { min: Math.min(...counts(role)), max: Math.max(...counts(role)) },
+    ]),
+  ) as Record<ConnectionRole, Range>;
   return {
     config: config.id,
     variant,
     round: roundNumber,
     jobs,
-    seconds: round(seconds, 3),
-    jobsPerSecond: Math.round(jobs / seconds),
-    // The first job in any process, from its receiving the start signal.
-    startupMs: startups.length > 0 ? Math.round(Math.min(...startups)) : Number.NaN,
-    lastCompleteMs: lastCompletes.length > 0 ? Math.round(Math.max(...lastCompletes)) : Number.NaN,
+    seconds: round(ms / 1000, 3),
+    jobsPerSecond: Math.round((jobs * 1000) / ms),
     lockStatements: sum((r) => r.lockStatements),
     conflicts: sum((r) => r.conflicts),
     nodeCpuUsPerJob: round(sum((r) => r.cpuUs) / jobs, 1),
-    processes: reports,
-    session: {
-      samples: samples.length,
-      connections: connectionRanges(
-        samples,
-        reports.map((r) => r.name),
-      ),
-      memory,
-      heldAfterRun: Math.max(...reports.map((r) => r.heldAfterRun)),
-    },
+    reports,
+    samples: samples.length,
+    connections,
+    memory,
   };
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Lock session cost: connections and backend memory
-
-/** A connection of the benchmark, told apart by its application_name. */
-export interface Backend {
-  pid: number;
-  processName: string;
-  role: ConnectionRole;
-}
-
-/** The fewest and the most connections of one kind a process had open, over a run's samples. */
-export interface Range {
-  min: number;
-  max: number;
-}
-
-export interface BackendMemory extends Backend {
-  /** From /proc/<pid>/status: the resident set, and its anonymous part. */
-  vmRssKiB: number;
-  /**
-   * Includes the pages a backend still shares, copy-on-write, with the postmaster it was forked from (the
-   * same in every backend), which is why the table shows USS instead.
-   */
-  rssAnonKiB: number;
-  /**
-   * From /proc/<pid>/smaps_rollup: the unique set (Private_Clean + Private_Dirty, what the backend's exit
-   * would free: its caches, prepared statements, work memory) and the proportional set (Pss: shared
-   * pages, such as shared buffers, divided among the processes that map them).
-   */
-  ussKiB: number;
-  pssKiB: number;
-}
-
-/** The benchmark's named connections to its database, now. */
-async function namedBackends(pool: pg.Pool): Promise<Backend[]> {
-  const { rows } = await pool.query<{ pid: number; application_name: string }>(
-    `select pid, application_name from pg_stat_activity
-      where datname = current_database() and application_name like $1`,
-    [`${APPLICATION_PREFIX}/%`],
-  );
-  return rows.flatMap((row) => {
-    const parsed = parseApplicationName(row.application_name);
-    return parsed ? [{ pid: row.pid, ...parsed }] : [];
-  });
-}
-
-/**
- * Samples the named connections every `intervalMs` until `finish()`, which takes one more sample and
- * resolves them all; `cancel()` only stops the loop (on errors).
- */
-function sampleBackends(
-  pool: pg.Pool,
-  intervalMs: number,
-): { finish(): Promise<Backend[][]>; cancel(): void } {
-  const samples: Backend[][] = [];
-  let stopped = false;
-  let timer: NodeJS.Timeout | undefined;
-  let wake: (() => void) | undefined;
-  const loop = (async () => {
-    for (;;) {
-      await new Promise<void>((resolve) => {
-        wake = resolve;
-        timer = setTimeout(resolve, intervalMs);
-      });
-      if (stopped) return;
-      samples.push(await namedBackends(pool));
-    }
-  })();
-  loop.catch(() => undefined);
-  const cancel = () => {
-    stopped = true;
-    clearTimeout(timer);
-    wake?.();
-  };
-  return {
-    async finish() {
-      cancel();
-      await loop;
-      samples.push(await namedBackends(pool));
-      return samples;
-    },
-    cancel,
-  };
-}
-
-function connectionRanges(
-  samples: Backend[][],
-  processNames: string[],
-): Record<string, Record<ConnectionRole, Range>> {
-  const range = (processName: string, role: ConnectionRole): Range => {
-    const counts = samples.map(
-      (sample) => sample.filter((b) => b.processName === processName && b.role === role).length,
-    );
-    return { min: Math.min(...counts), max: Math.max(...counts) };
-  };
-  return Object.fromEntries(
-    processNames.map((name) => [
-      name,
-      Object.fromEntries(CONNECTION_ROLES.map((role) => [role, range(name, role)])) as Record<
-        ConnectionRole,
-        Range
-      >,
-    ]),
-  );
-}
-
-/** A backend's memory from /proc; null if `pid` is not a PostgreSQL process of this machine. */
-async function readBackendMemory(backend: Backend): Promise<BackendMemory | null> {
-  try {
-    const [comm, status, rollup] = await Promise.all(
-      ["comm", "status", "smaps_rollup"].map((file) =>
-        readFile(`/proc/${backend.pid}/${file}`, "utf8"),
-      ),
-    );
-    if (!comm!.startsWith("postgres")) return null;
-    const kib = (text: string, field: string) =>
-      Number(new RegExp(`^${field}:\\s+(\\d+) kB$`, "m").exec(text)?.[1] ?? Number.NaN);
-    return {
-      ...backend,
-      vmRssKiB: kib(status!, "VmRSS"),
-      rssAnonKiB: kib(status!, "RssAnon"),
-      ussKiB: kib(rollup!, "Private_Clean") + kib(rollup!, "Private_Dirty"),
-      pssKiB: kib(rollup!, "Pss"),
-    };
-  } catch {
-    return null;
-  }
-}
-
-/**
- * The memory of the lock sessions' and graphile-worker's backends among `sample`, read from /proc: only
- * when the server is the embedded one, which runs on this machine (a pid of another host means nothing).
- */
-async function backendMemory(ctx: BenchContext, sample: Backend[]): Promise<BackendMemory[]> {
-  if (ctx.postgresServer !== "embedded") return [];
-  const read = await Promise.all(
-    sample.filter((b) => b.role !== "locks-pool").map(readBackendMemory),
-  );
-  return read.filter((m): m is BackendMemory => m !== null);
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // The section
 
-/**
- * One warm-up run of each variant (a quarter of the jobs, at least 100; not counted), then ROUNDS rounds
- * that alternate the variants.
- */
-async function alternate<V extends { id: VariantId }>(
-  ctx: BenchContext,
-  config: { id: string },
-  variants: V[],
-  jobsOf: (variant: V) => number,
-  one: (variant: V, jobs: number, roundNumber: number) => Promise<RunFigures>,
-): Promise<RunFigures[]> {
-  const runs: RunFigures[] = [];
-  for (const variant of variants) {
-    const warmJobs = Math.max(100, Math.round(jobsOf(variant) / 4));
-    ctx.log(`throughput ${config.id}: warm-up ${variant.id} (${warmJobs} jobs)`);
-    runs.push(await one(variant, warmJobs, 0));
-  }
-  for (let r = 1; r <= ROUNDS; r++) {
-    for (const variant of variants) {
-      const figures = await one(variant, jobsOf(variant), r);
-      ctx.log(
-        `throughput ${config.id}: round ${r} ${variant.id.padEnd(7)} ${fmtInt(figures.jobsPerSecond).padStart(7)} jobs/s` +
-          ` (${figures.seconds.toFixed(2)} s, start-up ${figures.startupMs} ms` +
-          `${figures.lockStatements ? `, ${figures.lockStatements} lock statements` : ""})`,
-      );
-      if (figures.conflicts > 0) {
-        ctx.log(
-          `warning: ${figures.conflicts} lock conflict(s) in ${config.id}/${variant.id}, where every key is distinct`,
-        );
-      }
-      runs.push(figures);
-    }
-  }
-  return runs;
-}
-
-async function runConfig(
-  ctx: BenchContext,
-  config: Config,
-  workers: WorkerProcess[],
-): Promise<ConfigFigures> {
-  const ids: VariantId[] = config.naiveJobs
+/** A warm-up run of each variant (a quarter of the jobs, at least 100), then ROUNDS rounds alternating them. */
+async function runConfig(ctx: BenchContext, config: Config, workers: WorkerProcess[]) {
+  const variants: ProcessVariant[] = config.naiveJobs
     ? ["plain", "wrapped", "naive", "naiveConn"]
     : ["plain", "wrapped"];
-  const jobsOf = (variant: { id: VariantId }) =>
-    ctx.quick
-      ? config.quickJobs
-      : variant.id === "naive" || variant.id === "naiveConn"
-        ? (config.naiveJobs ?? config.jobs)
-        : config.jobs;
-  const runs = await alternate(
-    ctx,
-    config,
-    ids.map((id) => ({ id })),
-    jobsOf,
-    (variant, n, r) => measure(ctx, workers, config, variant.id, n, r),
-  );
-  return summarise(config, runs);
-}
-
-export const throughput: Section = {
-  id: "throughput",
-  title: "Execution overhead",
-  async run(ctx): Promise<SectionResult> {
-    const results: ConfigFigures[] = [];
-    // One process for A and B, then three for A3 and B3, so that idle worker processes do not share
-    // the machine. --expose-gc: the heap figures are taken after a full collection.
-    const naivePoolSize = Math.max(...CONFIGS.map((c) => c.concurrency));
-    for (const configs of [CONFIGS, PROCESS_CONFIGS]) {
-      const processes = configs[0]!.processes;
-      ctx.log(`throughput: starting ${processes} worker process(es)`);
-      const env = { DATABASE_URL: ctx.url, NAIVE_POOL_SIZE: String(naivePoolSize) };
-      const workers = await forkWorkers(WORKER_SCRIPT, processes, env, ["--expose-gc"]);
-      try {
-        for (const config of configs) results.push(await runConfig(ctx, config, workers));
-      } finally {
-        await Promise.all(workers.map((w) => w.stop()));
-      }
+  const jobsOf = (v: ProcessVariant) =>
+    ctx.quick ? config.quickJobs : v.startsWith("naive") ? config.naiveJobs! : config.jobs;
+  const runs: RunFigures[] = [];
+  for (let r = 0; r <= ROUNDS; r++) {
+    for (const v of variants) {
+      const jobs = r === 0 ? Math.max(100, Math.round(jobsOf(v) / 4)) : jobsOf(v);
+      const f = await measure(ctx, workers, config, v, jobs, r);
+      ctx.log(
+        `throughput ${config.id}: ${r === 0 ? "warm-up" : `round ${r}`} ${v.padEnd(9)} ${fmtInt(f.jobsPerSecond).padStart(7)} jobs/s` +
+          ` (${f.seconds.toFixed(2)} s${f.lockStatements ? `, ${f.lockStatements} lock statements` : ""})` +
+          (f.conflicts > 0
+            ? `; warning: ${f.conflicts} lock conflict(s), where every key is distinct`
+            : ""),
+      );
+      runs.push(f);
     }
-    const costs = results.map(sessionCost);
-    return {
-      tables: [...tables(results), sessionTable(costs, ctx)],
-      goals: [...goals(results), ...sessionGoals(costs)],
-      figures: { rounds: ROUNDS, configs: results, sessionCost: costs },
-    };
-  },
-};
-
-/** One variant's figures over its measured runs (at least one). */
-function variantFigures(mine: RunFigures[]) {
-  const rates = mine.map((r) => r.jobsPerSecond);
-  const totalJobs = mine.reduce((sum, r) => sum + r.jobs, 0);
-  const statements = mine.reduce((sum, r) => sum + r.lockStatements, 0);
-  return {
-    jobs: mine[0]!.jobs,
-    medianJobsPerSecond: Math.round(median(rates)),
-    spread: round(spread(rates), 3),
-    medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
-    lockStatementsPerJob: round(statements / totalJobs, 4),
-    jobsPerLockStatement: statements > 0 ? round(totalJobs / statements, 1) : 0,
-  };
+  }
+  return summarise(config, runs);
 }
 
 function summarise(config: Config, runs: RunFigures[]) {
   const measured = runs.filter((r) => r.round > 0);
-  const per = (variant: VariantId) => {
+  const per = (variant: ProcessVariant) => {
     const mine = measured.filter((r) => r.variant === variant);
-    return mine.length > 0 ? variantFigures(mine) : undefined;
+    if (mine.length === 0) return undefined;
+    const rates = mine.map((r) => r.jobsPerSecond);
+    const jobs = mine.reduce((sum, r) => sum + r.jobs, 0);
+    return {
+      jobs: mine[0]!.jobs,
+      medianJobsPerSecond: Math.round(median(rates)),
+      spread: round(spread(rates), 3),
+      medianNodeCpuUsPerJob: round(median(mine.map((r) => r.nodeCpuUsPerJob)), 1),
+      lockStatementsPerJob: round(mine.reduce((sum, r) => sum + r.lockStatements, 0) / jobs, 4),
+    };
   };
-  const plain = per("plain")!;
-  const wrapped = per("wrapped")!;
-  const naive = per("naive");
-  const naiveConn = per("naiveConn");
-  const over = (v: VariantFigures | undefined) =>
-    v ? round(v.medianJobsPerSecond / plain.medianJobsPerSecond, 3) : null;
-  const wrappedOverPlain = round(wrapped.medianJobsPerSecond / plain.medianJobsPerSecond, 3);
+  const variants = {
+    plain: per("plain")!,
+    wrapped: per("wrapped")!,
+    naive: per("naive"),
+    naiveConn: per("naiveConn"),
+  };
+  const over = (v: typeof variants.naive) =>
+    v ? round(v.medianJobsPerSecond / variants.plain.medianJobsPerSecond, 3) : null;
+  const wrappedOverPlain = over(variants.wrapped)!;
+  // The lock session's cost, from the wrapped runs.
+  const wrapped = measured.filter((r) => r.variant === "wrapped");
+  const range = (role: ConnectionRole): Range => ({
+    min: Math.min(...wrapped.map((r) => r.connections[role].min)),
+    max: Math.max(...wrapped.map((r) => r.connections[role].max)),
+  });
+  const memory = (role: ConnectionRole) => {
+    const all = wrapped.flatMap((r) => r.memory.filter((m) => m.role === role));
+    return all.length === 0
+      ? null
+      : { ussKiB: median(all.map((m) => m.ussKiB)), pssKiB: median(all.map((m) => m.pssKiB)) };
+  };
+  const heap = (variant: ProcessVariant) =>
+    median(
+      measured
+        .filter((r) => r.variant === variant)
+        .flatMap((r) => r.reports.map((p) => p.heapUsedBytes)),
+    );
   return {
-    id: config.id,
-    label: config.label,
-    processes: config.processes,
-    concurrency: config.concurrency,
-    worker: config.worker,
-    rounds: ROUNDS,
-    variants: {
-      plain,
-      wrapped,
-      ...(naive ? { naive } : {}),
-      ...(naiveConn ? { naiveConn } : {}),
-    },
+    ...config,
+    variants,
     wrappedOverPlain,
-    naiveOverPlain: over(naive),
-    naiveConnOverPlain: over(naiveConn),
-    goal: config.goal,
+    naiveOverPlain: over(variants.naive),
+    naiveConnOverPlain: over(variants.naiveConn),
     goalMet: wrappedOverPlain >= config.goal,
+    session: {
+      samples: wrapped.reduce((sum, r) => sum + r.samples, 0),
+      connections: Object.fromEntries(
+        CONNECTION_ROLES.map((role) => [role, range(role)]),
+      ) as Record<ConnectionRole, Range>,
+      lockBackend: memory("lock"),
+      workerBackend: memory("worker"),
+      heapAfterPlainBytes: heap("plain"),
+      heapAfterWrappedBytes: heap("wrapped"),
+      heldAfterRun: Math.max(0, ...wrapped.flatMap((r) => r.reports.map((p) => p.heldAfterRun))),
+    },
     runs,
   };
 }
 
-function tables(results: ConfigFigures[]): Table[] {
-  const jobsPerRun = (c: ConfigFigures) =>
-    !c.variants.naive || c.variants.naive.jobs === c.variants.plain.jobs
-      ? fmtInt(c.variants.plain.jobs)
-      : `${fmtInt(c.variants.plain.jobs)} (naive ${fmtInt(c.variants.naive.jobs)})`;
-  const summary: Table = {
-    title: `Execution overhead: no-op task, jobs/s (median of ${ROUNDS} alternating runs; ± = spread (max−min)/median)`,
-    columns: [
-      { header: "config", align: "left" },
-      { header: "jobs/run", align: "right" },
-      { header: "plain", align: "right" },
-      { header: "wrapped", align: "right" },
-      { header: "wrapped/plain", align: "right" },
-      { header: "goal", align: "right" },
-      { header: "met", align: "left" },
-      { header: "lock stmts/job", align: "right" },
-      { header: "naive", align: "right" },
-      { header: "naive/plain", align: "right" },
-      { header: "naive, conn/job", align: "right" },
-      { header: "its /plain", align: "right" },
-      { header: "node CPU µs/job p/w/n/c", align: "right" },
-    ],
-    rows: results.map((c) => [
+type ConfigFigures = ReturnType<typeof summarise>;
+
+export const throughput: Section = {
+  id: "throughput",
+  title: "Execution overhead",
+  async run(ctx) {
+    const results: ConfigFigures[] = [];
+    // One process for A and B, then three for A3 and B3, so that idle worker processes do not share the
+    // machine. --expose-gc: the heap figures are taken after a full collection.
+    const env = {
+      DATABASE_URL: ctx.url,
+      NAIVE_POOL_SIZE: String(Math.max(...ONE_PROCESS.map((c) => c.concurrency))),
+    };
+    for (const configs of [ONE_PROCESS, SEVERAL]) {
+      ctx.log(`throughput: starting ${configs[0]!.processes} worker process(es)`);
+      await withWorkers(
+        WORKER_SCRIPT,
+        configs[0]!.processes,
+        env,
+        async (workers) => {
+          for (const config of configs) results.push(await runConfig(ctx, config, workers));
+        },
+        ["--expose-gc"],
+      );
+    }
+    const connections = results.map((c) => c.session.connections.lock);
+    const fewest = Math.min(...connections.map((r) => r.min));
+    const most = Math.max(...connections.map((r) => r.max));
+    const held = Math.max(...results.map((c) => c.session.heldAfterRun));
+    const oneSession = fewest === 1 && most === 1;
+    const goals = [
+      ...results.map((c) =>
+        goal(
+          `${c.id}: ${c.label}`,
+          `wrapped/plain ≥ ${fmtFixed(c.goal, 2)}`,
+          c.wrappedOverPlain,
+          c.goalMet,
+        ),
+      ),
+      goal(
+        "lock session: connections per worker process",
+        "= 1 (every process, every sample)",
+        most !== 1 ? most : fewest,
+        oneSession,
+      ),
+      goal("lock session: locks held after a run", "= 0", held, held === 0),
+    ];
+    return {
+      tables: [overheadTable(results), sessionTable(results, ctx, oneSession, held === 0)],
+      goals,
+      figures: { rounds: ROUNDS, configs: results },
+    };
+  },
+};
+
+function overheadTable(results: ConfigFigures[]) {
+  const rate = (v: ConfigFigures["variants"]["naive"]) =>
+    v ? `${fmtInt(v.medianJobsPerSecond)} ±${fmtPercent(v.spread)}` : "–";
+  const ratio = (value: number | null) => (value === null ? "–" : fmtFixed(value, 2));
+  return table(
+    `Execution overhead: no-op task, jobs/s (median of ${ROUNDS} alternating runs; ± = spread (max−min)/median)`,
+    "config | jobs/run | plain | wrapped | wrapped/plain | goal | <met | lock stmts/job | naive | naive/plain | naive, conn/job | its /plain | node CPU µs/job p/w/n/c",
+    results.map(({ variants: v, ...c }) => [
       `${c.id}: ${c.label}`,
-      jobsPerRun(c),
-      `${fmtInt(c.variants.plain.medianJobsPerSecond)} ±${fmtPercent(c.variants.plain.spread)}`,
-      `${fmtInt(c.variants.wrapped.medianJobsPerSecond)} ±${fmtPercent(c.variants.wrapped.spread)}`,
+      !v.naive || v.naive.jobs === v.plain.jobs
+        ? fmtInt(v.plain.jobs)
+        : `${fmtInt(v.plain.jobs)} (naive ${fmtInt(v.naive.jobs)})`,
+      rate(v.plain),
+      rate(v.wrapped),
       fmtFixed(c.wrappedOverPlain, 2),
       `≥ ${fmtFixed(c.goal, 2)}`,
       c.goalMet ? "yes" : "NO",
-      fmtFixed(c.variants.wrapped.lockStatementsPerJob, 3),
-      c.variants.naive
-        ? `${fmtInt(c.variants.naive.medianJobsPerSecond)} ±${fmtPercent(c.variants.naive.spread)}`
-        : "–",
-      c.naiveOverPlain === null ? "–" : fmtFixed(c.naiveOverPlain, 2),
-      c.variants.naiveConn
-        ? `${fmtInt(c.variants.naiveConn.medianJobsPerSecond)} ±${fmtPercent(c.variants.naiveConn.spread)}`
-        : "–",
-      c.naiveConnOverPlain === null ? "–" : fmtFixed(c.naiveConnOverPlain, 2),
-      [c.variants.plain, c.variants.wrapped, c.variants.naive, c.variants.naiveConn]
-        .map((v) => (v ? fmtInt(v.medianNodeCpuUsPerJob) : "–"))
+      fmtFixed(v.wrapped.lockStatementsPerJob, 3),
+      rate(v.naive),
+      ratio(c.naiveOverPlain),
+      rate(v.naiveConn),
+      ratio(c.naiveConnOverPlain),
+      [v.plain, v.wrapped, v.naive, v.naiveConn]
+        .map((x) => (x ? fmtInt(x.medianNodeCpuUsPerJob) : "–"))
         .join(" / "),
     ]),
-    notes: [
+    [
       "plain: graphile-worker alone; wrapped: locks.exclusive() with a distinct key per job;",
       "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job);",
       "naive, conn/job: the same on a connection of the job's own, from a pool of one per worker (que-locks' design).",
       "lock stmts/job: statements on the lock session per job (< 1: lock/unlock requests coalesced).",
       "node CPU µs/job: CPU time (user + system) of the worker process(es) per job, plain / wrapped / naive / conn/job.",
-      `${CONFIGS.map((c) => c.id).join(", ")}: one worker process; ${PROCESS_CONFIGS.map((c) => c.id).join(", ")}: ${PROCESSES}, ` +
+      `${ONE_PROCESS.map((c) => c.id).join(", ")}: one worker process; ${SEVERAL.map((c) => c.id).join(", ")}: ${PROCESSES}, ` +
         "each with the same concurrency and options and its own runner",
       "(and Locks instance, with attach()); clock from the start signal to an empty table; lock stmts/job and",
       "node CPU summed over the processes. No naive variant in several: it is a one-process comparison of coalescing.",
     ],
-  };
-  return [summary];
+  );
 }
 
-function goals(results: ConfigFigures[]): Goal[] {
-  return results.map((c) => ({
-    section: "throughput",
-    name: `${c.id}: ${c.label}`,
-    target: `wrapped/plain ≥ ${fmtFixed(c.goal, 2)}`,
-    value: c.wrappedOverPlain,
-    threshold: c.goal,
-    met: c.goalMet,
-  }));
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Lock session cost: summary
-
-export type SessionCostFigures = ReturnType<typeof sessionCost>;
-
-function sessionCost(c: ConfigFigures) {
-  const measured = c.runs.filter((r) => r.round > 0);
-  const sessions = measured.filter((r) => r.variant === "wrapped").map((r) => r.session);
-  const ranges = sessions.flatMap((s) => Object.values(s.connections));
-  const connections = Object.fromEntries(
-    CONNECTION_ROLES.map((role) => [
-      role,
-      ranges.length > 0
-        ? {
-            min: Math.min(...ranges.map((r) => r[role].min)),
-            max: Math.max(...ranges.map((r) => r[role].max)),
-          }
-        : { min: Number.NaN, max: Number.NaN },
-    ]),
-  ) as Record<ConnectionRole, Range>;
-  const memory = (role: ConnectionRole) => {
-    const all = sessions.flatMap((s) => s.memory.filter((m) => m.role === role));
-    if (all.length === 0) return null;
-    const m = (f: (b: BackendMemory) => number) => Math.round(median(all.map(f)));
-    return {
-      backends: all.length,
-      vmRssKiB: m((b) => b.vmRssKiB),
-      rssAnonKiB: m((b) => b.rssAnonKiB),
-      ussKiB: m((b) => b.ussKiB),
-      pssKiB: m((b) => b.pssKiB),
-    };
-  };
-  const heap = (variant: VariantId): number | null => {
-    const values = measured
-      .filter((r) => r.variant === variant)
-      .flatMap((r) => r.processes.filter((p) => p.gc).map((p) => p.heapUsedBytes));
-    return values.length > 0 ? median(values) : null;
-  };
-  return {
-    config: c.id,
-    processes: c.processes,
-    runs: sessions.length,
-    samples: sessions.reduce((sum, s) => sum + s.samples, 0),
-    connections,
-    lockBackend: memory("lock"),
-    workerBackend: memory("worker"),
-    heapAfterPlainBytes: heap("plain"),
-    heapAfterWrappedBytes: heap("wrapped"),
-    heldAfterRun: Math.max(0, ...sessions.map((s) => s.heldAfterRun)),
-    lockStatementsPerJob: c.variants.wrapped.lockStatementsPerJob,
-  };
-}
-
-const fmtRange = (r: Range) =>
-  r.min === r.max ? fmtInt(r.min) : `${fmtInt(r.min)}–${fmtInt(r.max)}`;
-const fmtMiB = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
-
-function sessionTable(costs: SessionCostFigures[], ctx: BenchContext): Table {
-  const memory = (m: SessionCostFigures["lockBackend"]) =>
-    m ? `${fmtMiB(m.ussKiB * 1024)} / ${fmtMiB(m.pssKiB * 1024)}` : "n/a";
-  const heap = (c: SessionCostFigures) =>
-    c.heapAfterPlainBytes === null || c.heapAfterWrappedBytes === null
+function sessionTable(
+  results: ConfigFigures[],
+  ctx: BenchContext,
+  connectionsMet: boolean,
+  heldMet: boolean,
+) {
+  const mib = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
+  const range = (r: Range) =>
+    r.min === r.max ? fmtInt(r.min) : `${fmtInt(r.min)}–${fmtInt(r.max)}`;
+  const memory = (m: { ussKiB: number; pssKiB: number } | null) =>
+    m ? `${mib(m.ussKiB * 1024)} / ${mib(m.pssKiB * 1024)}` : "n/a";
+  const heap = ({
+    heapAfterPlainBytes: plain,
+    heapAfterWrappedBytes: wrapped,
+  }: ConfigFigures["session"]) =>
+    Number.isNaN(plain) || Number.isNaN(wrapped)
       ? "n/a"
-      : `${fmtMiB(c.heapAfterPlainBytes)} / ${fmtMiB(c.heapAfterWrappedBytes)} ` +
-        `(${c.heapAfterWrappedBytes >= c.heapAfterPlainBytes ? "+" : "−"}${fmtMiB(Math.abs(c.heapAfterWrappedBytes - c.heapAfterPlainBytes))})`;
-  const connectionsGoal = sessionGoals(costs)[0]!;
-  const heldGoal = sessionGoals(costs)[1]!;
-  const row = (metric: string, cell: (c: SessionCostFigures) => string, goal = "") => [
-    metric,
-    ...costs.map(cell),
-    goal,
-  ];
-  return {
-    title: "Lock session cost, wrapped runs (per worker process; medians over the measured rounds)",
-    columns: [
-      { header: "", align: "left" },
-      ...costs.map((c) => ({
-        header: `${c.config} (${c.processes} process${c.processes > 1 ? "es" : ""})`,
-        align: "right" as const,
-      })),
-      { header: "goal", align: "left" },
-    ],
-    rows: [
+      : `${mib(plain)} / ${mib(wrapped)} (${wrapped >= plain ? "+" : "−"}${mib(Math.abs(wrapped - plain))})`;
+  const row = (
+    metric: string,
+    cell: (s: ConfigFigures["session"], c: ConfigFigures) => string,
+    goalCell = "",
+  ) => [metric, ...results.map((c) => cell(c.session, c)), goalCell];
+  const embedded = ctx.postgresServer === "embedded";
+  return table(
+    "Lock session cost, wrapped runs (per worker process; medians over the measured rounds)",
+    ` | ${results.map((c) => `${c.id} (${c.processes} process${c.processes > 1 ? "es" : ""})`).join(" | ")} | <goal`,
+    [
       row(
         "lock session connections per process",
-        (c) => fmtRange(c.connections.lock),
-        `= 1: ${connectionsGoal.met ? "met" : "MISSED"}`,
+        (s) => range(s.connections.lock),
+        `= 1: ${connectionsMet ? "met" : "MISSED"}`,
       ),
-      row("library pool connections per process", (c) => fmtRange(c.connections["locks-pool"])),
-      row("graphile-worker pool connections per process", (c) => fmtRange(c.connections.worker)),
-      row("pg_stat_activity samples", (c) => fmtInt(c.samples)),
-      row("lock session backend USS / Pss, MiB", (c) => memory(c.lockBackend)),
-      row("graphile-worker pool backend USS / Pss, MiB", (c) => memory(c.workerBackend)),
+      row("library pool connections per process", (s) => range(s.connections["locks-pool"])),
+      row("graphile-worker pool connections per process", (s) => range(s.connections.worker)),
+      row("pg_stat_activity samples", (s) => fmtInt(s.samples)),
+      row("lock session backend USS / Pss, MiB", (s) => memory(s.lockBackend)),
+      row("graphile-worker pool backend USS / Pss, MiB", (s) => memory(s.workerBackend)),
       row("Node.js heap after a plain / wrapped run, MiB", heap),
       row(
         "locks held after a run",
-        (c) => fmtInt(c.heldAfterRun),
-        `= 0: ${heldGoal.met ? "met" : "MISSED"}`,
+        (s) => fmtInt(s.heldAfterRun),
+        `= 0: ${heldMet ? "met" : "MISSED"}`,
       ),
-      row("lock statements per executed job", (c) => fmtFixed(c.lockStatementsPerJob, 3)),
+      row("lock statements per executed job", (_s, c) =>
+        fmtFixed(c.variants.wrapped.lockStatementsPerJob, 3),
+      ),
     ],
-    notes: [
+    [
       `Connections: pg_stat_activity, every connection named ${APPLICATION_PREFIX}/<process>/<role>; fewest–most per process over the`,
       `samples (every ${SAMPLE_INTERVAL_MS} ms during each run, from the bench's process, and once the table was empty).`,
       "Library pool: the Locks instance's own pool (enqueues, introspection; its migration check at start), not used by",
       "exclusive execution.",
-      ctx.postgresServer === "embedded"
+      embedded
         ? "Backend memory, once the table was empty, from /proc/<pid>/smaps_rollup: USS (Private_Clean + Private_Dirty: what"
         : "Backend memory: n/a, the server is not the embedded one on this machine (/proc/<pid> would be another process).",
-      ...(ctx.postgresServer === "embedded"
-        ? [
-            "the backend's exit would free) and Pss (shared pages divided among their users); graphile-worker: the median",
-            "of its pool's backends (up to maxPoolSize, 10, per process).",
-          ]
-        : []),
+      embedded
+        ? "the backend's exit would free) and Pss (shared pages divided among their users); graphile-worker: the median"
+        : "",
+      embedded ? "of its pool's backends (up to maxPoolSize, 10, per process)." : "",
       "Node.js heap: heapUsed after the runner stopped and a full GC (worker processes run with --expose-gc), after",
       "plain runs against after wrapped runs, medians over processes and rounds.",
     ],
-  };
-}
-
-function sessionGoals(costs: SessionCostFigures[]): Goal[] {
-  const lock = costs.map((c) => c.connections.lock);
-  const fewest = Math.min(...lock.map((r) => r.min));
-  const most = Math.max(...lock.map((r) => r.max));
-  const held = Math.max(...costs.map((c) => c.heldAfterRun));
-  return [
-    {
-      section: "throughput",
-      name: "lock session: connections per worker process",
-      target: "= 1 (every process, every sample)",
-      value: most !== 1 ? most : fewest,
-      threshold: 1,
-      met: fewest === 1 && most === 1,
-    },
-    {
-      section: "throughput",
-      name: "lock session: locks held after a run",
-      target: "= 0",
-      value: held,
-      threshold: 0,
-      met: held === 0,
-    },
-  ];
+  );
 }
