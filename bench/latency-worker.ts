@@ -20,18 +20,12 @@ import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
 import pg from "pg";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
-import { quietLogger, sleep, startRunner, workerMain, type WorkerPreset } from "./lib.js";
+import { quietLogger, sleep, startRunner, workerMain, type RunStart } from "./lib.js";
 import { library, sessionModule } from "./library.js";
 
 export const LATENCY_TASK = "io";
 export type LatencyVariant = "plain" | "wrapped" | "queLocks" | "roundTrip";
-export type StartRequest = {
-  type: "start";
-  variant: LatencyVariant;
-  taskMs: number;
-  concurrency: number;
-  worker: WorkerPreset;
-};
+export type StartRequest = RunStart<LatencyVariant, { taskMs: number }>;
 
 /** One process's account of one run; times in ms. */
 export type LatencyReport = ReturnType<typeof newReport>;

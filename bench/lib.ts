@@ -83,6 +83,19 @@ export interface Section {
   run(ctx: BenchContext): Promise<SectionResult>;
 }
 
+/** A section run at `sizes.full` and `rounds` rounds, or with BENCH_QUICK at `sizes.quick` and 1 round. */
+export const sizedSection = <S>(
+  id: string,
+  title: string,
+  sizes: { full: S; quick: S },
+  rounds: number,
+  run: (ctx: BenchContext, size: S, rounds: number) => Promise<SectionResult>,
+): Section => ({
+  id,
+  title,
+  run: (ctx) => run(ctx, ctx.quick ? sizes.quick : sizes.full, ctx.quick ? 1 : rounds),
+});
+
 /** A plain-text table with aligned columns, its notes indented below. */
 export function formatTable(t: Table): string {
   const widths = t.columns.map((c, i) =>
@@ -540,6 +553,14 @@ export function workerMain<R extends Request>(
 
 /** graphile-worker's worker options (`preset.worker`), as the sections' configurations give them. */
 export type WorkerPreset = NonNullable<GraphileConfig.Preset["worker"]>;
+
+/** A run's `start` request to a worker process: its variant, concurrency and worker options, and `Extra`. */
+export type RunStart<V extends string, Extra = unknown> = {
+  type: "start";
+  variant: V;
+  concurrency: number;
+  worker: WorkerPreset;
+} & Extra;
 
 /** graphile-worker's `run()` as the bench's runners start: quiet, no signal handlers. */
 export const startRunner = (options: RunnerOptions) =>

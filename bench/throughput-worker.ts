@@ -16,7 +16,7 @@
 import { EventEmitter } from "node:events";
 import pg from "pg";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
-import { quietLogger, sendEvent, startRunner, workerMain, type WorkerPreset } from "./lib.js";
+import { quietLogger, sendEvent, startRunner, workerMain, type RunStart } from "./lib.js";
 import { library } from "./library.js";
 
 export const APPLICATION_PREFIX = "gwl-bench-tp";
@@ -29,15 +29,8 @@ export type ConnectionRole = (typeof CONNECTION_ROLES)[number];
 
 export type ProcessVariant = "plain" | "wrapped" | "naive" | "naiveConn";
 
-export type StartRequest = {
-  type: "start";
-  /** Numbers the run, so that a late `progress` event of an earlier one is not counted. */
-  run: number;
-  variant: ProcessVariant;
-  taskIdentifier: string;
-  concurrency: number;
-  worker: WorkerPreset;
-};
+/** `run` numbers the run, so that a late `progress` event of an earlier one is not counted. */
+export type StartRequest = RunStart<ProcessVariant, { run: number; taskIdentifier: string }>;
 
 /** A `progress` event's data. */
 export type Progress = { run: number; completed: number };
