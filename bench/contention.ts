@@ -11,8 +11,8 @@ import { highestConcurrency } from "../scripts/overlap.js";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
 import { benchRounds, countJobs, fmtFixed, fmtInt, fmtPercent, goal, median } from "./lib.js";
-import { quietLogger, resetJobs, round, sleep, spread, table, withWorkers } from "./lib.js";
-import type { BenchContext, Section, WorkerProcess } from "./lib.js";
+import { quietLogger, resetJobs, round, sizedSection, sleep, spread, table } from "./lib.js";
+import { withWorkers, type BenchContext, type WorkerProcess } from "./lib.js";
 import {
   QUEUE_TASK,
   STRATEGY_TASKS,
@@ -33,17 +33,9 @@ const POLL_INTERVAL_MS = 2000;
  * next job before its completion (which unlocks the queue) has committed, so a queue can sit until a poll.
  */
 const FAST_POLL_INTERVAL_MS = 100;
-const ROUNDS = benchRounds(3);
 const SIZES = {
   full: { jobs: 2000, warmJobs: 200, raiseLimitMs: 45_000 },
   quick: { jobs: 200, warmJobs: 50, raiseLimitMs: 6_000 },
-};
-const GOALS = {
-  fetchesPerExecuted: 2,
-  makespanOverIdeal: 1.1,
-  handoffP50Ms: 5,
-  handoffP99Ms: 50,
-  outOfOrderPerKey: 1,
 };
 
 interface Variant {
@@ -84,6 +76,21 @@ const wanted = VARIANT_IDS.filter((v) =>
   (process.env.BENCH_CONTENTION?.split(",") ?? VARIANT_IDS).includes(v),
 );
 
+/** The goals of every variant of the reschedule task: name, target, its figure, the most it may be. */
+const GOALS = [
+  ["no hot loop", "fetches per executed job ≤ 2", "fetchesPerExecuted", 2],
+  ["makespan", "makespan/ideal ≤ 1.10", "makespanOverIdeal", 1.1],
+  ["hand-off p50", "≤ 5 ms", "handoffP50Ms", 5],
+  ["hand-off p99", "≤ 50 ms", "handoffP99Ms", 50],
+  // One per key: a key's first jobs race for it before any of them has waited.
+  [
+    "FIFO per key",
+    `executions out of enqueue order ≤ 1 per key (${KEYS}), worst run`,
+    "worstOutOfOrder",
+    KEYS,
+  ],
+] as const;
+
 // ---------------------------------------------------------------------------------------------------------
 // One run
 
@@ -93,27 +100,19 @@ const wanted = VARIANT_IDS.filter((v) =>
  * id but the same payload). add_jobs does not assign ids in array order (it joins the specs with the task
  * and queue tables), hence the ranks.
  */
-async function insertContentionJobs(
-  ctx: BenchContext,
-  locks: Locks,
-  variant: Variant,
-  jobs: number,
-) {
+async function insertContentionJobs(ctx: BenchContext, locks: Locks, v: Variant, jobs: number) {
   let rows: Array<{ id: string; seq: number }>;
-  if (variant.viaLocks) {
+  if (v.viaLocks) {
     const specs = Array.from({ length: jobs }, (_, i) => ({
-      identifier: variant.task,
+      identifier: v.task,
       payload: { k: `k${i % KEYS}`, seq: i + 1 } satisfies ContentionPayload,
     }));
     rows = (await locks.addJobs(specs)).map((r, i) => ({ id: r.job!.id, seq: i + 1 }));
   } else {
     // With skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
-    const flags = variant.skipHeld
-      ? Array.from({ length: KEYS }, (_, k) =>
-          library.lockFlag(library.lockKey(variant.task, `k${k}`)),
-        )
+    const flags = v.skipHeld
+      ? Array.from({ length: KEYS }, (_, k) => library.lockFlag(library.lockKey(v.task, `k${k}`)))
       : null;
-    const queues = variant.task === QUEUE_TASK;
     ({ rows } = await ctx.pool.query<{ id: string; seq: number }>(
       `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
          array(select row($1::text,
@@ -123,7 +122,7 @@ async function insertContentionJobs(
                           case when $5::text[] is not null
                             then array[($5::text[])[(i - 1) % $3::int + 1]] end)::graphile_worker.job_spec
                from generate_series(1, $2::int) as i order by i)) as j`,
-      [variant.task, jobs, KEYS, queues, flags],
+      [v.task, jobs, KEYS, v.task === QUEUE_TASK, flags],
     ));
   }
   rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
@@ -137,7 +136,6 @@ async function measure(
   workers: WorkerProcess[],
   id: VariantId,
   jobs: number,
-  roundNumber: number,
   limitMs: number | null,
 ) {
   await resetJobs(ctx.pool);
@@ -163,16 +161,9 @@ async function measure(
     }
     await sleep(10);
   }
-  const drainedMs = clock() - t0;
   const records: WorkerRecords[] = [];
   for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
-  return {
-    ...analyse(VARIANTS[id].task, jobs, t0, records, rankOf),
-    variant: id,
-    round: roundNumber,
-    left,
-    drainedMs: round(drainedMs, 1),
-  };
+  return { ...analyse(VARIANTS[id].task, jobs, t0, records, rankOf), left };
 }
 
 /** n, p50, p99 (interpolated) and mean, in ms. */
@@ -185,12 +176,8 @@ function quantiles(values: number[]) {
   };
   const n = values.length;
   if (n === 0) return { n, p50: Number.NaN, p99: Number.NaN, mean: 0 };
-  return {
-    n,
-    p50: round(at(0.5), 2),
-    p99: round(at(0.99), 2),
-    mean: round(values.reduce((a, b) => a + b, 0) / n, 2),
-  };
+  const mean = values.reduce((a, b) => a + b, 0) / n;
+  return { n, p50: round(at(0.5), 2), p99: round(at(0.99), 2), mean: round(mean, 2) };
 }
 type Quantiles = ReturnType<typeof quantiles>;
 
@@ -231,10 +218,7 @@ function analyse(
   const allFetchedOnceAt =
     firstFetchOf.size === jobs ? Math.max(...firstFetchOf.values()) : Infinity;
   const byKey = new Map<string, Mark[]>();
-  for (const e of executions) {
-    if (byKey.has(e.k)) byKey.get(e.k)!.push(e);
-    else byKey.set(e.k, [e]);
-  }
+  for (const e of executions) byKey.set(e.k, [...(byKey.get(e.k) ?? []), e]);
   const busiest = Math.max(0, ...[...byKey.values()].map((list) => list.length));
 
   const gaps = {
@@ -249,19 +233,16 @@ function analyse(
   let outOfOrder = 0;
   for (const list of byKey.values()) {
     list.sort((a, b) => a.at - b.at);
-    maxPerKey = Math.max(
-      maxPerKey,
-      highestConcurrency(list.map((e) => ({ start: e.at, end: e.end! }))),
-    );
+    const spans = list.map((e) => ({ start: e.at, end: e.end! }));
+    maxPerKey = Math.max(maxPerKey, highestConcurrency(spans));
     const ranks = list.map((e) => rankOf.get(e.seq)!);
     outOfOrder += ranks.length - longestIncreasing(ranks);
     for (let i = 1; i < list.length; i++) {
       const [previous, next] = [list[i - 1]!, list[i]!];
       const gap = next.at - previous.end!;
       gaps.handoff.push(gap);
-      gaps[processOf.get(next) === processOf.get(previous) ? "sameProcess" : "otherProcess"].push(
-        gap,
-      );
+      const same = processOf.get(next) === processOf.get(previous);
+      gaps[same ? "sameProcess" : "otherProcess"].push(gap);
       gaps[next.at <= allFetchedOnceAt ? "firstPass" : "afterFirstPass"].push(gap);
       const released = releases.get(previous.jobId);
       if (released !== undefined) parts.unlock.push(released - previous.end!);
@@ -273,28 +254,25 @@ function analyse(
     }
   }
   const executed = executions.length;
+  const perExecuted = (n: number) => round(n / Math.max(1, executed), 3);
   const idealMs = busiest * TASK_MS;
   const makespanMs = executed > 0 ? Math.max(...executions.map((e) => e.end!)) - t0 : Number.NaN;
-  const rescheduled = records.reduce((sum, r) => sum + (r.rescheduled[task] ?? 0), 0);
   const q = <K extends string>(values: Record<K, number[]>) =>
     Object.fromEntries(
       Object.entries<number[]>(values).map(([k, v]) => [k, quantiles(v)]),
     ) as Record<K, Quantiles>;
   return {
-    jobs,
     executed,
     busiestKey: busiest,
     idealMs,
-    meanExecutionMs: round(
-      executions.reduce((sum, e) => sum + e.end! - e.at, 0) / Math.max(1, executed),
-      2,
-    ),
     makespanMs: round(makespanMs, 1),
     makespanOverIdeal: round(makespanMs / idealMs, 3),
     fetches: fetches.length,
-    fetchesPerExecuted: round(fetches.length / Math.max(1, executed), 3),
+    fetchesPerExecuted: perExecuted(fetches.length),
     fetchesPerJob: round(fetches.length / jobs, 3),
-    reschedulesPerExecuted: round(rescheduled / Math.max(1, executed), 3),
+    reschedulesPerExecuted: perExecuted(
+      records.reduce((n, r) => n + (r.rescheduled[task] ?? 0), 0),
+    ),
     handoffs: q(gaps),
     parts: q(parts),
     workerCpuMs: round(
@@ -306,7 +284,33 @@ function analyse(
   };
 }
 
-type RunFigures = Awaited<ReturnType<typeof measure>>;
+type RunFigures = Awaited<ReturnType<typeof measure>> & { variant: VariantId; round: number };
+
+/** A variant's measured runs: the median of each figure, the worst run's overlap and order. */
+function summarise(variant: VariantId, runs: RunFigures[]) {
+  const mine = runs.filter((r) => r.variant === variant && r.round > 0);
+  const m = (f: (r: RunFigures) => number, digits = 3) => round(median(mine.map(f)), digits);
+  return {
+    variant,
+    rounds: mine.length,
+    executed: m((r) => r.executed),
+    busiestKey: m((r) => r.busiestKey),
+    idealMs: m((r) => r.idealMs),
+    makespanMs: m((r) => r.makespanMs, 1),
+    makespanSpread: round(spread(mine.map((r) => r.makespanMs)), 3),
+    makespanOverIdeal: m((r) => r.makespanOverIdeal),
+    fetchesPerExecuted: m((r) => r.fetchesPerExecuted),
+    fetchesPerJob: m((r) => r.fetchesPerJob),
+    reschedulesPerExecuted: m((r) => r.reschedulesPerExecuted),
+    handoffP50Ms: m((r) => r.handoffs.handoff.p50, 2),
+    handoffP99Ms: m((r) => r.handoffs.handoff.p99, 2),
+    workerCpuMs: m((r) => r.workerCpuMs),
+    maxPerKey: Math.max(...mine.map((r) => r.maxPerKey)),
+    outOfOrder: m((r) => r.outOfOrder),
+    worstOutOfOrder: Math.max(...mine.map((r) => r.outOfOrder)),
+  };
+}
+type VariantFigures = ReturnType<typeof summarise>;
 
 // ---------------------------------------------------------------------------------------------------------
 // The section
@@ -323,13 +327,9 @@ async function clockOffsets(workers: WorkerProcess[]) {
       const sent = clock();
       const theirs = await w.request<number>({ type: "clock" });
       const received = clock();
-      if ((received - sent) / 2 < best.uncertaintyMs) {
-        best = {
-          name: w.name,
-          offsetMs: theirs - (sent + received) / 2,
-          uncertaintyMs: (received - sent) / 2,
-        };
-      }
+      const uncertaintyMs = (received - sent) / 2;
+      if (uncertaintyMs < best.uncertaintyMs)
+        best = { name: w.name, offsetMs: theirs - (sent + received) / 2, uncertaintyMs };
     }
     result.push({
       ...best,
@@ -340,39 +340,12 @@ async function clockOffsets(workers: WorkerProcess[]) {
   return result;
 }
 
-function summarise(variant: VariantId, runs: RunFigures[]) {
-  const mine = runs.filter((r) => r.variant === variant && r.round > 0);
-  const m = (f: (r: RunFigures) => number, digits = 3) => round(median(mine.map(f)), digits);
-  return {
-    variant,
-    rounds: mine.length,
-    executed: m((r) => r.executed),
-    busiestKey: m((r) => r.busiestKey),
-    idealMs: m((r) => r.idealMs),
-    makespanMs: m((r) => r.makespanMs, 1),
-    makespanSpread: round(spread(mine.map((r) => r.makespanMs)), 3),
-    makespanOverIdeal: m((r) => r.makespanOverIdeal),
-    drainedMs: m((r) => r.drainedMs, 1),
-    fetchesPerExecuted: m((r) => r.fetchesPerExecuted),
-    fetchesPerJob: m((r) => r.fetchesPerJob),
-    reschedulesPerExecuted: m((r) => r.reschedulesPerExecuted),
-    handoffP50Ms: m((r) => r.handoffs.handoff.p50, 2),
-    handoffP99Ms: m((r) => r.handoffs.handoff.p99, 2),
-    meanExecutionMs: m((r) => r.meanExecutionMs, 2),
-    workerCpuMs: m((r) => r.workerCpuMs),
-    maxPerKey: Math.max(...mine.map((r) => r.maxPerKey)),
-    outOfOrder: m((r) => r.outOfOrder),
-    worstOutOfOrder: Math.max(...mine.map((r) => r.outOfOrder)),
-  };
-}
-type VariantFigures = ReturnType<typeof summarise>;
-
-export const contention: Section = {
-  id: "contention",
-  title: "Contention: many jobs over few keys, across processes",
-  async run(ctx) {
-    const size = ctx.quick ? SIZES.quick : SIZES.full;
-    const rounds = ctx.quick ? 1 : ROUNDS;
+export const contention = sizedSection(
+  "contention",
+  "Contention: many jobs over few keys, across processes",
+  SIZES,
+  benchRounds(3),
+  async (ctx, size, rounds) => {
     ctx.log(`contention: starting ${PROCESSES} worker processes (concurrency ${CONCURRENCY} each)`);
     // The bench's own Locks instance, for the variants enqueued through it, the task defined as the
     // workers define it (the definition is what addJobs reads).
@@ -396,18 +369,16 @@ export const contention: Section = {
       let settings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
       const one = async (id: VariantId, jobs: number, r: number, limitMs: number | null) => {
         const v: Variant = VARIANTS[id];
-        const wanted = {
-          pollInterval: v.pollInterval ?? POLL_INTERVAL_MS,
-          skipHeld: v.skipHeld ?? false,
-        };
-        if (
-          wanted.pollInterval !== settings.pollInterval ||
-          wanted.skipHeld !== settings.skipHeld
-        ) {
-          await Promise.all(workers.map((w) => w.request({ type: "poll", ...wanted })));
-          settings = wanted;
+        const next = { pollInterval: v.pollInterval ?? POLL_INTERVAL_MS, skipHeld: !!v.skipHeld };
+        if (next.pollInterval !== settings.pollInterval || next.skipHeld !== settings.skipHeld) {
+          await Promise.all(workers.map((w) => w.request({ type: "poll", ...next })));
+          settings = next;
         }
-        const f = await measure(ctx, locks, workers, id, jobs, r, limitMs);
+        const f = {
+          ...(await measure(ctx, locks, workers, id, jobs, limitMs)),
+          variant: id,
+          round: r,
+        };
         ctx.log(
           `contention: ${r === 0 ? "warm-up" : `round ${r}`} ${id.padEnd(10)} ${fmtInt(f.executed)} executed, ` +
             `makespan ${(f.makespanMs / 1000).toFixed(2)} s (ideal ${(f.idealMs / 1000).toFixed(2)} s), ` +
@@ -426,28 +397,36 @@ export const contention: Section = {
     }).finally(() => locks.release());
 
     const summaries = wanted.map((v) => summarise(v, runs));
+    const rescheduling = summaries.filter(
+      (v) => VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule,
+    );
+    const overlap = Math.max(...runs.map((x) => x.maxPerKey));
     return {
-      tables: tables(summaries, runs, offsets, size, rounds),
-      goals: goals(summaries, runs),
+      tables: tables(summaries, runs, size, rounds),
+      goals: [
+        ...rescheduling.flatMap((v) =>
+          GOALS.map(([name, target, figure, most]) =>
+            goal(`${VARIANTS[v.variant].label}: ${name}`, target, v[figure], v[figure] <= most),
+          ),
+        ),
+        goal(
+          "no overlap per key (every run, every variant)",
+          "max executions of one key at once ≤ 1",
+          overlap,
+          overlap <= 1,
+        ),
+      ],
       figures: {
-        processes: PROCESSES,
-        concurrency: CONCURRENCY,
-        keys: KEYS,
-        taskMs: TASK_MS,
-        ...size,
-        rounds,
-        offsets,
-        summaries,
-        runs,
+        ...{ processes: PROCESSES, concurrency: CONCURRENCY, keys: KEYS, taskMs: TASK_MS },
+        ...{ ...size, rounds, offsets, summaries, runs },
       },
     };
   },
-};
+);
 
 function tables(
   summaries: VariantFigures[],
   runs: RunFigures[],
-  offsets: Awaited<ReturnType<typeof clockOffsets>>,
   size: typeof SIZES.full,
   rounds: number,
 ) {
@@ -477,23 +456,12 @@ function tables(
       s(v.workerCpuMs),
     ]),
     [
-      `ideal: the busiest key's executions × ${TASK_MS} ms. reschedule and the anchors execute every job, so 200 × ${TASK_MS} ms;`,
-      "drop executes few jobs by design (the rest are dropped), so its ideal is only the busiest key's executed work, not",
-      `a target: what matters is that it empties the queue (in ${s(summaries.find((v) => v.variant === "drop")?.drainedMs ?? Number.NaN)} s) without running two of a key at once.`,
+      `ideal: the busiest key's executions × ${TASK_MS} ms (drop's: of the jobs it executed). fetches: job:start events;`,
+      "hand-off: next execution's start − previous end, per key; max per key: executions of a key at once, worst run;",
+      "out of order: executions to move for each key's to run in job id order; worker CPU: the 3 processes' CPU time.",
       raise
-        ? `raise: graphile-worker retries a conflict after e^attempts s (2.7, 7.4, 20, 55 s); the run was stopped at ` +
-          `${size.raiseLimitMs / 1000} s and the ${fmtInt(raise.left)} job(s) still queued deleted: its figures cover what ran by then.`
+        ? `raise: stopped at ${size.raiseLimitMs / 1000} s and its ${fmtInt(raise.left)} job(s) still queued deleted (graphile-worker retries a conflict after e^attempts s).`
         : "",
-      "makespan: from just before the jobs were inserted (one add_jobs statement) to the end of the last execution.",
-      "fetches: graphile-worker job:start events (a worker locked a job row), whatever came of it: execution, drop, park, failure.",
-      "hand-off: (start of execution n+1) − (end of execution n) over consecutive executions of a key, all keys pooled.",
-      "max per key: the most executions of one key at the same instant, worst run (1 = no overlap).",
-      "out of order: the fewest executions that would have to move for each key's to run in job id order, summed over",
-      "the keys; reschedule's goal allows one per key (a key's first jobs race for it before any of them has waited).",
-      "worker CPU: CPU time (user + system) of the three worker processes over the run (this machine has 2 cores).",
-      `mean execution: ${summaries.map((v) => `${v.variant} ${fmtFixed(v.meanExecutionMs, 2)} ms`).join(", ")} (setTimeout(${TASK_MS}) overshoots).`,
-      `Poll interval ${POLL_INTERVAL_MS} ms (graphile-worker's default) except where said. Clock offsets of the worker processes from the bench's: ` +
-        `${offsets.map((o) => `${o.name} ${fmtFixed(o.offsetMs, 2)} ±${fmtFixed(o.uncertaintyMs, 2)} ms`).join(", ")}.`,
     ],
   );
 
@@ -520,63 +488,9 @@ function tables(
       `${nMean(h.firstPass)} / ${nMean(h.afterFirstPass)}`,
     ]),
     [
-      "end: the task body returned (execution n); unlock answered: its lock statement (unlock + wake of the key's oldest",
-      "waiter + NOTIFY) came back; next fetched: a worker locked the row of execution n+1's job; started: it took the lock.",
-      "same process / other: where execution n+1 ran against execution n; first pass: execution n+1 started before every",
-      "job had been fetched once (while first fetches park the jobs of held keys); means in ms.",
+      "end: the task body returned; unlock answered: its unlock (with the wake of the key's next waiter) came back;",
+      "next fetched: a worker locked the next job's row; started: it took the lock. first pass: before every job's first fetch.",
     ],
   );
   return [summary, breakdown];
-}
-
-function goals(summaries: VariantFigures[], runs: RunFigures[]) {
-  const atMost = (name: string, target: string, value: number, threshold: number) =>
-    goal(name, target, value, value <= threshold);
-  const outOfOrder = GOALS.outOfOrderPerKey * KEYS;
-  const rescheduling = summaries.filter(
-    (v) => VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule,
-  );
-  return [
-    ...rescheduling.flatMap((r) => {
-      const name = VARIANTS[r.variant].label;
-      return [
-        atMost(
-          `${name}: no hot loop`,
-          `fetches per executed job ≤ ${GOALS.fetchesPerExecuted}`,
-          r.fetchesPerExecuted,
-          GOALS.fetchesPerExecuted,
-        ),
-        atMost(
-          `${name}: makespan`,
-          `makespan/ideal ≤ ${fmtFixed(GOALS.makespanOverIdeal, 2)}`,
-          r.makespanOverIdeal,
-          GOALS.makespanOverIdeal,
-        ),
-        atMost(
-          `${name}: hand-off p50`,
-          `≤ ${GOALS.handoffP50Ms} ms`,
-          r.handoffP50Ms,
-          GOALS.handoffP50Ms,
-        ),
-        atMost(
-          `${name}: hand-off p99`,
-          `≤ ${GOALS.handoffP99Ms} ms`,
-          r.handoffP99Ms,
-          GOALS.handoffP99Ms,
-        ),
-        atMost(
-          `${name}: FIFO per key`,
-          `executions out of enqueue order ≤ ${GOALS.outOfOrderPerKey} per key (${outOfOrder}), worst run`,
-          r.worstOutOfOrder,
-          outOfOrder,
-        ),
-      ];
-    }),
-    atMost(
-      "no overlap per key (every run, every variant)",
-      "max executions of one key at once ≤ 1",
-      Math.max(...runs.map((x) => x.maxPerKey)),
-      1,
-    ),
-  ];
 }
