@@ -11,19 +11,10 @@ import pg from "pg";
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
-import {
-  benchRounds,
-  fmtFixed,
-  fmtInt,
-  fmtPercent,
-  goal,
-  median,
-  now,
-  quietLogger,
-} from "./lib.js";
-import { resetJobs, round, spread, table, type BenchContext, type Section } from "./lib.js";
+import { benchRounds, fmtFixed, fmtInt, fmtPercent, goal, median, now } from "./lib.js";
+import { quietLogger, resetJobs, round, sizedSection, spread, table } from "./lib.js";
+import type { BenchContext } from "./lib.js";
 
-const ROUNDS = benchRounds(5);
 const POOL_SIZE = 4;
 /** Slices per variant and round in the single phase (bulk: one call per slice). */
 const SLICES = 5;
@@ -85,38 +76,54 @@ async function openTools(ctx: BenchContext, name: string): Promise<Tools> {
   };
 }
 
+/** A variant's enqueues: one call of the API per key (single) or one for all the keys (bulk). */
+type Enqueue = (tools: Tools, task: string, keys: string[]) => Promise<string[]>;
+
 interface Variant {
   id: string;
   label: string;
   kind: "single" | "bulk";
+  /** fresh: every key new; duplicate: every key seeded beforehand, untimed, by `seed`. */
   keys: Keys;
   /** Its own task identifier (its rows are counted by it). */
   task: string;
-  /** Adds the keys up front (duplicate variants), untimed. */
-  seed?(tools: Tools, task: string, keys: string[]): Promise<void>;
-  /** Single: one enqueue. Resolves its outcome ("added", "duplicate", ...). */
-  one?(tools: Tools, task: string, key: string): Promise<string>;
-  /** Bulk: one call. Resolves the outcomes (none when the API reports none). */
-  many?(tools: Tools, task: string, keys: string[]): Promise<string[]>;
+  /** The variant its ratio is against ("" for none). */
+  ref: string;
+  /** Resolves the outcome of each enqueue ("added", "duplicate"; none when the API reports none). */
+  run: Enqueue;
+  seed?(tools: Tools, task: string, keys: string[]): Promise<unknown>;
 }
 
 const payload = (key: string) => ({ k: key });
 
+/** One awaited call of `one` per key, one after another. */
+const each =
+  (one: (tools: Tools, task: string, key: string) => Promise<string>): Enqueue =>
+  async (tools, task, keys) => {
+    const outcomes = [];
+    for (const key of keys) outcomes.push(await one(tools, task, key));
+    return outcomes;
+  };
+
 /** The library's bulk enqueue with these unique options (also the seed of its duplicates). */
 const locksBulk =
-  (unique: UniqueSpec) =>
-  async ({ locks }: Tools, task: string, keys: string[]): Promise<string[]> =>
+  (unique: UniqueSpec): Enqueue =>
+  async ({ locks }, task, keys) =>
     (
       await locks.addJobs(keys.map((k) => ({ identifier: task, payload: payload(k), ...unique })))
     ).map((r) => r.outcome);
+
+/** The library's single enqueue with these options. */
+const locksOne = (spec: UniqueSpec & { preemptive?: false }) =>
+  each(async ({ locks }, task, key) => (await locks.addJob(task, payload(key), spec)).outcome);
 
 /**
  * graphile-worker's bulk enqueue, with a job key per job or none. `"library"`: the very key `locks.addJobs`
  * gives the job as a unique job (SHA-256 hex of its task and payload, 70 characters), computed here per job.
  */
 const gwBulk =
-  (keyed: boolean | "library") =>
-  async ({ utils }: Tools, task: string, keys: string[]): Promise<string[]> => {
+  (keyed: boolean | "library"): Enqueue =>
+  async ({ utils }, task, keys) => {
     await utils.addJobs(
       keys.map((k) => {
         const jobPayload = payload(k);
@@ -128,105 +135,98 @@ const gwBulk =
     return [];
   };
 
-const seedWith =
-  (bulk: (tools: Tools, task: string, keys: string[]) => Promise<unknown>) =>
-  async (tools: Tools, task: string, keys: string[]): Promise<void> => {
-    for (let i = 0; i < keys.length; i += 1000) await bulk(tools, task, keys.slice(i, i + 1000));
-  };
+const seedWith = (bulk: Enqueue) => async (tools: Tools, task: string, keys: string[]) => {
+  for (let i = 0; i < keys.length; i += 1000) await bulk(tools, task, keys.slice(i, i + 1000));
+};
 
-const dedupe = async ({ utils }: Tools, task: string, key: string) => {
+const dedupe = each(async ({ utils }, task, key) => {
   const job = await utils.addJob(task, payload(key), { jobKey: key, jobKeyMode: "unsafe_dedupe" });
   // unsafe_dedupe bumps the existing row's revision instead of inserting.
   return job.revision === 0 ? "added" : "duplicate";
-};
+});
 
-type One = NonNullable<Variant["one"]>;
-type Many = NonNullable<Variant["many"]>;
-type Seed = Variant["seed"];
-const single = (id: string, label: string, keys: Keys, one: One, seed?: Seed) =>
-  ({ id, label, kind: "single", keys, one, ...(seed ? { seed } : {}) }) as const;
-const bulk = (id: string, label: string, keys: Keys, many: Many, seed?: Seed) =>
-  ({ id, label, kind: "bulk", keys, many, ...(seed ? { seed } : {}) }) as const;
+/** A variant: bulk if its id says so, of duplicate keys if it has a seed. */
+const variant = (id: string, label: string, ref: string, run: Enqueue, seed?: Variant["seed"]) => ({
+  ...{ id, label, ref, run, ...(seed ? { seed } : {}) },
+  kind: id.startsWith("bulk") ? ("bulk" as const) : ("single" as const),
+  keys: seed ? ("duplicate" as const) : ("fresh" as const),
+});
 
 /** `locks.addJob` with these unique options, with fresh keys and over existing ones. */
-function uniqueSingle(id: string, label: string, unique: UniqueSpec): Array<Omit<Variant, "task">> {
-  const one: One = async ({ locks }, task, key) =>
-    (await locks.addJob(task, payload(key), unique)).outcome;
-  return [
-    single(`${id}/fresh`, label, "fresh", one),
-    single(`${id}/duplicate`, label, "duplicate", one, seedWith(locksBulk(unique))),
-  ];
-}
+const uniqueSingle = (id: string, label: string, unique: UniqueSpec) => [
+  variant(`${id}/fresh`, label, "dedupe/fresh", locksOne(unique)),
+  variant(
+    `${id}/duplicate`,
+    label,
+    "dedupe/duplicate",
+    locksOne(unique),
+    seedWith(locksBulk(unique)),
+  ),
+];
 
-const gwLabel = "graphile-worker addJob jobKey unsafe_dedupe";
+const GW_DEDUPE = "graphile-worker addJob jobKey unsafe_dedupe";
+const GW_KEYS = "graphile-worker addJobs, distinct job keys";
+const UNIQUE_ACTIVE = "locks.addJobs unique: active";
+const KEYED = "bulk-gw-keys/fresh";
+const LIBRARY_KEYED = "bulk-gw-libkeys/fresh";
 const uniqueActive = locksBulk({ unique: "active" });
-const VARIANTS: Variant[] = (
-  [
-    single("addJob", "graphile-worker addJob", "fresh", async ({ utils }, task, key) => {
-      await utils.addJob(task, payload(key));
-      return "added";
-    }),
-    single("dedupe/fresh", gwLabel, "fresh", dedupe),
-    single("dedupe/duplicate", gwLabel, "duplicate", dedupe, seedWith(gwBulk(true))),
-    single(
-      "preemptive",
-      "locks.addJob, preemptive check (exclusive drop task)",
-      "fresh",
-      async ({ locks }, task, key) => (await locks.addJob(task, payload(key))).outcome,
-    ),
-    single(
-      "unchecked",
-      "locks.addJob, same task, preemptive: false (reference)",
-      "fresh",
-      async ({ locks }, task, key) =>
-        (await locks.addJob(task, payload(key), { preemptive: false })).outcome,
-    ),
-    ...uniqueSingle("queued", "locks.addJob unique: queued", { unique: "queued" }),
-    ...uniqueSingle("active", "locks.addJob unique: active", { unique: "active" }),
-    ...uniqueSingle("exists", "locks.addJob unique: exists", { unique: "exists" }),
-    ...uniqueSingle("uniqueFor", `locks.addJob uniqueFor: ${WINDOW_SECONDS} (alone)`, {
-      uniqueFor: WINDOW_SECONDS,
-    }),
-    bulk("bulk-gw-plain", "graphile-worker addJobs, no job keys", "fresh", gwBulk(false)),
-    bulk("bulk-gw-keys/fresh", "graphile-worker addJobs, distinct job keys", "fresh", gwBulk(true)),
-    bulk(
-      "bulk-gw-libkeys/fresh",
-      "graphile-worker addJobs, job keys as the library's",
-      "fresh",
-      gwBulk("library"),
-    ),
-    bulk(
-      "bulk-gw-keys/duplicate",
-      "graphile-worker addJobs, distinct job keys (existing: replaced)",
-      "duplicate",
-      gwBulk(true),
-      seedWith(gwBulk(true)),
-    ),
-    bulk("bulk-locks-plain", "locks.addJobs, no uniqueness (reference)", "fresh", locksBulk({})),
-    bulk("bulk-unique/fresh", "locks.addJobs unique: active", "fresh", uniqueActive),
-    bulk(
-      "bulk-unique/duplicate",
-      "locks.addJobs unique: active",
-      "duplicate",
-      uniqueActive,
-      seedWith(uniqueActive),
-    ),
-  ] as Array<Omit<Variant, "task">>
-).map((v, i) => ({
+const gwAdd = each(
+  async ({ utils }, task, key) => (await utils.addJob(task, payload(key)), "added"),
+);
+/** Every variant; its order is the order of the table's rows. */
+const VARIANTS: Variant[] = [
+  variant("addJob", "graphile-worker addJob", "", gwAdd),
+  variant("dedupe/fresh", GW_DEDUPE, "addJob", dedupe),
+  variant("dedupe/duplicate", GW_DEDUPE, "addJob", dedupe, seedWith(gwBulk(true))),
+  variant(
+    "preemptive",
+    "locks.addJob, preemptive check (exclusive drop task)",
+    "addJob",
+    locksOne({}),
+  ),
+  variant(
+    "unchecked",
+    "locks.addJob, same task, preemptive: false (reference)",
+    "addJob",
+    locksOne({ preemptive: false }),
+  ),
+  ...uniqueSingle("queued", "locks.addJob unique: queued", { unique: "queued" }),
+  ...uniqueSingle("active", "locks.addJob unique: active", { unique: "active" }),
+  ...uniqueSingle("exists", "locks.addJob unique: exists", { unique: "exists" }),
+  ...uniqueSingle("uniqueFor", `locks.addJob uniqueFor: ${WINDOW_SECONDS} (alone)`, {
+    uniqueFor: WINDOW_SECONDS,
+  }),
+  variant("bulk-gw-plain", "graphile-worker addJobs, no job keys", KEYED, gwBulk(false)),
+  variant(KEYED, GW_KEYS, "", gwBulk(true)),
+  variant(
+    LIBRARY_KEYED,
+    "graphile-worker addJobs, job keys as the library's",
+    KEYED,
+    gwBulk("library"),
+  ),
+  variant(
+    "bulk-gw-keys/duplicate",
+    `${GW_KEYS} (existing: replaced)`,
+    KEYED,
+    gwBulk(true),
+    seedWith(gwBulk(true)),
+  ),
+  variant("bulk-locks-plain", "locks.addJobs, no uniqueness (reference)", KEYED, locksBulk({})),
+  variant("bulk-unique/fresh", UNIQUE_ACTIVE, LIBRARY_KEYED, uniqueActive),
+  variant("bulk-unique/duplicate", UNIQUE_ACTIVE, KEYED, uniqueActive, seedWith(uniqueActive)),
+].map((v, i) => ({
   ...v,
   task:
     v.id in EXCLUSIVE_TASKS ? EXCLUSIVE_TASKS[v.id as keyof typeof EXCLUSIVE_TASKS] : `enq_${i}`,
 }));
-
-export interface RunFigures {
-  variant: string;
-  /** 0 for the warm-up. */
-  round: number;
-  enqueues: number;
-  /** Sum of the variant's slices. */
-  seconds: number;
-  perSecond: number;
-}
+/** The short name of each reference in the table's ratio column. */
+const SHORT: Record<string, string> = {
+  addJob: "addJob",
+  "dedupe/fresh": "unsafe_dedupe fresh",
+  "dedupe/duplicate": "unsafe_dedupe dup.",
+  [KEYED]: "gw addJobs keys",
+  [LIBRARY_KEYED]: "gw addJobs same keys",
+};
 
 /** Rows in the job table per task identifier. */
 async function rowsByTask(pool: pg.Pool): Promise<Map<string, number>> {
@@ -238,16 +238,19 @@ async function rowsByTask(pool: pg.Pool): Promise<Map<string, number>> {
   return new Map(rows.map((r) => [r.identifier, r.n]));
 }
 
-/** One phase of one round: every variant of `variants`, interleaved slice by slice. */
+/**
+ * One phase of one round: every variant of `kind`, `count` enqueues each, interleaved slice by slice;
+ * resolves each variant's enqueues per second.
+ */
 async function phase(
   ctx: BenchContext,
   tools: Tools,
   seedTools: Tools,
-  variants: Variant[],
+  kind: Variant["kind"],
   count: number,
   slices: number,
-  roundNumber: number,
-): Promise<RunFigures[]> {
+): Promise<Array<{ variant: string; perSecond: number }>> {
+  const variants = VARIANTS.filter((v) => v.kind === kind);
   const keysOf = new Map(
     variants.map((v) => [v.id, Array.from({ length: count }, (_, i) => `${v.id}:${i + 1}`)]),
   );
@@ -267,15 +270,11 @@ async function phase(
     for (let j = 0; j < variants.length; j++) {
       const v = variants[(slice + j) % variants.length]!;
       const keys = keysOf.get(v.id)!.slice(slice * sliceSize, (slice + 1) * sliceSize);
-      const tally = outcomes.get(v.id)!;
-      const add = (outcome: string) => tally.set(outcome, (tally.get(outcome) ?? 0) + 1);
       const t0 = now();
-      if (v.kind === "single") {
-        for (const key of keys) add(await v.one!(tools, v.task, key));
-      } else {
-        for (const outcome of await v.many!(tools, v.task, keys)) add(outcome);
-      }
+      const result = await v.run(tools, v.task, keys);
       seconds.set(v.id, seconds.get(v.id)! + (now() - t0) / 1000);
+      const tally = outcomes.get(v.id)!;
+      for (const outcome of result) tally.set(outcome, (tally.get(outcome) ?? 0) + 1);
     }
   }
 
@@ -292,197 +291,118 @@ async function phase(
           JSON.stringify(Object.fromEntries(tally)),
       );
     }
-    const s = seconds.get(v.id)!;
-    return {
-      variant: v.id,
-      round: roundNumber,
-      enqueues: count,
-      seconds: round(s, 3),
-      perSecond: Math.round(count / s),
-    };
+    return { variant: v.id, perSecond: Math.round(count / seconds.get(v.id)!) };
   });
 }
 
-export interface VariantFigures {
-  id: string;
-  label: string;
-  kind: "single" | "bulk";
-  keys: Keys;
-  enqueues: number;
-  medianPerSecond: number;
-  spread: number;
-}
-
-export const enqueue: Section = {
-  id: "enqueue",
-  title: "Enqueue throughput",
-  async run(ctx) {
-    const size = ctx.quick ? SIZES.quick : SIZES.full;
-    const rounds = ctx.quick ? 1 : ROUNDS;
+export const enqueue = sizedSection(
+  "enqueue",
+  "Enqueue throughput",
+  SIZES,
+  benchRounds(5),
+  async (ctx, size, rounds) => {
     const opened: Tools[] = [];
-    const open = async (name: string) => {
-      const tools = await openTools(ctx, name);
-      opened.push(tools);
-      return tools;
-    };
-    const single = VARIANTS.filter((v) => v.kind === "single");
-    const bulk = VARIANTS.filter((v) => v.kind === "bulk");
-    const runs: RunFigures[] = [];
+    const runs: Array<{ variant: string; round: number; perSecond: number }> = [];
     try {
-      const singleTools = await open("single");
-      const bulkTools = await open("bulk");
-      const seedTools = await open("seed");
+      for (const name of ["single", "bulk", "seed"]) opened.push(await openTools(ctx, name));
+      const [singleTools, bulkTools, seedTools] = opened as [Tools, Tools, Tools];
       for (let r = 0; r <= rounds; r++) {
-        const warm = r === 0;
+        const [count, batches] = r === 0 ? [size.warmSingle, 1] : [size.single, size.bulkBatches];
         const results = [
-          ...(await phase(
-            ctx,
-            singleTools,
-            seedTools,
-            single,
-            warm ? size.warmSingle : size.single,
-            SLICES,
-            r,
-          )),
-          ...(await phase(
-            ctx,
-            bulkTools,
-            seedTools,
-            bulk,
-            size.bulkBatch * (warm ? 1 : size.bulkBatches),
-            warm ? 1 : size.bulkBatches,
-            r,
-          )),
+          ...(await phase(ctx, singleTools, seedTools, "single", count, SLICES)),
+          ...(await phase(ctx, bulkTools, seedTools, "bulk", size.bulkBatch * batches, batches)),
         ];
         ctx.log(
-          `enqueue: ${warm ? "warm-up" : `round ${r}`}: ` +
+          `enqueue: ${r === 0 ? "warm-up" : `round ${r}`}: ` +
             results.map((f) => `${f.variant} ${fmtInt(f.perSecond)}/s`).join(", "),
         );
-        runs.push(...results);
+        runs.push(...results.map((f) => ({ ...f, round: r })));
       }
     } finally {
       for (const tools of opened) await tools.close();
     }
 
-    const summaries: VariantFigures[] = VARIANTS.map((v) => {
-      const rates = runs.filter((r) => r.variant === v.id && r.round > 0).map((r) => r.perSecond);
-      return {
-        id: v.id,
-        label: v.label,
-        kind: v.kind,
-        keys: v.keys,
-        enqueues: v.kind === "single" ? size.single : size.bulkBatch * size.bulkBatches,
+    const summaries = VARIANTS.map(({ id, label, kind, keys, ref }) => {
+      const rates = runs.filter((r) => r.variant === id && r.round > 0).map((r) => r.perSecond);
+      const enqueues = kind === "single" ? size.single : size.bulkBatch * size.bulkBatches;
+      const figures = {
         medianPerSecond: Math.round(median(rates)),
         spread: round(spread(rates), 3),
       };
+      return { id, label, kind, keys, ref, enqueues, ...figures };
     });
     const rate = (id: string) => summaries.find((s) => s.id === id)!.medianPerSecond;
-    return {
-      tables: tables(summaries, size, rounds, rate),
-      goals: goals(rate),
-      figures: { poolSize: POOL_SIZE, rounds, slices: SLICES, ...size, summaries, runs },
+    /** A goal on the ratio of `id` to `ref`: at least `least`. */
+    const ratio = (name: string, what: string, id: string, ref: string, least: number) => {
+      const value = rate(id) / rate(ref);
+      return goal(name, `${what} ≥ ${fmtFixed(least, 2)}`, round(value, 3), value >= least);
     };
-  },
-};
-
-/** The reference of each variant's ratio, and its short name in the table. */
-const REFERENCES: Array<[RegExp, string]> = [
-  [/^(preemptive|unchecked|dedupe\/.*)$/, "addJob"],
-  [/^(queued|active|exists|uniqueFor)\/fresh$/, "dedupe/fresh"],
-  [/^(queued|active|exists|uniqueFor)\/duplicate$/, "dedupe/duplicate"],
-  [/^bulk-unique\/fresh$/, "bulk-gw-libkeys/fresh"],
-  [
-    /^(bulk-unique\/duplicate|bulk-gw-plain|bulk-gw-libkeys\/fresh|bulk-gw-keys\/duplicate|bulk-locks-plain)$/,
-    "bulk-gw-keys/fresh",
-  ],
-];
-const SHORT: Record<string, string> = {
-  addJob: "addJob",
-  "dedupe/fresh": "unsafe_dedupe fresh",
-  "dedupe/duplicate": "unsafe_dedupe dup.",
-  "bulk-gw-keys/fresh": "gw addJobs keys",
-  "bulk-gw-libkeys/fresh": "gw addJobs same keys",
-};
-
-function tables(
-  summaries: VariantFigures[],
-  size: (typeof SIZES)["full"],
-  rounds: number,
-  rate: (id: string) => number,
-) {
-  const rows = (kind: Variant["kind"]) =>
-    summaries
-      .filter((s) => s.kind === kind)
-      .map((s) => {
-        const ref = REFERENCES.find(([pattern]) => pattern.test(s.id))?.[1];
-        const ratio = ref ? `${fmtFixed(s.medianPerSecond / rate(ref), 2)} × ${SHORT[ref]}` : "";
-        return [
+    const rows = (kind: Variant["kind"]) =>
+      summaries
+        .filter((s) => s.kind === kind)
+        .map((s) => [
           s.label,
           s.keys,
           fmtInt(s.enqueues),
           `${fmtInt(s.medianPerSecond)} ±${fmtPercent(s.spread)}`,
-          ratio,
-        ];
-      });
-  const headers = "variant | <keys | enqueues/run | per second | <ratio";
-  return [
-    table(
-      `Enqueue, single (sequential, awaited one by one): enqueues/s, median of ${rounds} rounds (± = spread)`,
-      headers,
-      rows("single"),
-      [
-        "fresh: every key new (every enqueue adds a job); duplicate: every key already has a queued job (nothing is added).",
-        `Variants interleaved in ${SLICES} slices per round, sharing the job table (each its own task and keys).`,
-        `Same pool for everyone (pg.Pool max ${POOL_SIZE}, given to makeWorkerUtils and makeLocks as pgPool); no runner;`,
-        "duplicates seeded through another pool (see openTools: a session's plan cache depends on what it ran).",
-        "preemptive: nothing is held, so the check passes and every job is added; the reference row is the same enqueue",
-        "without the check (preemptive: false), so the difference is the check's own cost (a read of pg_locks).",
+          s.ref ? `${fmtFixed(s.medianPerSecond / rate(s.ref), 2)} × ${SHORT[s.ref]}` : "",
+        ]);
+    const headers = "variant | <keys | enqueues/run | per second | <ratio";
+    return {
+      tables: [
+        table(
+          `Enqueue, single (sequential, awaited one by one): enqueues/s, median of ${rounds} rounds (± = spread)`,
+          headers,
+          rows("single"),
+          [
+            "fresh: every key new (every enqueue adds a job); duplicate: every key already has a queued job (nothing is added).",
+          ],
+        ),
+        table(
+          `Enqueue, bulk (${size.bulkBatches} calls of ${fmtInt(size.bulkBatch)} jobs per round, interleaved): jobs/s, ` +
+            `median of ${rounds} rounds`,
+          headers,
+          rows("bulk"),
+          [
+            "existing: replaced: graphile-worker's job key semantics; locks.addJobs answers duplicate, writes nothing.",
+          ],
+        ),
       ],
-    ),
-    table(
-      `Enqueue, bulk (${size.bulkBatches} calls of ${fmtInt(size.bulkBatch)} jobs per round, interleaved): jobs/s, ` +
-        `median of ${rounds} rounds`,
-      headers,
-      rows("bulk"),
-      [
-        "graphile-worker's addJobs with existing keys replaces the waiting jobs (its job key semantics); locks.addJobs",
-        "answers duplicate and writes nothing.",
-      ],
-    ),
-  ];
-}
-
-function goals(rate: (id: string) => number) {
-  const atLeast = (name: string, target: string, value: number, threshold: number) =>
-    goal(name, target, round(value, 3), value >= threshold);
-  return [
-    atLeast(
-      "preemptive check",
-      "locks.addJob preemptive / graphile-worker addJob ≥ 0.90",
-      rate("preemptive") / rate("addJob"),
-      0.9,
-    ),
-    ...(["fresh", "duplicate"] as const).flatMap((keys) =>
-      ["queued", "active", "exists", "uniqueFor"].map((scope) =>
-        atLeast(
-          `unique single, ${scope}, ${keys} keys`,
-          `locks.addJob / addJob unsafe_dedupe (${keys}) ≥ 1.00`,
-          rate(`${scope}/${keys}`) / rate(`dedupe/${keys}`),
+      goals: [
+        ratio(
+          "preemptive check",
+          "locks.addJob preemptive / graphile-worker addJob",
+          "preemptive",
+          "addJob",
+          0.9,
+        ),
+        ...(["fresh", "duplicate"] as const).flatMap((keys) =>
+          ["queued", "active", "exists", "uniqueFor"].map((scope) =>
+            ratio(
+              `unique single, ${scope}, ${keys} keys`,
+              `locks.addJob / addJob unsafe_dedupe (${keys})`,
+              `${scope}/${keys}`,
+              `dedupe/${keys}`,
+              1,
+            ),
+          ),
+        ),
+        ratio(
+          "unique bulk, fresh keys",
+          "locks.addJobs unique / graphile-worker addJobs with job keys",
+          "bulk-unique/fresh",
+          KEYED,
+          0.8,
+        ),
+        ratio(
+          "unique bulk, fresh keys, same keys",
+          "locks.addJobs unique / graphile-worker addJobs with the library's job keys",
+          "bulk-unique/fresh",
+          LIBRARY_KEYED,
           1,
         ),
-      ),
-    ),
-    atLeast(
-      "unique bulk, fresh keys",
-      "locks.addJobs unique / graphile-worker addJobs with job keys ≥ 0.80",
-      rate("bulk-unique/fresh") / rate("bulk-gw-keys/fresh"),
-      0.8,
-    ),
-    atLeast(
-      "unique bulk, fresh keys, same keys",
-      "locks.addJobs unique / graphile-worker addJobs with the library's job keys ≥ 1.00",
-      rate("bulk-unique/fresh") / rate("bulk-gw-libkeys/fresh"),
-      1,
-    ),
-  ];
-}
+      ],
+      figures: { poolSize: POOL_SIZE, rounds, slices: SLICES, ...size, summaries, runs },
+    };
+  },
+);
