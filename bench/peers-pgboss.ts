@@ -30,7 +30,7 @@ const CONTENDED = "peers_contended";
 const PICKUP = "peers_pickup";
 const sendQueue = (policy: Policy) => `peers_send_${policy}`;
 
-export async function openPgBoss(ctx: BenchContext): Promise<Peer & { recorder: Recorder }> {
+export async function openPgBoss(ctx: BenchContext): Promise<Peer> {
   const recorder = new Recorder();
   const database = await createBenchDatabase(ctx.url);
   const admin = new pg.Pool({

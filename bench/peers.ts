@@ -44,8 +44,7 @@ const OUR_MATCH: Record<Policy, { label: string; exclusive: boolean; spec: AddJo
   short: { label: 'unique: "queued"', exclusive: false, spec: { unique: "queued" } },
   singleton: { label: "exclusive task, no unique", exclusive: true, spec: {} },
   stately: {
-    label: 'exclusive task + unique: "queued"',
-    exclusive: true,
+    ...{ label: 'exclusive task + unique: "queued"', exclusive: true },
     spec: { unique: "queued" },
   },
   exclusive: { label: 'unique: "active"', exclusive: false, spec: { unique: "active" } },
@@ -55,26 +54,11 @@ const OUR_MATCH: Record<Policy, { label: string; exclusive: boolean; spec: AddJo
 export type PeerPayload = { key: string; i: number; ms: number };
 type Span = { key: string; i: number; start: number; end: number };
 type PeerId = "pg-boss" | "ours";
-type SendRun = {
-  policy: Policy;
-  mode: string;
-  side: PeerId;
-  round: number;
-  opsPerSecond: number;
-  added: number;
-};
-type ContendedRun = {
-  concurrency: number;
-  side: PeerId;
-  round: number;
-  makespanMs: number;
-  idealMs: number;
-  overlaps: number;
-  parks: number;
-};
 
 export interface Peer {
   id: PeerId;
+  /** Runs this side's jobs. */
+  recorder: Recorder;
   /** What this side runs with, for the table's notes. */
   settings: string[];
   /** Empties the send queue of `policy`. */
@@ -181,7 +165,7 @@ function analyse(spans: readonly Span[]) {
 const EXCLUSIVE = "peers_exclusive";
 const PLAIN = "peers_plain";
 
-async function openOurs(ctx: BenchContext): Promise<Peer & { recorder: Recorder }> {
+async function openOurs(ctx: BenchContext): Promise<Peer> {
   const recorder = new Recorder();
   const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
   // A job meeting a held key is parked, and the releasing worker wakes it.
@@ -308,7 +292,7 @@ function requirement(): { version: string | null; skip: { why: string; how: stri
   return { version: pkg.version ?? null, skip: have! >= need! ? null : { why, how } };
 }
 
-type Sides = readonly [Peer & { recorder: Recorder }, Peer & { recorder: Recorder }];
+type Sides = readonly [Peer, Peer];
 
 export const peers: Section = {
   id: "peers",
@@ -326,36 +310,28 @@ export const peers: Section = {
     // Imported only here: pg-boss is not for an older Node.js.
     const { openPgBoss } = await import("./peers-pgboss.js");
     const size = ctx.quick ? SIZES.quick : SIZES.full;
-    const sends: SendRun[] = [];
-    const contended: ContendedRun[] = [];
-    const gaps = new Map<string, number[]>();
-    const pickups: Array<{ side: PeerId; ms: number }> = [];
-
     const pgBoss = await openPgBoss(ctx);
-    let ours: Awaited<ReturnType<typeof openOurs>> | undefined;
+    let ours: Peer | undefined;
+    let runs: Runs;
     try {
       ours = await openOurs(ctx);
-      const pair: Sides = [pgBoss, ours];
-      // Odd rounds pg-boss first, even rounds (and the warm-up) ours first.
-      const ordered = (r: number): Sides => (r % 2 === 1 ? pair : [ours!, pgBoss]);
-      await measureSends(ctx, size, ordered, sends);
-      for (const c of CONCURRENCIES) await measureContended(ctx, size, c, ordered, contended, gaps);
-      await measurePickups(ctx, size, CONCURRENCIES[0]!, pair, pickups);
+      runs = await measure(ctx, size, [pgBoss, ours]);
     } finally {
       await ours?.close();
       await pgBoss.close();
     }
     const settings = { "pg-boss": pgBoss.settings, ours: ours.settings };
 
-    const rows = summarise(sends, contended, gaps, pickups);
-    const total = (side: PeerId, f: (c: (typeof contended)[number]) => number) =>
-      contended.filter((c) => c.round > 0 && c.side === side).reduce((n, c) => n + f(c), 0);
+    const rows = summarise(runs);
+    const measured = (side: PeerId) => runs.contended.filter((c) => c.round > 0 && c.side === side);
+    const overlaps = (side: PeerId) => measured(side).reduce((n, c) => n + c.overlaps, 0);
     const summary = table(
       `Peer: pg-boss ${version} vs ours, same server (medians of ${ROUNDS} alternating rounds; ratio > 1: ours ahead)`,
       "<row (pg-boss policy / ours) | <measure | <unit | pg-boss | ours | ratio | <ahead | <pg-boss detail | <ours detail",
       rows.map((r) => {
         const value = (v: number) =>
           r.unit === "sends/s" ? fmtInt(v) : fmtFixed(v, r.unit === "s" || v < 10 ? 2 : 1);
+        const ahead = r.ratio > 1 ? "ours" : "PG-BOSS";
         return [
           r.row,
           r.what,
@@ -363,22 +339,15 @@ export const peers: Section = {
           value(r.pgBoss),
           value(r.ours),
           fmtFixed(r.ratio, 2),
-          r.ratio > 1 ? "ours" : "PG-BOSS",
-          r.pgBossNote ?? "",
-          r.oursNote ?? "",
-        ];
+          ahead,
+        ].concat(r.notes ?? ["", ""]);
       }),
       [
-        `Rows 1-2: ${fmtInt(size.sends)} sequential sends per run, each awaited; "stored": jobs kept of a run's one-key sends.`,
-        '  Ours for each pg-boss policy: short (1 queued per key) = unique "queued"; singleton (1 running per key, every send',
-        "  stored) = the exclusive task without uniqueness (plain add_job); stately (1 queued + 1 running per key) = unique",
-        '  "queued" on the exclusive task; exclusive (1 queued or running per key) = unique "active".',
-        `Row 3: ${size.keys * size.perKey} jobs over ${size.keys} keys, ${JOB_MS} ms each, one seeded random order for both sides, both at the`,
-        "  concurrency shown. Makespan: first start to last end of the job function (start-up excluded). Hand-off: from the end",
-        "  of one job of a key to the start of the next (percentiles over the gaps of every measured round).",
-        `  Overlaps (must be 0): pg-boss ${total("pg-boss", (c) => c.overlaps)}, ours ${total("ours", (c) => c.overlaps)}. Ours parked ` +
-          `${fmtInt(median(contended.filter((c) => c.round > 0 && c.side === "ours").map((c) => c.parks)))} jobs per run (median; a job may be parked more than once).`,
-        `Row 4: ${size.pickups} samples per side on idle workers (both sides idle at once), alternating, 100 ms apart.`,
+        `Rows 1-2: ${fmtInt(size.sends)} sequential sends per run; "stored": jobs kept of a run's one-key sends.`,
+        `Row 3: ${size.keys * size.perKey} jobs over ${size.keys} keys, ${JOB_MS} ms each; hand-off: one job's end to the next start of its key.`,
+        `  Overlaps (must be 0): pg-boss ${overlaps("pg-boss")}, ours ${overlaps("ours")}. Ours parked ` +
+          `${fmtInt(median(measured("ours").map((c) => c.parks)))} jobs per run (median; a job may be parked more than once).`,
+        `Row 4: ${size.pickups} samples per side on idle workers, alternating, 100 ms apart.`,
         ...settings["pg-boss"].map((s) => `pg-boss: ${s}`),
         ...settings.ours.map((s) => `ours: ${s}`),
       ],
@@ -391,32 +360,38 @@ export const peers: Section = {
         r.ratio > 1,
       ),
     );
-    const overlaps = total("ours", (c) => c.overlaps);
-    goals.push(goal("3 contended: overlaps of ours", "= 0", overlaps, overlaps === 0));
+    goals.push(goal("3 contended: overlaps of ours", "= 0", overlaps("ours"), !overlaps("ours")));
+    const { sends, contended, pickups } = runs;
     return {
       tables: [summary],
       goals,
       figures: {
-        rounds: ROUNDS,
-        pgBossVersion: version,
-        jobMs: JOB_MS,
-        sizes: size,
-        settings: settings,
-        rows,
-        sends,
-        contended,
-        pickups,
+        ...{ rounds: ROUNDS, pgBossVersion: version, jobMs: JOB_MS, sizes: size, settings },
+        ...{ rows, sends, contended, pickups },
       },
     };
   },
 };
 
-async function measureSends(
-  ctx: BenchContext,
-  size: typeof SIZES.full,
-  ordered: (r: number) => Sides,
-  out: SendRun[],
-) {
+/**
+ * Every figure of both sides, alternating (odd rounds pg-boss first, even rounds and the warm-up ours
+ * first): sequential sends (rows 1-2), contended runs and their hand-off gaps (row 3), idle pickups (row 4).
+ */
+async function measure(ctx: BenchContext, size: typeof SIZES.full, pair: Sides) {
+  type Run = { side: PeerId; round: number };
+  const runs = {
+    sends: [] as Array<Run & { policy: Policy; mode: string; opsPerSecond: number; added: number }>,
+    contended: [] as Array<
+      Run & { concurrency: number; makespanMs: number; idealMs: number } & {
+        overlaps: number;
+        parks: number;
+      }
+    >,
+    /** The hand-off gaps of every measured round, by `<concurrency>/<side>`. */
+    gaps: new Map<string, number[]>(),
+    pickups: [] as Array<{ side: PeerId; ms: number }>,
+  };
+  const ordered = (r: number): Sides => (r % 2 === 1 ? pair : [pair[1], pair[0]]);
   for (let r = 0; r <= ROUNDS; r++) {
     const n = r === 0 ? size.warmSends : size.sends;
     for (const policy of POLICIES) {
@@ -430,7 +405,7 @@ async function measureSends(
             if (await peer.send(policy, { key, i: r * 1_000_000 + i, ms: 0 })) added++;
           }
           const opsPerSecond = n / ((now() - t0) / 1000);
-          out.push({ policy, mode, side: peer.id, round: r, opsPerSecond, added });
+          runs.sends.push({ policy, mode, side: peer.id, round: r, opsPerSecond, added });
           if (r > 0) {
             ctx.log(
               `peers: round ${r} send ${policy}/${mode} ${peer.id.padEnd(7)} ${fmtInt(opsPerSecond).padStart(6)}/s` +
@@ -442,57 +417,33 @@ async function measureSends(
     }
     if (r === 0) ctx.log("peers: sends warmed up");
   }
-}
 
-async function measureContended(
-  ctx: BenchContext,
-  size: typeof SIZES.full,
-  concurrency: number,
-  ordered: (r: number) => Sides,
-  out: ContendedRun[],
-  gaps: Map<string, number[]>,
-) {
-  for (let r = 0; r <= ROUNDS; r++) {
-    const keys = contendedKeys(size.keys, r === 0 ? size.warmPerKey : size.perKey, SEED + r);
-    for (const peer of ordered(r)) {
-      const { parked } = await peer.contended(keys, concurrency);
-      const a = analyse(peer.recorder.spans);
-      if (a.distinct !== keys.length || a.jobs !== keys.length) {
-        throw new Error(
-          `peers: ${peer.id} ran ${a.jobs} job functions for ${a.distinct} distinct jobs of ${keys.length}`,
+  for (const concurrency of CONCURRENCIES) {
+    for (let r = 0; r <= ROUNDS; r++) {
+      const keys = contendedKeys(size.keys, r === 0 ? size.warmPerKey : size.perKey, SEED + r);
+      for (const peer of ordered(r)) {
+        const { parked: parks } = await peer.contended(keys, concurrency);
+        const a = analyse(peer.recorder.spans);
+        if (a.distinct !== keys.length || a.jobs !== keys.length) {
+          throw new Error(
+            `peers: ${peer.id} ran ${a.jobs} job functions for ${a.distinct} distinct jobs of ${keys.length}`,
+          );
+        }
+        const { idealMs, overlaps } = a;
+        const figures = { makespanMs: round(a.makespanMs, 1), idealMs, overlaps, parks };
+        runs.contended.push({ concurrency, side: peer.id, round: r, ...figures });
+        const gaps = `${concurrency}/${peer.id}`;
+        if (r > 0) runs.gaps.set(gaps, [...(runs.gaps.get(gaps) ?? []), ...a.gaps]);
+        ctx.log(
+          `peers: ${r === 0 ? "warm-up" : `round ${r}`} contended c=${concurrency} ${peer.id.padEnd(7)} ` +
+            `makespan ${fmtInt(a.makespanMs)} ms (ideal ${a.idealMs}), hand-off p50 ${fmtFixed(percentile(a.gaps, 50), 1)}` +
+            ` p99 ${fmtFixed(percentile(a.gaps, 99), 1)} ms, ${a.overlaps} overlaps${peer.id === "ours" ? `, ${parks} parks` : ""}`,
         );
       }
-      out.push({
-        concurrency,
-        side: peer.id,
-        round: r,
-        makespanMs: round(a.makespanMs, 1),
-        idealMs: a.idealMs,
-        overlaps: a.overlaps,
-        parks: parked,
-      });
-      if (r > 0)
-        gaps.set(`${concurrency}/${peer.id}`, [
-          ...(gaps.get(`${concurrency}/${peer.id}`) ?? []),
-          ...a.gaps,
-        ]);
-      ctx.log(
-        `peers: ${r === 0 ? "warm-up" : `round ${r}`} contended c=${concurrency} ${peer.id.padEnd(7)} ` +
-          `makespan ${fmtInt(a.makespanMs)} ms (ideal ${a.idealMs}), hand-off p50 ${fmtFixed(percentile(a.gaps, 50), 1)}` +
-          ` p99 ${fmtFixed(percentile(a.gaps, 99), 1)} ms, ${a.overlaps} overlaps${peer.id === "ours" ? `, ${parked} parks` : ""}`,
-      );
     }
   }
-}
 
-async function measurePickups(
-  ctx: BenchContext,
-  size: typeof SIZES.full,
-  concurrency: number,
-  pair: Sides,
-  out: Array<{ side: PeerId; ms: number }>,
-) {
-  for (const peer of pair) await peer.startIdle(concurrency);
+  for (const peer of pair) await peer.startIdle(CONCURRENCIES[0]!);
   try {
     await sleep(1_000);
     // Two unrecorded samples each first (first use of the statements on both sides).
@@ -504,45 +455,43 @@ async function measurePickups(
         const t0 = now();
         await peer.sendPickup({ key: `pickup-${i}`, i, ms: 0 });
         const ms = (await started) - t0;
-        if (s >= 0) out.push({ side: peer.id, ms: round(ms, 2) });
+        if (s >= 0) runs.pickups.push({ side: peer.id, ms: round(ms, 2) });
       }
     }
     const med = (side: PeerId) =>
-      fmtFixed(median(out.filter((p) => p.side === side).map((p) => p.ms)), 1);
+      fmtFixed(median(runs.pickups.filter((p) => p.side === side).map((p) => p.ms)), 1);
     ctx.log(`peers: idle pickup median pg-boss ${med("pg-boss")} ms, ours ${med("ours")} ms`);
   } finally {
     for (const peer of pair) await peer.stopIdle();
   }
+  return runs;
 }
+type Runs = Awaited<ReturnType<typeof measure>>;
 
-/** The table's rows: each a pair and its ratio, oriented so that > 1 means ours is ahead. */
-function summarise(
-  sends: SendRun[],
-  contended: ContendedRun[],
-  gaps: Map<string, number[]>,
-  pickups: Array<{ side: PeerId; ms: number }>,
-) {
-  const rows: Array<{
-    row: string;
-    what: string;
-    unit: string;
-    pgBoss: number;
-    ours: number;
-    ratio: number;
-    pgBossNote?: string;
-    oursNote?: string;
-  }> = [];
+/** A row of the table: a pair and its ratio, oriented so that > 1 means ours is ahead; `notes`: the details. */
+type Row = {
+  row: string;
+  what: string;
+  unit: string;
+  pgBoss: number;
+  ours: number;
+  ratio: number;
+} & {
+  notes?: [string, string];
+};
+
+/** The table's rows. */
+function summarise({ sends, contended, gaps, pickups }: Runs) {
+  const rows: Row[] = [];
   const pairRow = (
-    row: string,
-    what: string,
-    unit: string,
+    [row, what, unit]: [string, string, string],
     of: (side: PeerId) => number,
     digits: number,
     note?: (side: PeerId) => string,
   ) => {
     const [pgBoss, ours] = [of("pg-boss"), of("ours")];
     const ratio = round(unit === "sends/s" ? ours / pgBoss : pgBoss / ours, 3);
-    const notes = note ? { pgBossNote: note("pg-boss"), oursNote: note("ours") } : {};
+    const notes = note ? { notes: [note("pg-boss"), note("ours")] as [string, string] } : {};
     rows.push({
       row,
       what,
@@ -559,15 +508,18 @@ function summarise(
         sends.filter(
           (s) => s.round > 0 && s.policy === policy && s.mode === mode && s.side === side,
         );
+      const rate = (side: PeerId) => of(side).map((s) => s.opsPerSecond);
       const stored = (side: PeerId) =>
         mode === "duplicate" ? `, ${fmtInt(of(side)[0]?.added ?? 0)} stored` : "";
       pairRow(
-        `${mode === "fresh" ? "1" : "2"} ${policy} / ${OUR_MATCH[policy].label}`,
-        `sequential sends, ${mode === "fresh" ? "fresh keys" : "one key"}`,
-        "sends/s",
-        (side) => median(of(side).map((s) => s.opsPerSecond)),
+        [
+          `${mode === "fresh" ? "1" : "2"} ${policy} / ${OUR_MATCH[policy].label}`,
+          `sequential sends, ${mode === "fresh" ? "fresh keys" : "one key"}`,
+          "sends/s",
+        ],
+        (side) => median(rate(side)),
         0,
-        (side) => `±${fmtPercent(spread(of(side).map((s) => s.opsPerSecond)))}${stored(side)}`,
+        (side) => `±${fmtPercent(spread(rate(side)))}${stored(side)}`,
       );
     }
   }
@@ -578,27 +530,19 @@ function summarise(
     const makespan = (side: PeerId) => median(of(side).map((c) => c.makespanMs));
     const name = `3 contended, concurrency ${concurrency}`;
     pairRow(
-      name,
-      `makespan (ideal ${fmtFixed(ideal / 1000, 2)} s)`,
-      "s",
+      [name, `makespan (ideal ${fmtFixed(ideal / 1000, 2)} s)`, "s"],
       (side) => makespan(side) / 1000,
       3,
       (side) => `${fmtFixed(makespan(side) / ideal, 2)}× ideal`,
     );
-    for (const p of [50, 99])
-      pairRow(
-        name,
-        `hand-off p${p}`,
-        "ms",
-        (side) => percentile(gaps.get(`${concurrency}/${side}`) ?? [], p),
-        2,
-      );
+    for (const p of [50, 99]) {
+      const gapsOf = (side: PeerId) => gaps.get(`${concurrency}/${side}`) ?? [];
+      pairRow([name, `hand-off p${p}`, "ms"], (side) => percentile(gapsOf(side), p), 2);
+    }
   }
   const pickup = (side: PeerId) => pickups.filter((p) => p.side === side).map((p) => p.ms);
   pairRow(
-    "4 idle pickup",
-    "send → start, median",
-    "ms",
+    ["4 idle pickup", "send → start, median", "ms"],
     (side) => median(pickup(side)),
     2,
     (side) => `p90 ${fmtFixed(percentile(pickup(side), 90), 1)}`,
