@@ -8,25 +8,9 @@
  */
 import { readFile } from "node:fs/promises";
 import type pg from "pg";
-import {
-  benchRounds,
-  fmtFixed,
-  fmtInt,
-  fmtPercent,
-  goal,
-  insertJobs,
-  median,
-  round,
-} from "./lib.js";
-import {
-  runWorkers,
-  sleep,
-  spread,
-  table,
-  withWorkers,
-  type BenchContext,
-  type Section,
-} from "./lib.js";
+import { benchRounds, fmtFixed, fmtInt, fmtPercent, goal, insertJobs, median } from "./lib.js";
+import { round, runWorkers, sleep, spread, table, withWorkers } from "./lib.js";
+import type { BenchContext, Section } from "./lib.js";
 import type { WorkerPreset, WorkerProcess } from "./lib.js";
 import { APPLICATION_PREFIX, CONNECTION_ROLES, type ConnectionRole } from "./throughput-worker.js";
 import type { ProcessReport, ProcessVariant, Progress, StartRequest } from "./throughput-worker.js";
@@ -374,7 +358,7 @@ export const throughput: Section = {
       goal("lock session: locks held after a run", "= 0", held, held === 0),
     ];
     return {
-      tables: [overheadTable(results), sessionTable(results, ctx, oneSession, held === 0)],
+      tables: [overheadTable(results), sessionTable(results, oneSession, held === 0)],
       goals,
       figures: { rounds: ROUNDS, configs: results },
     };
@@ -408,25 +392,14 @@ function overheadTable(results: ConfigFigures[]) {
         .join(" / "),
     ]),
     [
-      "plain: graphile-worker alone; wrapped: locks.exclusive() with a distinct key per job;",
-      "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection (2 statements/job);",
-      "naive, conn/job: the same on a connection of the job's own, from a pool of one per worker (que-locks' design).",
-      "lock stmts/job: statements on the lock session per job (< 1: lock/unlock requests coalesced).",
-      "node CPU µs/job: CPU time (user + system) of the worker process(es) per job, plain / wrapped / naive / conn/job.",
-      `${ONE_PROCESS.map((c) => c.id).join(", ")}: one worker process; ${SEVERAL.map((c) => c.id).join(", ")}: ${PROCESSES}, ` +
-        "each with the same concurrency and options and its own runner",
-      "(and Locks instance, with attach()); clock from the start signal to an empty table; lock stmts/job and",
-      "node CPU summed over the processes. No naive variant in several: it is a one-process comparison of coalescing.",
+      "naive: pg_try_advisory_lock + pg_advisory_unlock per job on one connection; conn/job: on a connection of the",
+      "job's own (que-locks' design). lock stmts/job: on the lock session (< 1: coalesced). node CPU: p/w/n/c = plain /",
+      `wrapped / naive / conn/job, summed over the processes. ${SEVERAL.map((c) => c.id).join(", ")}: ${PROCESSES} processes, no naive variant.`,
     ],
   );
 }
 
-function sessionTable(
-  results: ConfigFigures[],
-  ctx: BenchContext,
-  connectionsMet: boolean,
-  heldMet: boolean,
-) {
+function sessionTable(results: ConfigFigures[], connectionsMet: boolean, heldMet: boolean) {
   const mib = (bytes: number) => fmtFixed(bytes / 2 ** 20, 1);
   const range = (r: Range) =>
     r.min === r.max ? fmtInt(r.min) : `${fmtInt(r.min)}–${fmtInt(r.max)}`;
@@ -444,7 +417,6 @@ function sessionTable(
     cell: (s: ConfigFigures["session"], c: ConfigFigures) => string,
     goalCell = "",
   ) => [metric, ...results.map((c) => cell(c.session, c)), goalCell];
-  const embedded = ctx.postgresServer === "embedded";
   return table(
     "Lock session cost, wrapped runs (per worker process; medians over the measured rounds)",
     ` | ${results.map((c) => `${c.id} (${c.processes} process${c.processes > 1 ? "es" : ""})`).join(" | ")} | <goal`,
@@ -470,19 +442,9 @@ function sessionTable(
       ),
     ],
     [
-      `Connections: pg_stat_activity, every connection named ${APPLICATION_PREFIX}/<process>/<role>; fewest–most per process over the`,
-      `samples (every ${SAMPLE_INTERVAL_MS} ms during each run, from the bench's process, and once the table was empty).`,
-      "Library pool: the Locks instance's own pool (enqueues, introspection; its migration check at start), not used by",
-      "exclusive execution.",
-      embedded
-        ? "Backend memory, once the table was empty, from /proc/<pid>/smaps_rollup: USS (Private_Clean + Private_Dirty: what"
-        : "Backend memory: n/a, the server is not the embedded one on this machine (/proc/<pid> would be another process).",
-      embedded
-        ? "the backend's exit would free) and Pss (shared pages divided among their users); graphile-worker: the median"
-        : "",
-      embedded ? "of its pool's backends (up to maxPoolSize, 10, per process)." : "",
-      "Node.js heap: heapUsed after the runner stopped and a full GC (worker processes run with --expose-gc), after",
-      "plain runs against after wrapped runs, medians over processes and rounds.",
+      `Connections: fewest–most per process over the samples of pg_stat_activity (every ${SAMPLE_INTERVAL_MS} ms, and once the table`,
+      "was empty). Memory of a backend: from /proc/<pid>/smaps_rollup once the table was empty (embedded server only).",
+      "Heap: heapUsed after the runner stopped and a full GC, after plain runs against after wrapped runs.",
     ],
   );
 }
