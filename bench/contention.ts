@@ -341,10 +341,12 @@ async function clockOffsets(workers: WorkerProcess[]) {
 }
 
 export const contention = sizedSection(
-  "contention",
-  "Contention: many jobs over few keys, across processes",
-  SIZES,
-  benchRounds(3),
+  {
+    id: "contention",
+    title: "Contention: many jobs over few keys, across processes",
+    sizes: SIZES,
+    rounds: benchRounds(3),
+  },
   async (ctx, size, rounds) => {
     ctx.log(`contention: starting ${PROCESSES} worker processes (concurrency ${CONCURRENCY} each)`);
     // The bench's own Locks instance, for the variants enqueued through it, the task defined as the

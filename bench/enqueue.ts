@@ -296,10 +296,7 @@ async function phase(
 }
 
 export const enqueue = sizedSection(
-  "enqueue",
-  "Enqueue throughput",
-  SIZES,
-  benchRounds(5),
+  { id: "enqueue", title: "Enqueue throughput", sizes: SIZES, rounds: benchRounds(5) },
   async (ctx, size, rounds) => {
     const opened: Tools[] = [];
     const runs: Array<{ variant: string; round: number; perSecond: number }> = [];

@@ -85,10 +85,12 @@ export interface Section {
 
 /** A section run at `sizes.full` and `rounds` rounds, or with BENCH_QUICK at `sizes.quick` and 1 round. */
 export const sizedSection = <S>(
-  id: string,
-  title: string,
-  sizes: { full: S; quick: S },
-  rounds: number,
+  {
+    id,
+    title,
+    sizes,
+    rounds,
+  }: { id: string; title: string; sizes: { full: S; quick: S }; rounds: number },
   run: (ctx: BenchContext, size: S, rounds: number) => Promise<SectionResult>,
 ): Section => ({
   id,
