@@ -67,8 +67,10 @@ export interface LockSessionOptions extends LockConnectionOptions {
 /**
  * Lock statements in flight at once on a connection in node-postgres's `pipeline` mode (connection.ts opens
  * it so): a lock request made while one is unanswered leaves at once in a second; beyond that, requests
- * queue up for the next statement. More would only split a burst's requests into more statements, each a
- * round of socket I/O on both sides, without starting any of them sooner.
+ * queue up for the next statement. Measured with the latency section at concurrency 10: four in flight cut
+ * a request's wait for a free place from 0.2-0.3 ms to under 0.1 ms on average, but sent 0.9 lock statements
+ * per job instead of 0.6 for no measurable gain in throughput; eight moved the wait to the server, where each
+ * statement waits for those sent before it, and added time overall.
  */
 const PIPELINE_DEPTH = 2;
 
