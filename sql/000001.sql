@@ -145,7 +145,8 @@ create table :GWL_SCHEMA.waiters (
 create index waiters_lock_key_pos on :GWL_SCHEMA.waiters (lock_key, pos);
 create index waiters_job_id on :GWL_SCHEMA.waiters (job_id);
 
--- Each key's last wake: when, which job, and that job's place in line.
+-- Each key's last wake: when, which job, and that job's place in line. A key's row is also the lock that
+-- orders the changes to its line (lock_line).
 create table :GWL_SCHEMA.wakes (
   lock_key bigint primary key,
   at timestamptz not null,
@@ -159,6 +160,28 @@ create table :GWL_SCHEMA.prewakes (
   job_id bigint not null,
   at timestamptz not null
 );
+
+-- Locks the line of each key, in key order, until the caller's transaction ends: whoever parks a job, wakes
+-- one or releases the key (before its unlock) holds it, so that each sees what the other did. Without it a
+-- parker that finds the key free the moment after a release's unlock, while the release's wake is not yet
+-- committed, would wake the job behind the one the release is waking: two jobs sent after one key, and the
+-- first one's place in line lost. The lock is the key's row in `wakes`, made when missing (a placeholder that
+-- names no job).
+create function :GWL_SCHEMA.lock_lines(p_keys bigint[]) returns int
+language plpgsql volatile as $$
+declare
+  v_key bigint;
+begin
+  for v_key in select distinct k from unnest(p_keys) as u(k) order by k loop
+    loop
+      perform 1 from :GWL_SCHEMA.wakes k where k.lock_key = v_key for update;
+      exit when found;
+      insert into :GWL_SCHEMA.wakes (lock_key, at) values (v_key, '-infinity') on conflict do nothing;
+    end loop;
+  end loop;
+  return coalesce(cardinality(p_keys), 0);
+end;
+$$;
 
 -- A job's place in the line of `p_key`: its waiter's, the last wake's if it was that job, else its own id.
 create function :GWL_SCHEMA.line_position(p_key bigint, p_job_id bigint) returns bigint
@@ -220,7 +243,9 @@ $$;
 -- 4. Parking and waking -----------------------------------------------------------------------------------
 --
 -- Lost wake-ups are closed by ordering: the releaser unlocks, then reads the waiters; the parker commits
--- its waiter, then looks at the lock (wake_if_free). Whichever comes second sees the other.
+-- its waiter, then looks at the lock (wake_if_free). Whichever comes second sees the other. Both hold the
+-- key's line (lock_lines) meanwhile, the releaser from before its unlock: they take turns, so that the second
+-- also sees the first's wake.
 --
 -- A woken waiter gets back the run_at its job had when it met the conflict, less a millisecond: graphile-
 -- worker fetches by priority, then run_at, then id, so the copy (a newer id) goes ahead of the jobs queued
@@ -287,6 +312,7 @@ declare
   v_safety_net timestamptz;
   v_new_id bigint;
 begin
+  perform :GWL_SCHEMA.lock_lines(array[p_lock_key]);
   select j.run_at into v_run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id;
   v_pos := :GWL_SCHEMA.line_position(p_lock_key, p_job_id);
   select count(*) into v_ahead from :GWL_SCHEMA.waiters w
@@ -438,6 +464,7 @@ create function :GWL_SCHEMA.wake_if_free(p_slots bigint[], p_key bigint, p_job_i
 returns int
 language plpgsql volatile as $$
 begin
+  perform :GWL_SCHEMA.lock_lines(array[p_key]);
   if exists (
     select 1 from :GWL_SCHEMA.wakes w
     where w.lock_key = p_key and w.job_id is distinct from p_job_id
@@ -469,6 +496,7 @@ declare
   v_i int;
   v_job bigint;
 begin
+  perform :GWL_SCHEMA.lock_lines(p_keys);
   for v_i in 1 .. coalesce(cardinality(p_keys), 0) loop
     if :GWL_SCHEMA.wake_waiters(array[p_keys[v_i]], p_notify) > 0 then
       select k.job_id into v_job from :GWL_SCHEMA.wakes k where k.lock_key = p_keys[v_i];
@@ -497,6 +525,8 @@ declare
   v_announce int := 0;
   v_wake bigint[] := '{}';
 begin
+  -- (the lock statement locked these lines before its unlocks; a direct caller gets them here)
+  perform :GWL_SCHEMA.lock_lines(p_keys);
   for v_i in 1 .. coalesce(cardinality(p_keys), 0) loop
     v_key := p_keys[v_i];
     if p_job_ids[v_i] is not null then
@@ -922,7 +952,12 @@ language sql volatile as $$
     where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = w.job_id)
     returning 1
   ), stale as (
-    delete from :GWL_SCHEMA.wakes where at < now() - interval '1 minute'
+    -- (a line locked right now is left for the next sweep: a sweep never waits for, or deadlocks with, it)
+    delete from :GWL_SCHEMA.wakes k
+    where k.lock_key in (
+      select x.lock_key from :GWL_SCHEMA.wakes x where x.at < now() - interval '1 minute'
+      for update skip locked
+    ) and k.at < now() - interval '1 minute'
   )
   select count(*) from gone
 $$;

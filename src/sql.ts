@@ -70,13 +70,11 @@ export const BatchOp = {
   PREWOKEN: 6,
 } as const;
 
-/**
- * The first branches of both lock statements: the backend that ran the statement, then the unlocks of $1
- * that PostgreSQL answered false.
- */
-const FAILED_UNLOCKS = `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i, null::text as key
-      union all
-      select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
+/** The first branch of both lock statements: the backend that ran the statement. */
+const BACKEND = `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i, null::text as key`;
+
+/** The unlocks of $1 that PostgreSQL answered false. */
+const FAILED_UNLOCKS = `select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
         from unnest($1::bigint[]) with ordinality as t(k, i)
         where not pg_catalog.pg_advisory_unlock(t.k)`;
 
@@ -132,7 +130,13 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       // (LOCKED_WITH_LINE) when others wait in line for the key, and its failure says (WAIT_FOR_RELEASE)
       // whether it was woken early and should wait for the release. Semaphore requests answer with the slot
       // they took; PREWOKEN names the job each early wake woke.
-      text: `${FAILED_UNLOCKS}
+      // PostgreSQL runs the branches in order: the lines of the keys whose waiters to wake are locked before the
+      // unlocks (lock_lines), so that a job parking meanwhile sees this statement's wake (no row comes back).
+      text: `${BACKEND}
+      union all
+      select ${BatchOp.WOKEN}, 0, null where cardinality($4::bigint[]) > 0 and ${s}.lock_lines($4::bigint[]) < 0
+      union all
+      ${FAILED_UNLOCKS}
       union all
       select case
           when r.got then ${BatchOp.LOCKED_WITH_LINE}
@@ -168,7 +172,9 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     lockBatchPlain: {
       name: `gwl_lock_plain`,
-      text: `${FAILED_UNLOCKS}
+      text: `${BACKEND}
+      union all
+      ${FAILED_UNLOCKS}
       union all
       select ${BatchOp.LOCK_FAILED}, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
