@@ -87,4 +87,45 @@ describe("pipelined lock statements", () => {
     expect(second.sentAt).toBeLessThan(first.answeredAt);
     expect(first.answeredAt - first.sentAt).toBeGreaterThanOrEqual(DELAY_MS - 1);
   });
+
+  it("up to four lock statements are in flight at once: no request waits for an answer while fewer are", async () => {
+    const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
+    await locks.connect();
+    const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
+    setSessionProbe({
+      lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
+      unlock: () => undefined,
+    });
+    const ran = new Set<string>();
+    const allRan = deferred();
+    const task = locks.exclusive(
+      "pipelined4",
+      (p: { k: string }) => {
+        ran.add(p.k);
+        if (ran.size === 4) allRan.resolve();
+      },
+      { key: (p) => p.k, onConflict: "raise" },
+    );
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { pipelined4: task },
+    });
+    // B, C and D are enqueued as A's job starts: idle workers fetch them while A's lock statement is still
+    // unanswered, each on its own turn of the event loop.
+    const added = new Promise<void>((resolve) =>
+      r.events.once("job:start", () => {
+        void Promise.all(["b", "c", "d"].map((k) => task.addJob({ k }))).then(() => resolve());
+      }),
+    );
+    await task.addJob({ k: "a" });
+    await added;
+    await allRan.promise;
+
+    expect(requests).toHaveLength(4);
+    const first = requests.reduce((a, b) => (b.sentAt < a.sentAt ? b : a));
+    // With two in flight, the fourth request (or the third) would have waited for the first answer.
+    for (const request of requests) expect(request.sentAt).toBeLessThan(first.answeredAt);
+    expect(new Set(requests.map((q) => q.sentAt)).size).toBeGreaterThanOrEqual(3);
+  });
 });
