@@ -20,8 +20,7 @@ export default defineConfig({
     teardownTimeout: 30_000,
     // Tests spawn worker processes and hold database sessions: child processes, one file at a time. On a
     // 2-core machine two files side by side starve each other's processes, and the hand-off and lock-ahead
-    // tests, which wait on real timings, then fail on a slow host (seen in .ci/run: a line out of order, a
-    // lock-ahead run not drained in 50 s).
+    // tests wait on real timings.
     pool: "forks",
     fileParallelism: false,
   },

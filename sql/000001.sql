@@ -146,7 +146,7 @@ create index waiters_lock_key_pos on :GWL_SCHEMA.waiters (lock_key, pos);
 create index waiters_job_id on :GWL_SCHEMA.waiters (job_id);
 
 -- Each key's last wake: when, which job, and that job's place in line. A key's row is also the lock that
--- orders the changes to its line (lock_line).
+-- orders the changes to its line (lock_lines).
 create table :GWL_SCHEMA.wakes (
   lock_key bigint primary key,
   at timestamptz not null,
@@ -514,7 +514,8 @@ $$;
 -- way (its wake is recent, it still exists and it was not parked again), notify its session and wake nobody
 -- else; its wake is renewed, so that jobs behind it do not take the key first (is_next), and a job woken
 -- early that nobody has fetched yet is announced to every worker. Otherwise wake the first waiter. Returns
--- how many jobs were woken.
+-- how many jobs were woken. The caller holds the lines of p_keys, taken before its unlocks (the lock
+-- statement calls lock_lines first).
 create function :GWL_SCHEMA.release_waiters(p_keys bigint[], p_job_ids bigint[]) returns int
 language plpgsql volatile as $$
 declare
@@ -525,8 +526,6 @@ declare
   v_announce int := 0;
   v_wake bigint[] := '{}';
 begin
-  -- (the lock statement locked these lines before its unlocks; a direct caller gets them here)
-  perform :GWL_SCHEMA.lock_lines(p_keys);
   for v_i in 1 .. coalesce(cardinality(p_keys), 0) loop
     v_key := p_keys[v_i];
     if p_job_ids[v_i] is not null then
