@@ -15,6 +15,44 @@ import { countEvents, nextEvent } from "../support/runner.js";
 const h = useExclusiveHarness();
 const { db, cleanups, newLocks, runner, holdExternally, markFetched, parkFetched, q, parkedCount } =
   h;
+const { connect } = h;
+
+/**
+ * A held key with a line, for SQL-level tests: a job of task `task` (keyed "k") fetched as the holder,
+ * then `parked` jobs parked behind it as a worker's `reschedule` would. `ids`: every job as enqueued,
+ * holder first; `waiting`: the parked copies, in line order.
+ */
+async function heldLine(task: string, parked: number) {
+  const locks = newLocks();
+  await locks.migrate();
+  const key = lockKey(task, "k").toString();
+  const later = new Date(Date.now() + 3_600_000).toISOString();
+  const ids: string[] = [];
+  for (let n = 0; n <= parked; n++) ids.push((await locks.addJob(task, { n })).job!.id);
+  const holder = ids[0]!;
+  await markFetched(holder);
+  const waiting: string[] = [];
+  for (const id of ids.slice(1)) waiting.push(await parkFetched(id, key, later));
+  return { locks, key, later, ids, holder, waiting };
+}
+
+/** The backend pid of `client` (asked before it sends a statement that may block). */
+const backendPid = async (client: pg.Client) =>
+  (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
+
+/** Waits until backend `pid` waits for a lock another transaction holds. */
+async function waitForLockWait(pid: number, message: string): Promise<void> {
+  await waitFor(
+    async () =>
+      (
+        await q<{ waiting: boolean }>(
+          "select wait_event_type = 'Lock' as waiting from pg_stat_activity where pid = $1",
+          [pid],
+        )
+      ).rows[0]?.waiting === true,
+    { message },
+  );
+}
 
 describe("reschedule hand-off", () => {
   it("a parked job is woken the moment its key is released, not after its safety-net delay", async () => {
@@ -471,20 +509,10 @@ describe("reschedule hand-off", () => {
   });
 
   it("a release wakes nobody else while the job woken early is on its way, and wakes the line once it parked again", async () => {
-    const locks = newLocks();
-    await locks.migrate();
-    const key = lockKey("pw", "k").toString();
-    const later = new Date(Date.now() + 3_600_000).toISOString();
+    const { key, later, holder, waiting } = await heldLine("pw", 2);
+    const [waitingA, waitingB] = waiting as [string, string];
     const park = (id: string) => parkFetched(id, key, later);
-    const ids: string[] = [];
-    for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pw", { n })).job!.id);
-    const holder = ids[0]!;
-    await markFetched(holder);
-    const waitingA = await park(ids[1]!);
-    const waitingB = await park(ids[2]!);
-    const listener = new pg.Client({ connectionString: db.url });
-    await listener.connect();
-    cleanups.push(() => listener.end());
+    const listener = await connect();
     const notices: string[] = [];
     listener.on("notification", (m) => notices.push(`${m.channel}:${m.payload}`));
     await listener.query("listen gwl_release");
@@ -527,22 +555,9 @@ describe("reschedule hand-off", () => {
   });
 
   it("a job parking while a release's wake is not yet committed wakes nobody: one job is sent after the key", async () => {
-    const locks = newLocks();
-    await locks.migrate();
-    const key = lockKey("pr", "k").toString();
-    const later = new Date(Date.now() + 3_600_000).toISOString();
-    const ids: string[] = [];
-    for (let n = 0; n < 4; n++) ids.push((await locks.addJob("pr", { n })).job!.id);
-    const [holder, , , parker] = ids as [string, string, string, string];
-    await markFetched(holder);
-    const first = await parkFetched(ids[1]!, key, later);
-    const second = await parkFetched(ids[2]!, key, later);
-    const connect = async () => {
-      const client = new pg.Client({ connectionString: db.url });
-      await client.connect();
-      cleanups.push(() => client.end());
-      return client;
-    };
+    const { locks, key, ids, holder, waiting } = await heldLine("pr", 2);
+    const [first, second] = waiting as [string, string];
+    const parker = (await locks.addJob("pr", { n: 3 })).job!.id;
     // The holder's session releases with the lock statement, held open in a transaction: its unlock has
     // happened (session locks are not transactional), its wake is not yet committed.
     const releaser = await connect();
@@ -552,21 +567,12 @@ describe("reschedule hand-off", () => {
     await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true]);
     // A job that met the key held has parked and now checks whether the key is free.
     const checker = await connect();
-    const { rows: pids } = await checker.query<{ pid: number }>("select pg_backend_pid() as pid");
+    const checkerPid = await backendPid(checker);
     const checked = checker.query(
       "select graphile_worker_locks.wake_if_free($1, $2, $3) as woken",
       [[key], key, parker],
     );
-    await waitFor(
-      async () =>
-        (
-          await q<{ waiting: boolean }>(
-            "select wait_event_type = 'Lock' as waiting from pg_stat_activity where pid = $1",
-            [pids[0]!.pid],
-          )
-        ).rows[0]?.waiting === true,
-      { message: "the check to wait for the release's transaction" },
-    );
+    await waitForLockWait(checkerPid, "the check to wait for the release's transaction");
     await releaser.query("commit");
     expect((await checked).rows[0]!.woken).toBe(0);
     const { rows: woken } = await q<{ id: string }>(
@@ -582,21 +588,9 @@ describe("reschedule hand-off", () => {
   });
 
   it("a release waits for a parker's check of the key's line before its unlock, so that the check sees the key held", async () => {
-    const locks = newLocks();
-    await locks.migrate();
-    const key = lockKey("pl", "k").toString();
-    const later = new Date(Date.now() + 3_600_000).toISOString();
-    const ids: string[] = [];
-    for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pl", { n })).job!.id);
-    const [holder, , parker] = ids as [string, string, string];
-    await markFetched(holder);
-    const first = await parkFetched(ids[1]!, key, later);
-    const connect = async () => {
-      const client = new pg.Client({ connectionString: db.url });
-      await client.connect();
-      cleanups.push(() => client.end());
-      return client;
-    };
+    const { locks, key, holder, waiting } = await heldLine("pl", 1);
+    const first = waiting[0]!;
+    const parker = (await locks.addJob("pl", { n: 2 })).job!.id;
     const releaser = await connect();
     await releaser.query("select pg_advisory_lock($1)", [key]);
     // A parker's check, held open: the key is held, so it wakes nobody, and it has the line.
@@ -607,19 +601,10 @@ describe("reschedule hand-off", () => {
       [[key], key, parker],
     );
     expect(checked[0]!.woken).toBe(0);
-    const { rows: pids } = await releaser.query<{ pid: number }>("select pg_backend_pid() as pid");
+    const releaserPid = await backendPid(releaser);
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
     const released = releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true]);
-    await waitFor(
-      async () =>
-        (
-          await q<{ waiting: boolean }>(
-            "select wait_event_type = 'Lock' as waiting from pg_stat_activity where pid = $1",
-            [pids[0]!.pid],
-          )
-        ).rows[0]?.waiting === true,
-      { message: "the release to wait for the check" },
-    );
+    await waitForLockWait(releaserPid, "the release to wait for the check");
     // Still held while the release waits: had it unlocked first, the check would have seen the key free.
     const { rows: held } = await q<{ held: boolean }>(
       `select exists (select 1 from pg_locks where locktype = 'advisory' and granted and objsubid = 1
@@ -637,19 +622,8 @@ describe("reschedule hand-off", () => {
   });
 
   it("an early wake left to the holder's process is not announced; its release announces it if still unfetched", async () => {
-    const locks = newLocks();
-    await locks.migrate();
-    const key = lockKey("pq", "k").toString();
-    const later = new Date(Date.now() + 3_600_000).toISOString();
-    const ids: string[] = [];
-    for (let n = 0; n < 3; n++) ids.push((await locks.addJob("pq", { n })).job!.id);
-    const holder = ids[0]!;
-    await markFetched(holder);
-    const waiting: string[] = [];
-    for (const id of ids.slice(1)) waiting.push(await parkFetched(id, key, later));
-    const listener = new pg.Client({ connectionString: db.url });
-    await listener.connect();
-    cleanups.push(() => listener.end());
+    const { key, holder, waiting } = await heldLine("pq", 2);
+    const listener = await connect();
     const notices: string[] = [];
     listener.on("notification", (m) =>
       notices.push(
@@ -707,9 +681,7 @@ describe("reschedule hand-off", () => {
 
 describe("plans with a long line analyzed", () => {
   it("is_next and the lock statement read a key's waiters by position, never every waiter or every job", async () => {
-    const client = new pg.Client({ connectionString: db.url });
-    await client.connect();
-    cleanups.push(() => client.end());
+    const client = await connect();
     // 4,000 jobs, half of them parked over 10 keys, the tables analyzed with the line in them (as autovacuum
     // does in the middle of a burst), and the generic plans the lock session uses.
     await client.query("begin");

@@ -2,7 +2,6 @@
  * Lock-ahead: the locks of a batch graphile-worker's local queue fetched, taken before its jobs start.
  * Real PostgreSQL, real graphile-worker runners, separate connections.
  */
-import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { lockKey, type Locks } from "../../src/index.js";
 import { deferred, waitFor } from "../support/db.js";
@@ -128,9 +127,7 @@ describe("lock-ahead with graphile-worker's local queue", () => {
   it("a lock taken ahead and lost with its connection before its job starts is taken again: the job never runs unlocked", async () => {
     const locks = newLocks({ reconnectDelay: { min: 50, max: 100 } });
     // Another session tries each key the moment its job starts: it must find the key held.
-    const probe = new pg.Client({ connectionString: db.url });
-    await probe.connect();
-    cleanups.push(() => probe.end());
+    const probe = await h.connect();
     const unlocked: string[] = [];
     const { gate, ran } = await fiveLockedAhead(locks, "ahead_lost", async (k) => {
       const key = lockKey("ahead_lost", k).toString();

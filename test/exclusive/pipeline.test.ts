@@ -39,30 +39,39 @@ async function slowProxy(delayMs: number): Promise<string> {
 
 afterEach(() => setSessionProbe(null));
 
+/**
+ * A `raise` task keyed by `k`, on a lock session behind the slow proxy and a runner of `concurrency`, whose
+ * lock requests are recorded; `allRan` resolves once jobs of `count` distinct keys ran.
+ */
+async function pipelinedTask(identifier: string, concurrency: number, count: number) {
+  const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
+  await locks.connect();
+  const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
+  setSessionProbe({
+    lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
+    unlock: () => undefined,
+  });
+  const ran = new Set<string>();
+  const allRan = deferred();
+  const task = locks.exclusive(
+    identifier,
+    (p: { k: string }) => {
+      ran.add(p.k);
+      if (ran.size === count) allRan.resolve();
+    },
+    { key: (p) => p.k, onConflict: "raise" },
+  );
+  const r = await runner({
+    connectionString: db.url,
+    concurrency,
+    taskList: { [identifier]: task },
+  });
+  return { locks, task, r, requests, ran, allRan: allRan.promise };
+}
+
 describe("pipelined lock statements", () => {
   it("a lock request made while another lock statement is unanswered is sent before that answer", async () => {
-    const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
-    await locks.connect();
-    const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
-    setSessionProbe({
-      lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
-      unlock: () => undefined,
-    });
-    const ran = new Set<string>();
-    const bothRan = deferred();
-    const task = locks.exclusive(
-      "pipelined",
-      (p: { k: string }) => {
-        ran.add(p.k);
-        if (ran.size === 2) bothRan.resolve();
-      },
-      { key: (p) => p.k, onConflict: "raise" },
-    );
-    const r = await runner({
-      connectionString: db.url,
-      concurrency: 2,
-      taskList: { pipelined: task },
-    });
+    const { locks, task, r, requests, ran, allRan } = await pipelinedTask("pipelined", 2, 2);
     // B is enqueued as A's job starts: a worker fetches it while A's lock statement is still unanswered.
     const startedA = new Promise<void>((resolve) =>
       r.events.once("job:start", () => {
@@ -76,7 +85,7 @@ describe("pipelined lock statements", () => {
     );
     await task.addJob({ k: "a" });
     await startedA;
-    await bothRan.promise;
+    await allRan;
     await released;
 
     expect(ran).toEqual(new Set(["a", "b"]));
@@ -89,28 +98,7 @@ describe("pipelined lock statements", () => {
   });
 
   it("up to four lock statements are in flight at once: no request waits for an answer while fewer are", async () => {
-    const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
-    await locks.connect();
-    const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
-    setSessionProbe({
-      lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
-      unlock: () => undefined,
-    });
-    const ran = new Set<string>();
-    const allRan = deferred();
-    const task = locks.exclusive(
-      "pipelined4",
-      (p: { k: string }) => {
-        ran.add(p.k);
-        if (ran.size === 4) allRan.resolve();
-      },
-      { key: (p) => p.k, onConflict: "raise" },
-    );
-    const r = await runner({
-      connectionString: db.url,
-      concurrency: 4,
-      taskList: { pipelined4: task },
-    });
+    const { task, r, requests, allRan } = await pipelinedTask("pipelined4", 4, 4);
     // B, C and D are enqueued as A's job starts: idle workers fetch them while A's lock statement is still
     // unanswered, each on its own turn of the event loop.
     const added = new Promise<void>((resolve) =>
@@ -120,7 +108,7 @@ describe("pipelined lock statements", () => {
     );
     await task.addJob({ k: "a" });
     await added;
-    await allRan.promise;
+    await allRan;
 
     expect(requests).toHaveLength(4);
     const first = requests.reduce((a, b) => (b.sentAt < a.sentAt ? b : a));

@@ -32,6 +32,14 @@ export function useExclusiveHarness(clear = "") {
       return r;
     },
 
+    /** A client on a connection of its own to the file's database, ended after the test. */
+    async connect(): Promise<pg.Client> {
+      const client = new pg.Client({ connectionString: db.url });
+      await client.connect();
+      cleanups.push(() => client.end());
+      return client;
+    },
+
     /** Holds an advisory key on a connection of its own, as another process would. */
     async holdExternally(key: bigint): Promise<{ release(): Promise<void> }> {
       const client = new pg.Client({ connectionString: db.url });
