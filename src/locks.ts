@@ -113,7 +113,6 @@ export function makeLocks(options: LocksOptions): Locks {
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
     heartbeatTimeoutMs: options.heartbeatTimeout ?? 20_000,
     registryIntervalMs: 500,
-    unlockDelayMs: 2,
     reconnectDelayMs: {
       min: options.reconnectDelay?.min ?? 100,
       max: options.reconnectDelay?.max ?? 5000,

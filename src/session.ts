@@ -60,8 +60,6 @@ export interface LockSessionOptions extends LockConnectionOptions {
   idleWorkers?: IdleWorkers;
   onLost(holds: HoldImpl[], error: Error): void;
   onConnected(): void;
-  /** How long an unlock nobody waits for may wait for a lock request to share a statement with. */
-  unlockDelayMs: number;
 }
 
 /**
@@ -91,7 +89,6 @@ export class LockSession implements HoldOwner {
   /** PIPELINE_DEPTH on a pipelining connection; 1 with a node-postgres that has no pipeline mode. */
   private maxInFlight = 1;
   private flushScheduled = false;
-  private unlockTimer: NodeJS.Timeout | null = null;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   private readonly handoff: Handoff;
@@ -297,9 +294,12 @@ export class LockSession implements HoldOwner {
 
   /**
    * Whether what is queued is only unlocks that nobody waits for: no lock request, no waiter to wake, no
-   * same-process successor. Such a batch waits (up to `unlockDelayMs`) to ride with the next lock request:
-   * every statement costs both sides a round of socket I/O, and the keys stay held meanwhile, which is
-   * never looser.
+   * same-process successor. While a statement is in flight, such a batch waits to ride with the next lock
+   * request, or goes when the last statement in flight answers: every statement costs both sides a round of
+   * socket I/O, and the keys stay held meanwhile, which is never looser. On an idle connection it goes at
+   * once, so that a lock request made a moment later does not queue behind it on the server. Measured with
+   * the latency section at concurrency 10 (tasks waiting 5 and 20 ms), against holding such unlocks up to
+   * 2 ms for a lock request to ride with: the lock's round trip falls by about 0.08 ms at p50.
    */
   private onlyQuietUnlocks(): boolean {
     return (
@@ -310,26 +310,11 @@ export class LockSession implements HoldOwner {
     );
   }
 
-  private flush(force = false): void {
+  private flush(): void {
     const { client, generation } = this.connection;
     if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
       return;
-    if (
-      !force &&
-      this.options.unlockDelayMs > 0 &&
-      this.unlockQueue.length > 0 &&
-      this.onlyQuietUnlocks()
-    ) {
-      this.unlockTimer ??= setTimeout(() => {
-        this.unlockTimer = null;
-        this.flush(true);
-      }, this.options.unlockDelayMs);
-      return;
-    }
-    if (this.unlockTimer) {
-      clearTimeout(this.unlockTimer);
-      this.unlockTimer = null;
-    }
+    if (this.inFlight.length > 0 && this.onlyQuietUnlocks()) return;
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
     const noticesAtSend = this.handoff.notices;
@@ -493,7 +478,6 @@ export class LockSession implements HoldOwner {
    */
   async close(): Promise<void> {
     if (this.connection.state === "closed") return;
-    if (this.unlockTimer) clearTimeout(this.unlockTimer);
     await this.connection.close(
       async () => Promise.allSettled(this.inFlight.map((s) => s.done)),
       () => {

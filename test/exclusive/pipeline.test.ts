@@ -1,9 +1,11 @@
 /**
  * The lock session pipelines its statements: a lock request made while an earlier lock statement is still
- * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer.
- * Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays every
- * answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
+ * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer;
+ * an unlock nobody waits for leaves at once on an idle connection and otherwise waits for a statement to
+ * ride with. Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays
+ * every answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
  */
+import pg from "pg";
 import { afterEach, describe, expect, it } from "vitest";
 import { setSessionProbe } from "../../src/session.js";
 import { deferred } from "../support/db.js";
@@ -39,23 +41,38 @@ async function slowProxy(delayMs: number): Promise<string> {
 
 afterEach(() => setSessionProbe(null));
 
+/** When a probed request was queued, its statement sent, and the answer read (`performance.now()`). */
+interface Timing {
+  queuedAt: number;
+  sentAt: number;
+  answeredAt: number;
+}
+
 /**
- * A `raise` task keyed by `k`, on a lock session behind the slow proxy and a runner of `concurrency`, whose
- * lock requests are recorded; `allRan` resolves once jobs of `count` distinct keys ran.
+ * A `raise` task keyed by `k` running `body`, on a lock session behind the slow proxy and a runner of
+ * `concurrency`, whose lock and unlock requests are recorded (in the order of their answers); `allRan`
+ * resolves once jobs of `count` distinct keys ran.
  */
-async function pipelinedTask(identifier: string, concurrency: number, count: number) {
+async function pipelinedTask(
+  identifier: string,
+  concurrency: number,
+  count: number,
+  body: (k: string) => unknown = () => undefined,
+) {
   const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
   await locks.connect();
-  const requests: Array<{ queuedAt: number; sentAt: number; answeredAt: number }> = [];
+  const requests: Timing[] = [];
+  const unlocks: Timing[] = [];
   setSessionProbe({
     lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
-    unlock: () => undefined,
+    unlock: (queuedAt, sentAt, answeredAt) => unlocks.push({ queuedAt, sentAt, answeredAt }),
   });
   const ran = new Set<string>();
   const allRan = deferred();
   const task = locks.exclusive(
     identifier,
-    (p: { k: string }) => {
+    async (p: { k: string }) => {
+      await body(p.k);
       ran.add(p.k);
       if (ran.size === count) allRan.resolve();
     },
@@ -66,7 +83,36 @@ async function pipelinedTask(identifier: string, concurrency: number, count: num
     concurrency,
     taskList: { [identifier]: task },
   });
-  return { locks, task, r, requests, ran, allRan: allRan.promise };
+  return { locks, task, r, requests, unlocks, ran, allRan: allRan.promise };
+}
+
+/**
+ * Counts the lock statements sent from now on (by any client: only the lock session sends them), and
+ * resolves `reached(n)` once n were sent.
+ */
+function countLockStatements() {
+  const original = pg.Client.prototype.query;
+  cleanups.push(async () => {
+    pg.Client.prototype.query = original;
+  });
+  const waiting: Array<{ n: number; resolve(): void }> = [];
+  const counter = {
+    sent: 0,
+    reached: (n: number) =>
+      new Promise<void>((resolve) => {
+        if (counter.sent >= n) resolve();
+        else waiting.push({ n, resolve });
+      }),
+  };
+  pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
+    const config = args[0] as { name?: string } | undefined;
+    if (typeof config === "object" && config?.name?.startsWith("gwl_lock_")) {
+      counter.sent++;
+      for (const w of waiting) if (counter.sent >= w.n) w.resolve();
+    }
+    return (original as (...a: unknown[]) => unknown).apply(this, args);
+  } as typeof original;
+  return counter;
 }
 
 describe("pipelined lock statements", () => {
@@ -115,5 +161,46 @@ describe("pipelined lock statements", () => {
     // With two in flight, the fourth request (or the third) would have waited for the first answer.
     for (const request of requests) expect(request.sentAt).toBeLessThan(first.answeredAt);
     expect(new Set(requests.map((q) => q.sentAt)).size).toBeGreaterThanOrEqual(3);
+  });
+
+  it("an unlock nobody waits for leaves at once on an idle connection, and rides or follows a statement in flight", async () => {
+    const statements = countLockStatements();
+    let countAtReturn = -1;
+    let countAtFirstTimer = -1;
+    const { task, requests, unlocks, allRan } = await pipelinedTask(
+      "quietUnlocks",
+      2,
+      3,
+      async (k) => {
+        if (k === "a") {
+          // A returns once B's lock statement is on its way: A's unlock is queued while it is in flight.
+          await task.addJob({ k: "b" });
+          await statements.reached(2);
+        } else if (k === "c") {
+          // C runs alone: its unlock must leave before the first timer of the event loop fires.
+          countAtReturn = statements.sent;
+          setTimeout(() => (countAtFirstTimer = statements.sent), 0);
+        }
+      },
+    );
+    await task.addJob({ k: "a" });
+    await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(2);
+    await task.addJob({ k: "c" });
+    await allRan;
+    await expect.poll(() => countAtFirstTimer, { timeout: 10_000 }).toBeGreaterThanOrEqual(0);
+    await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(3);
+
+    expect(requests).toHaveLength(3);
+    const lockB = requests[1]!;
+    const unlockA = unlocks.reduce((x, y) => (y.queuedAt < x.queuedAt ? y : x));
+    // A's unlock was queued while B's lock statement was in flight, and waited for its answer instead of
+    // going alone ahead of it.
+    expect(unlockA.queuedAt).toBeGreaterThan(lockB.sentAt);
+    expect(unlockA.queuedAt).toBeLessThan(lockB.answeredAt);
+    expect(unlockA.sentAt).toBeGreaterThanOrEqual(lockB.answeredAt);
+    // On the idle connection, C's unlock left within the same turn, in a statement of its own.
+    expect(countAtFirstTimer).toBe(countAtReturn + 1);
+    const unlockC = unlocks.reduce((x, y) => (y.queuedAt > x.queuedAt ? y : x));
+    expect(unlockC.sentAt - unlockC.queuedAt).toBeLessThan(DELAY_MS);
   });
 });
