@@ -6,20 +6,19 @@
  * without the library, for the anchors whose jobs graphile-worker's named queues serialise. The runner is
  * given to `locks.attach`: early wakes go to this process's idle workers.
  *
- * It records, on the common clock `performance.timeOrigin + performance.now()` (ms since the epoch; every
- * process is on this machine, and the parent measures the offsets): each execution's start and end
+ * It records, on the machine's monotonic clock (`machineClock`, common to every process): each execution's
+ * start and end
  * (inside the task, while the job holds its lock or its queue), each fetch (`job:start`: a worker locked
  * the job's row), each release (`lock:released`: the unlock statement, which also woke the key's next
  * waiter, was answered), the parks per task (`job:rescheduled`) and this process's CPU time.
  *
- * Requests: `clock`, `reset` (forgets the records), `collect` (answers them), `poll` (restarts the runner
+ * Requests: `reset` (forgets the records), `collect` (answers them), `poll` (restarts the runner
  * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`).
  */
 import { EventEmitter } from "node:events";
-import { performance } from "node:perf_hooks";
 import type { Job, JobHelpers, Runner, WorkerEvents } from "graphile-worker";
 import type { ExclusiveOptions } from "../src/index.js";
-import { quietLogger, sleep, startRunner, workerMain } from "./lib.js";
+import { machineClock as clock, quietLogger, sleep, startRunner, workerMain } from "./lib.js";
 import { library } from "./library.js";
 
 export const TASK_MS = 20;
@@ -35,9 +34,6 @@ export const strategyOptions = (strategy: Strategy): ExclusiveOptions<Contention
   onConflict: strategy,
   key: (p) => p.k,
 });
-
-/** The common clock: milliseconds since the epoch, with sub-millisecond resolution. */
-export const clock = (): number => performance.timeOrigin + performance.now();
 
 /** A job's execution (`at` its start, `end` its end) or fetch (`at`). */
 export type Mark = ContentionPayload & {
@@ -61,7 +57,6 @@ export interface WorkerRecords {
 }
 
 export type ContentionRequest =
-  | { type: "clock" }
   | { type: "reset" }
   | { type: "collect" }
   | { type: "poll"; pollInterval: number; skipHeld: boolean };
@@ -123,7 +118,6 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
 
   return {
     handlers: {
-      clock,
       reset: () => void (records = blank()),
       collect: (): WorkerRecords => {
         const cpu = process.cpuUsage(records.cpu);

@@ -2,8 +2,8 @@
  * Section "contention": 2,000 jobs over 10 keys, 20 ms tasks, 3 worker processes (contention-worker.ts)
  * × concurrency 8, per conflict strategy and against graphile-worker's queueName anchors (method and
  * variants: bench/README.md). The jobs go in with one statement; the clock runs from just before it to the
- * end of the last execution. The processes record each execution, fetch, unlock and park on a common clock
- * (offsets measured over IPC); `analyse` turns them into makespan, fetches, hand-offs, overlap and FIFO
+ * end of the last execution. The processes record each execution, fetch, unlock and park on the machine's
+ * monotonic clock; `analyse` turns them into makespan, fetches, hand-offs, overlap and FIFO
  * figures. A warm-up of each variant, then BENCH_ROUNDS rounds alternating them (medians), then one raise
  * run stopped at a time limit. BENCH_CONTENTION=<variant ids> runs only those variants.
  */
@@ -11,15 +11,18 @@ import { highestConcurrency } from "../scripts/overlap.js";
 import type { Locks } from "../src/index.js";
 import { library } from "./library.js";
 import { benchRounds, countJobs, fmtFixed, fmtInt, fmtPercent, goal, median } from "./lib.js";
-import { quietLogger, resetJobs, round, sizedSection, sleep, spread, table } from "./lib.js";
-import { withWorkers, type BenchContext, type WorkerProcess } from "./lib.js";
 import {
-  QUEUE_TASK,
-  STRATEGY_TASKS,
-  TASK_MS,
-  clock,
-  strategyOptions,
-} from "./contention-worker.js";
+  machineClock as clock,
+  quietLogger,
+  resetJobs,
+  round,
+  sizedSection,
+  sleep,
+  spread,
+  table,
+} from "./lib.js";
+import { withWorkers, type BenchContext, type WorkerProcess } from "./lib.js";
+import { QUEUE_TASK, STRATEGY_TASKS, TASK_MS, strategyOptions } from "./contention-worker.js";
 import type { ContentionPayload, Mark, WorkerRecords } from "./contention-worker.js";
 
 const WORKER_SCRIPT = new URL("./contention-worker.ts", import.meta.url);
@@ -315,31 +318,6 @@ type VariantFigures = ReturnType<typeof summarise>;
 // ---------------------------------------------------------------------------------------------------------
 // The section
 
-/**
- * Offset of each process's clock from ours, over IPC: of 10 samples the one with the shortest round trip,
- * offset = theirs − the midpoint of ours; its uncertainty is half that round trip.
- */
-async function clockOffsets(workers: WorkerProcess[]) {
-  const result = [];
-  for (const w of workers) {
-    let best = { name: w.name, offsetMs: Number.NaN, uncertaintyMs: Infinity };
-    for (let i = 0; i < 10; i++) {
-      const sent = clock();
-      const theirs = await w.request<number>({ type: "clock" });
-      const received = clock();
-      const uncertaintyMs = (received - sent) / 2;
-      if (uncertaintyMs < best.uncertaintyMs)
-        best = { name: w.name, offsetMs: theirs - (sent + received) / 2, uncertaintyMs };
-    }
-    result.push({
-      ...best,
-      offsetMs: round(best.offsetMs, 3),
-      uncertaintyMs: round(best.uncertaintyMs, 3),
-    });
-  }
-  return result;
-}
-
 export const contention = sizedSection(
   {
     id: "contention",
@@ -363,11 +341,7 @@ export const contention = sizedSection(
       POLL_INTERVAL: String(POLL_INTERVAL_MS),
     };
     const runs: RunFigures[] = [];
-    const offsets = await withWorkers(WORKER_SCRIPT, PROCESSES, env, async (workers) => {
-      const offsets = await clockOffsets(workers);
-      ctx.log(
-        `contention: clock offsets ${offsets.map((o) => `${o.name} ${o.offsetMs} ms ±${o.uncertaintyMs}`).join(", ")}`,
-      );
+    await withWorkers(WORKER_SCRIPT, PROCESSES, env, async (workers) => {
       let settings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
       const one = async (id: VariantId, jobs: number, r: number, limitMs: number | null) => {
         const v: Variant = VARIANTS[id];
@@ -395,7 +369,6 @@ export const contention = sizedSection(
         for (const v of alternating) await one(v, r === 0 ? size.warmJobs : size.jobs, r, null);
       }
       if (wanted.includes("raise")) await one("raise", size.jobs, 1, size.raiseLimitMs);
-      return offsets;
     }).finally(() => locks.release());
 
     const summaries = wanted.map((v) => summarise(v, runs));
@@ -420,7 +393,7 @@ export const contention = sizedSection(
       ],
       figures: {
         ...{ processes: PROCESSES, concurrency: CONCURRENCY, keys: KEYS, taskMs: TASK_MS },
-        ...{ ...size, rounds, offsets, summaries, runs },
+        ...{ ...size, rounds, summaries, runs },
       },
     };
   },

@@ -20,7 +20,8 @@ import { EventEmitter } from "node:events";
 import { performance } from "node:perf_hooks";
 import pg from "pg";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
-import { quietLogger, sleep, startRunner, workerMain, type RunStart } from "./lib.js";
+import { machineClock, quietLogger, sleep, startRunner, workerMain } from "./lib.js";
+import type { RunStart } from "./lib.js";
 import { library, sessionModule } from "./library.js";
 
 export const LATENCY_TASK = "io";
@@ -33,7 +34,7 @@ const newReport = () => ({
   completed: 0,
   failed: 0,
   conflicts: 0,
-  /** Epoch ms of the first `job:start` and of the last `job:success` (the run's span). */
+  /** The first `job:start` and the last `job:success` on the machine's clock (the run's span). */
   firstStart: null as number | null,
   lastSuccess: null as number | null,
   beforeBody: [] as number[],
@@ -46,7 +47,9 @@ const newReport = () => ({
   lockStatements: 0,
 });
 
-const epoch = (t: number): number => performance.timeOrigin + t;
+/** A `performance.now()` instant of this process on the machine's clock (common to every process). */
+const toMachineClock = machineClock() - performance.now();
+const common = (t: number): number => toMachineClock + t;
 
 workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
   const locks = library.makeLocks({ connectionString: url, logger: quietLogger });
@@ -132,7 +135,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
         events.on("job:start", ({ job }) => {
           const t = performance.now();
           jobStart.set(job.id, t);
-          report.firstStart ??= epoch(t);
+          report.firstStart ??= common(t);
           if (startFloorBusy) return;
           startFloorBusy = true;
           void startFloorClient.query("").then(() => {
@@ -146,7 +149,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
           if (started !== undefined) report.startToSuccess.push(t - started);
           jobStart.delete(job.id);
           report.completed++;
-          report.lastSuccess = epoch(t);
+          report.lastSuccess = common(t);
         });
         events.on("job:error", () => void report.failed++);
         runner = await startRunner({

@@ -134,6 +134,13 @@ export const summaryRows = (t: Table): string[] =>
 // Timing, statistics, formatting
 
 export const now = (): number => performance.now();
+/**
+ * Milliseconds on the machine's monotonic clock, one clock for every process of the machine: for instants
+ * recorded in different processes and compared. (`performance.timeOrigin` is not one: each process takes it
+ * from the wall clock as it starts, and a wall clock adjusted meanwhile leaves processes of one run
+ * milliseconds apart, which turns a hand-off between them into an overlap.)
+ */
+export const machineClock = (): number => Number(process.hrtime.bigint()) / 1e6;
 export const sleep = (ms: number): Promise<void> =>
   new Promise((resolve) => setTimeout(resolve, ms));
 
