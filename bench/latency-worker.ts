@@ -44,6 +44,8 @@ const newReport = () => ({
   release: [] as number[],
   floor: [] as number[],
   floorAtStart: [] as number[],
+  /** A worker's `job:success` to its next `job:start`: graphile-worker's completion and next fetch. */
+  nextStart: [] as number[],
   lockStatements: 0,
 });
 
@@ -73,6 +75,8 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
   let floorLoop = Promise.resolve();
   let startFloorBusy = false;
   const jobStart = new Map<string, number>();
+  /** When each worker's last job succeeded. */
+  const workerSuccess = new Map<string, number>();
   let taskMs = 0;
 
   const body: Task = async (_payload, helpers) => {
@@ -128,13 +132,16 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
       async start(request) {
         report = newReport();
         jobStart.clear();
+        workerSuccess.clear();
         taskMs = request.taskMs;
         sessionModule.setSessionProbe(request.variant === "wrapped" ? probe : null);
         report.lockStatements = -locks.status().statements;
         const events = new EventEmitter() as WorkerEvents;
-        events.on("job:start", ({ job }) => {
+        events.on("job:start", ({ job, worker }) => {
           const t = performance.now();
           jobStart.set(job.id, t);
+          const succeeded = workerSuccess.get(worker.workerId);
+          if (succeeded !== undefined) report.nextStart.push(t - succeeded);
           report.firstStart ??= common(t);
           if (startFloorBusy) return;
           startFloorBusy = true;
@@ -143,8 +150,9 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
             startFloorBusy = false;
           });
         });
-        events.on("job:success", ({ job }) => {
+        events.on("job:success", ({ job, worker }) => {
           const t = performance.now();
+          workerSuccess.set(worker.workerId, t);
           const started = jobStart.get(job.id);
           if (started !== undefined) report.startToSuccess.push(t - started);
           jobStart.delete(job.id);

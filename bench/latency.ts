@@ -152,6 +152,24 @@ function summarise(c: Case, runs: LatencyRun[]) {
         2,
       ),
     },
+    /** A worker's job:success to its next job:start, p50. */
+    nextStartP50: {
+      plain: at(
+        samples("plain", (r) => r.nextStart),
+        50,
+        2,
+      ),
+      wrapped: at(
+        samples("wrapped", (r) => r.nextStart),
+        50,
+        2,
+      ),
+      queLocks: at(
+        samples("queLocks", (r) => r.nextStart),
+        50,
+        2,
+      ),
+    },
     lockStatementsPerJob: median(of("wrapped").map((r) => r.lockStatementsPerJob)),
   };
 }
@@ -227,7 +245,7 @@ export const latency: Section = {
     ]);
     const summary = table(
       `Latency: I/O-bound tasks, distinct keys (${ROUNDS} rounds; ms as p50 / p99)`,
-      "case | plain jobs/s | wrapped/plain | que-locks/plain | round trip/plain | added before body | que-locks added | wait to send | lock round trip | release | floor | floor at start | start→success p50 plain/wrapped | stmts/job",
+      "case | plain jobs/s | wrapped/plain | que-locks/plain | round trip/plain | added before body | que-locks added | wait to send | lock round trip | release | floor | floor at start | start→success p50 plain/wrapped | success→next start p50 plain/wrapped/que-locks | stmts/job",
       figures.map((f) => [
         f.case,
         fmtInt(f.plainJobsPerSecond),
@@ -244,6 +262,7 @@ export const latency: Section = {
           f.floorAtStart,
         ].map(pair),
         `${ms(f.startToSuccessP50.plain)} / ${ms(f.startToSuccessP50.wrapped)}`,
+        `${ms(f.nextStartP50.plain)} / ${ms(f.nextStartP50.wrapped)} / ${ms(f.nextStartP50.queLocks)}`,
         fmtFixed(f.lockStatementsPerJob, 2),
       ]),
       [
@@ -253,6 +272,7 @@ export const latency: Section = {
         "wait to send / lock round trip: a lock request until its statement leaves, then until it is answered.",
         "release: an unlock request until its answer (no job waits for it).",
         "floor: an empty statement's round trip, same process, same runs, every 5 ms; at start: sent at a job's start, as the lock is.",
+        "success→next start: a worker's job:success to its next job:start (graphile-worker's completion and next fetch; que-locks' unlock comes before).",
       ],
     );
     return { tables: [summary], goals, figures: { cases: figures, runs } };
