@@ -306,7 +306,7 @@ export function makeExclusiveTask<TPayload>(
       if (Array.isArray(value)) await Promise.allSettled(value);
       return value as ReturnType<Task>;
     } finally {
-      // The unlock joins the next lock statement; the job need not wait for it to complete. Until it lands,
+      // The unlock goes in the lock session's next statement; the job need not wait for it. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op.
       const heldMs = measured ? performance.now() - started : 0;
