@@ -299,7 +299,8 @@ export class LockSession implements HoldOwner {
    * socket I/O, and the keys stay held meanwhile, which is never looser. On an idle connection it goes at
    * once, so that a lock request made a moment later does not queue behind it on the server. Measured with
    * the latency section at concurrency 10 (tasks waiting 5 and 20 ms), against holding such unlocks up to
-   * 2 ms for a lock request to ride with: the lock's round trip falls by about 0.08 ms at p50.
+   * 2 ms for a lock request to ride with: the lock's round trip p50 falls from 0.43 to 0.37 ms, and
+   * throughput rises by 0.02-0.03 of plain graphile-worker's, for 1.3-1.5 statements per job instead of 0.9-1.0.
    */
   private onlyQuietUnlocks(): boolean {
     return (
