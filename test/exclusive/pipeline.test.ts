@@ -5,7 +5,6 @@
  * ride with. Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays
  * every answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
  */
-import pg from "pg";
 import { afterEach, describe, expect, it } from "vitest";
 import { setSessionProbe } from "../../src/session.js";
 import { deferred } from "../support/db.js";
@@ -91,10 +90,6 @@ async function pipelinedTask(
  * resolves `reached(n)` once n were sent.
  */
 function countLockStatements() {
-  const original = pg.Client.prototype.query;
-  cleanups.push(async () => {
-    pg.Client.prototype.query = original;
-  });
   const waiting: Array<{ n: number; resolve(): void }> = [];
   const counter = {
     sent: 0,
@@ -104,14 +99,10 @@ function countLockStatements() {
         else waiting.push({ n, resolve });
       }),
   };
-  pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
-    const config = args[0] as { name?: string } | undefined;
-    if (typeof config === "object" && config?.name?.startsWith("gwl_lock_")) {
-      counter.sent++;
-      for (const w of waiting) if (counter.sent >= w.n) w.resolve();
-    }
-    return (original as (...a: unknown[]) => unknown).apply(this, args);
-  } as typeof original;
+  h.watchLockStatements(() => {
+    counter.sent++;
+    for (const w of waiting) if (counter.sent >= w.n) w.resolve();
+  });
   return counter;
 }
 

@@ -338,17 +338,7 @@ describe("release", () => {
     const locks = newLocks({ logger });
     // The lock session's connection: the client that sends the lock statements.
     const sessionClients = new Set<pg.Client>();
-    const original = pg.Client.prototype.query;
-    const restore = async () => {
-      pg.Client.prototype.query = original;
-    };
-    cleanups.push(restore);
-    pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
-      const config = args[0] as { name?: string } | undefined;
-      if (typeof config === "object" && config?.name?.startsWith("gwl_lock_"))
-        sessionClients.add(this);
-      return (original as (...a: unknown[]) => unknown).apply(this, args);
-    } as typeof original;
+    const stopWatching = h.watchLockStatements((client) => sessionClients.add(client));
     let ran = 0;
     const task = locks.exclusive("unverified", async (_p: { k: number }) => {
       ran++;
@@ -360,7 +350,7 @@ describe("release", () => {
     const released = nextEvent(locks, "lock:released");
     await task.addJob({ k: 1 });
     const event = await released;
-    await restore();
+    stopWatching();
     expect(ran).toBe(1);
     expect(sessionClients.size).toBe(1);
     expect(event.outcome).toBe("unverified");

@@ -40,6 +40,24 @@ export function useExclusiveHarness(clear = "") {
       return client;
     },
 
+    /**
+     * Calls `sent` with the client of every lock statement sent from now on (only a lock session sends
+     * them), until the returned function or the test's end stops it.
+     */
+    watchLockStatements(sent: (client: pg.Client) => void): () => void {
+      const original = pg.Client.prototype.query;
+      const stop = () => {
+        pg.Client.prototype.query = original;
+      };
+      cleanups.push(async () => stop());
+      pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
+        const config = args[0] as { name?: string } | undefined;
+        if (typeof config === "object" && config?.name?.startsWith("gwl_lock_")) sent(this);
+        return (original as (...a: unknown[]) => unknown).apply(this, args);
+      } as typeof original;
+      return stop;
+    },
+
     /** Holds an advisory key on a connection of its own, as another process would. */
     async holdExternally(key: bigint): Promise<{ release(): Promise<void> }> {
       const client = new pg.Client({ connectionString: db.url });
