@@ -49,10 +49,6 @@ const newReport = () => ({
   lockStatements: 0,
 });
 
-/** A `performance.now()` instant of this process on the machine's clock (common to every process). */
-const toMachineClock = machineClock() - performance.now();
-const common = (t: number): number => toMachineClock + t;
-
 workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
   const locks = library.makeLocks({ connectionString: url, logger: quietLogger });
   await locks.connect();
@@ -142,7 +138,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
           jobStart.set(job.id, t);
           const succeeded = workerSuccess.get(worker.workerId);
           if (succeeded !== undefined) report.nextStart.push(t - succeeded);
-          report.firstStart ??= common(t);
+          report.firstStart ??= machineClock();
           if (startFloorBusy) return;
           startFloorBusy = true;
           void startFloorClient.query("").then(() => {
@@ -157,7 +153,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
           if (started !== undefined) report.startToSuccess.push(t - started);
           jobStart.delete(job.id);
           report.completed++;
-          report.lastSuccess = common(t);
+          report.lastSuccess = machineClock();
         });
         events.on("job:error", () => void report.failed++);
         runner = await startRunner({

@@ -124,6 +124,9 @@ function summarise(c: Case, runs: LatencyRun[]) {
     round(percentile(values, p, true), digits);
   const pp = (values: number[]) => ({ p50: at(values, 50), p99: at(values, 99) });
   const wrapped = (pick: (r: LatencyReport) => number[]) => pp(samples("wrapped", pick));
+  /** p50 of `pick` per variant, in ms to 2 decimals. */
+  const p50s = <V extends LatencyVariant>(variants: V[], pick: (r: LatencyReport) => number[]) =>
+    Object.fromEntries(variants.map((v) => [v, at(samples(v, pick), 50, 2)])) as Record<V, number>;
   return {
     case: c.name,
     config: c.config.id,
@@ -140,36 +143,9 @@ function summarise(c: Case, runs: LatencyRun[]) {
     release: wrapped((r) => r.release),
     floor: wrapped((r) => r.floor),
     floorAtStart: wrapped((r) => r.floorAtStart),
-    startToSuccessP50: {
-      plain: at(
-        samples("plain", (r) => r.startToSuccess),
-        50,
-        2,
-      ),
-      wrapped: at(
-        samples("wrapped", (r) => r.startToSuccess),
-        50,
-        2,
-      ),
-    },
-    /** A worker's job:success to its next job:start, p50. */
-    nextStartP50: {
-      plain: at(
-        samples("plain", (r) => r.nextStart),
-        50,
-        2,
-      ),
-      wrapped: at(
-        samples("wrapped", (r) => r.nextStart),
-        50,
-        2,
-      ),
-      queLocks: at(
-        samples("queLocks", (r) => r.nextStart),
-        50,
-        2,
-      ),
-    },
+    startToSuccessP50: p50s(["plain", "wrapped"], (r) => r.startToSuccess),
+    /** A worker's job:success to its next job:start. */
+    nextStartP50: p50s(["plain", "wrapped", "queLocks"], (r) => r.nextStart),
     lockStatementsPerJob: median(of("wrapped").map((r) => r.lockStatementsPerJob)),
   };
 }
