@@ -1,8 +1,8 @@
 /**
  * The lock session pipelines its statements: a lock request made while an earlier lock statement is still
  * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer;
- * an unlock nobody waits for leaves at once on an idle connection and otherwise waits for a statement to
- * ride with. Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays
+ * an unlock nobody waits for leaves at once on an idle connection (with lock-ahead in use, after up to 2 ms
+ * waiting for a statement to ride) and otherwise waits for a statement to ride with. Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays
  * every answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
  */
 import { afterEach, describe, expect, it } from "vitest";
@@ -50,13 +50,15 @@ interface Timing {
 /**
  * A `raise` task keyed by `k` running `body`, on a lock session behind the slow proxy and a runner of
  * `concurrency`, whose lock and unlock requests are recorded (in the order of their answers); `allRan`
- * resolves once jobs of `count` distinct keys ran.
+ * resolves once jobs of `count` distinct keys ran. `lockAhead`: the runner has a local queue and is given
+ * to `locks.attach`.
  */
 async function pipelinedTask(
   identifier: string,
   concurrency: number,
   count: number,
   body: (k: string) => unknown = () => undefined,
+  lockAhead = false,
 ) {
   const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
   await locks.connect();
@@ -81,7 +83,9 @@ async function pipelinedTask(
     connectionString: db.url,
     concurrency,
     taskList: { [identifier]: task },
+    ...(lockAhead ? { preset: { worker: { localQueue: { size: 5 } } } } : {}),
   });
+  if (lockAhead) locks.attach(r);
   return { locks, task, r, requests, unlocks, ran, allRan: allRan.promise };
 }
 
@@ -193,5 +197,34 @@ describe("pipelined lock statements", () => {
     expect(countAtFirstTimer).toBe(countAtReturn + 1);
     const unlockC = unlocks.reduce((x, y) => (y.queuedAt > x.queuedAt ? y : x));
     expect(unlockC.sentAt - unlockC.queuedAt).toBeLessThan(DELAY_MS);
+  });
+
+  it("with lock-ahead in use, an unlock nobody waits for waits on an idle connection for a statement to ride, 2 ms at most", async () => {
+    const statements = countLockStatements();
+    let countAtReturn = -1;
+    let countAtFirstTimer = -1;
+    const { task, requests, unlocks, allRan } = await pipelinedTask(
+      "quietUnlocksAhead",
+      1,
+      1,
+      () => {
+        countAtReturn = statements.sent;
+        setTimeout(() => (countAtFirstTimer = statements.sent), 0);
+      },
+      true,
+    );
+    await task.addJob({ k: "a" });
+    await allRan;
+    await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(1);
+
+    // The lock was taken ahead, when the local queue fetched the job.
+    expect(requests).toHaveLength(1);
+    // Nothing was sent as the job returned, nor before the first timer of the event loop fired...
+    expect(countAtFirstTimer).toBe(countAtReturn);
+    // ...and with no lock statement coming, the unlock left alone once the hold was over.
+    expect(statements.sent).toBe(countAtReturn + 1);
+    const [unlock] = unlocks as [Timing];
+    expect(unlock.sentAt - unlock.queuedAt).toBeGreaterThanOrEqual(1);
+    expect(unlock.sentAt - unlock.queuedAt).toBeLessThan(DELAY_MS);
   });
 });
