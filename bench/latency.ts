@@ -21,6 +21,7 @@ import { runWorkers, table, withWorkers, type BenchContext, type Section } from 
 import type { WorkerPreset, WorkerProcess } from "./lib.js";
 import { LATENCY_TASK, type LatencyReport, type LatencyVariant } from "./latency-worker.js";
 import type { StartRequest } from "./latency-worker.js";
+import { cpuBetween, cpuSnapshot, type CpuUse } from "./cpu.js";
 
 const ROUNDS = benchRounds(2);
 const VARIANTS: LatencyVariant[] = ["plain", "wrapped", "queLocks", "roundTrip"];
@@ -78,11 +79,14 @@ async function measure(
     concurrency: c.config.concurrency,
     worker: c.config.worker,
   };
+  const before = cpuSnapshot();
+  let cpu: CpuUse | undefined;
   const { reports } = await runWorkers<LatencyReport>(
     workers.slice(0, c.processes),
     ctx.pool,
     start,
-    { timeoutMs: 120_000 },
+    // (before the runners stop, while their pool backends are there to be read)
+    { timeoutMs: 120_000, atEnd: async () => void (cpu = cpuBetween(before, cpuSnapshot())) },
   );
   const sum = (f: (r: LatencyReport) => number) => reports.reduce((n, r) => n + f(r), 0);
   if (sum((r) => r.failed + r.conflicts) > 0 || sum((r) => r.completed) !== jobs) {
@@ -101,6 +105,10 @@ async function measure(
     spanMs: round(spanMs, 1),
     jobsPerSecond: Math.round((jobs * 1000) / spanMs),
     lockStatementsPerJob,
+    /** CPU per job, µs. */
+    cpuPerJob: Object.fromEntries(
+      Object.entries(cpu!).map(([k, ms]) => [k, Math.round((ms * 1000) / jobs)]),
+    ) as Record<keyof CpuUse, number>,
     reports,
   };
 }
@@ -145,7 +153,21 @@ function summarise(c: Case, runs: LatencyRun[]) {
     floorAtStart: wrapped((r) => r.floorAtStart),
     startToSuccessP50: p50s(["plain", "wrapped"], (r) => r.startToSuccess),
     /** A worker's job:success to its next job:start. */
-    nextStartP50: p50s(["plain", "wrapped", "queLocks"], (r) => r.nextStart),
+    nextStartP50: p50s(VARIANTS, (r) => r.nextStart),
+    /** Per variant, µs per job (median of the measured rounds): see cpu.ts. */
+    cpuPerJob: Object.fromEntries(
+      VARIANTS.map((v) => {
+        const of_ = (k: keyof CpuUse) => median(of(v).map((run) => run.cpuPerJob[k]));
+        return [
+          v,
+          {
+            server: of_("serverMs"),
+            worker: of_("workerMs"),
+            waiting: of_("serverWaitMs") + of_("workerWaitMs"),
+          },
+        ];
+      }),
+    ) as Record<LatencyVariant, { server: number; worker: number; waiting: number }>,
     lockStatementsPerJob: median(of("wrapped").map((r) => r.lockStatementsPerJob)),
   };
 }
@@ -221,7 +243,7 @@ export const latency: Section = {
     ]);
     const summary = table(
       `Latency: I/O-bound tasks, distinct keys (${ROUNDS} rounds; ms as p50 / p99)`,
-      "case | plain jobs/s | wrapped/plain | que-locks/plain | round trip/plain | added before body | que-locks added | wait to send | lock round trip | release | floor | floor at start | start→success p50 plain/wrapped | success→next start p50 plain/wrapped/que-locks | stmts/job",
+      "case | plain jobs/s | wrapped/plain | que-locks/plain | round trip/plain | added before body | que-locks added | wait to send | lock round trip | release | floor | floor at start | start→success p50 plain/wrapped | success→next start p50 plain/wrapped/que-locks/round trip | stmts/job",
       figures.map((f) => [
         f.case,
         fmtInt(f.plainJobsPerSecond),
@@ -238,7 +260,7 @@ export const latency: Section = {
           f.floorAtStart,
         ].map(pair),
         `${ms(f.startToSuccessP50.plain)} / ${ms(f.startToSuccessP50.wrapped)}`,
-        `${ms(f.nextStartP50.plain)} / ${ms(f.nextStartP50.wrapped)} / ${ms(f.nextStartP50.queLocks)}`,
+        VARIANTS.map((v) => ms(f.nextStartP50[v])).join(" / "),
         fmtFixed(f.lockStatementsPerJob, 2),
       ]),
       [
@@ -251,6 +273,26 @@ export const latency: Section = {
         "success→next start: a worker's job:success to its next job:start (graphile-worker's completion and next fetch; que-locks' unlock comes before).",
       ],
     );
-    return { tables: [summary], goals, figures: { cases: figures, runs } };
+    const cpu = table(
+      "Latency: CPU per job, µs (PostgreSQL's processes / the worker processes' main threads / time both waited for a core)",
+      "case | plain | wrapped | que-locks | round trip | wrapped − plain | round trip − plain",
+      figures.map((f) => {
+        const c = f.cpuPerJob;
+        const use = (v: LatencyVariant) => `${c[v].server} / ${c[v].worker} / ${c[v].waiting}`;
+        const minus = (v: LatencyVariant) =>
+          [
+            c[v].server - c.plain.server,
+            c[v].worker - c.plain.worker,
+            c[v].waiting - c.plain.waiting,
+          ]
+            .map((n) => (n > 0 ? `+${n}` : String(n)))
+            .join(" / ");
+        return [f.case, ...VARIANTS.map(use), minus("wrapped"), minus("roundTrip")];
+      }),
+      [
+        "From Linux's per-thread schedstat, two snapshots a run, divided by the run's jobs; medians of the measured rounds. The server's figure includes the bench's own statements (the floor's, the count of jobs left), alike in every variant.",
+      ],
+    );
+    return { tables: [summary, cpu], goals, figures: { cases: figures, runs } };
   },
 };
