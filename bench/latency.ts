@@ -157,7 +157,7 @@ function summarise(c: Case, runs: LatencyRun[]) {
     /** Per variant, µs per job (median of the measured rounds): see cpu.ts. */
     cpuPerJob: Object.fromEntries(
       VARIANTS.map((v) => {
-        const of_ = (k: keyof CpuUse) => median(of(v).map((run) => run.cpuPerJob[k]));
+        const of_ = (k: keyof CpuUse) => Math.round(median(of(v).map((run) => run.cpuPerJob[k])));
         return [
           v,
           {
