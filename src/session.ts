@@ -109,6 +109,8 @@ export class LockSession implements HoldOwner {
   private lockAheadAt = -Infinity;
   /** The end of a hold of quiet unlocks (QUIET_UNLOCK_HOLD_MS), while one runs. */
   private quietHold: NodeJS.Timeout | null = null;
+  /** Set by close(): queued unlocks leave at once, and nothing else is sent (see flush). */
+  private closing = false;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   private readonly handoff: Handoff;
@@ -358,15 +360,25 @@ export class LockSession implements HoldOwner {
     const { client, generation } = this.connection;
     if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
       return;
-    if (this.onlyQuietUnlocks() && (this.inFlight.length > 0 || this.holdQuietUnlocks())) return;
+    if (
+      !this.closing &&
+      this.onlyQuietUnlocks() &&
+      (this.inFlight.length > 0 || this.holdQuietUnlocks())
+    )
+      return;
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
+    if (this.closing && this.unlockQueue.length === 0) return;
     this.endQuietHold();
     const noticesAtSend = this.handoff.notices;
-    const { prewakes, wakeHere } = this.handoff.takePrewakes();
+    // While closing, only unlocks leave: a lock taken now would be lost with the connection at once, its job
+    // running unlocked until it saw its signal; queued lock requests fail when the connection goes instead.
+    const { prewakes, wakeHere } = this.closing
+      ? { prewakes: [], wakeHere: false }
+      : this.handoff.takePrewakes();
     const batch = makeBatch(
       this.unlockQueue.splice(0),
-      this.lockQueue.splice(0),
+      this.closing ? [] : this.lockQueue.splice(0),
       prewakes,
       wakeHere,
     );
@@ -530,6 +542,14 @@ export class LockSession implements HoldOwner {
    */
   async close(): Promise<void> {
     if (this.connection.state === "closed") return;
+    // Unlocks still queued (waiting for a statement to ride) leave first, so that they are answered as
+    // released rather than lost with the connection.
+    this.closing = true;
+    while (this.connection.state === "ready" && this.unlockQueue.length > 0) {
+      this.flush();
+      if (this.inFlight.length === 0) break;
+      await Promise.race(this.inFlight.map((s) => s.done));
+    }
     await this.connection.close(
       async () => Promise.allSettled(this.inFlight.map((s) => s.done)),
       () => {

@@ -227,4 +227,27 @@ describe("pipelined lock statements", () => {
     expect(unlock.sentAt - unlock.queuedAt).toBeGreaterThanOrEqual(1);
     expect(unlock.sentAt - unlock.queuedAt).toBeLessThan(DELAY_MS);
   });
+
+  it("an unlock still waiting for a statement to ride when the Locks instance is released is answered as released", async () => {
+    const { locks, task, r, unlocks } = await pipelinedTask(
+      "quietUnlocksClose",
+      1,
+      1,
+      () => undefined,
+      true,
+    );
+    const released = nextEvent(locks, "lock:released");
+    // As the job succeeds its unlock is queued (its task has returned) and waits for a statement to ride.
+    const closed = new Promise<void>((resolve, reject) =>
+      r.events.once("job:success", () => {
+        locks.release().then(resolve, reject);
+      }),
+    );
+    await task.addJob({ k: "a" });
+    await closed;
+
+    const { outcome } = await released;
+    expect(outcome).toBe("ok");
+    expect(unlocks).toHaveLength(1);
+  });
 });
