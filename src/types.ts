@@ -146,7 +146,10 @@ export interface Locks {
    * graphile-worker's local queue batching.)
    */
   forbiddenFlags(): string[];
-  /** Closes the lock session (releasing every lock it holds) and the pool it created. */
+  /**
+   * Closes the lock session (releasing every lock it holds) and the pool it created. Unlocks of jobs that
+   * have finished are sent and answered first.
+   */
   release(): Promise<void>;
 }
 
