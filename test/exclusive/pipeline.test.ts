@@ -221,10 +221,10 @@ describe("pipelined lock statements", () => {
     expect(requests).toHaveLength(1);
     // Nothing was sent as the job returned, nor before the first timer of the event loop fired...
     expect(countAtFirstTimer).toBe(countAtReturn);
-    // ...and with no lock statement coming, the unlock left alone once the hold was over.
+    // ...and with no lock statement coming, the unlock left alone once the hold was over. (Node's timers
+    // count from the event loop's cached clock, so the hold may end up to about a millisecond early.)
     expect(statements.sent).toBe(countAtReturn + 1);
     const [unlock] = unlocks as [Timing];
-    expect(unlock.sentAt - unlock.queuedAt).toBeGreaterThanOrEqual(1);
     expect(unlock.sentAt - unlock.queuedAt).toBeLessThan(DELAY_MS);
   });
 
