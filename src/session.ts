@@ -324,9 +324,10 @@ export class LockSession implements HoldOwner {
    * once, so that a lock request made a moment later does not queue behind it on the server, unless
    * lock-ahead is in use (`holdQuietUnlocks`). Measured with the latency section at concurrency 10 without a
    * local queue (tasks waiting 5 and 20 ms), against holding such unlocks up to 2 ms for a lock request to
-   * ride with: throughput higher by 0.01-0.03 of plain graphile-worker's in each of four alternated runs,
-   * for 1.3-1.5 statements per job instead of 0.9-1.0; against sending them after graphile-worker's completion
-   * and next fetch (`setImmediate`), higher by 0.02-0.04 in two.
+   * ride with: throughput higher by 0.01-0.03 of plain graphile-worker's in each of four alternated
+   * comparisons (A1:5 once, A1:20 three times), for 1.3-1.5 statements per job instead of 0.9-1.0; against
+   * sending them after graphile-worker's completion and next fetch (`setImmediate`), higher by 0.02-0.04 in
+   * two.
    */
   private onlyQuietUnlocks(): boolean {
     return (
