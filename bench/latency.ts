@@ -157,13 +157,14 @@ function summarise(c: Case, runs: LatencyRun[]) {
     /** Per variant, µs per job (median of the measured rounds): see cpu.ts. */
     cpuPerJob: Object.fromEntries(
       VARIANTS.map((v) => {
-        const of_ = (k: keyof CpuUse) => Math.round(median(of(v).map((run) => run.cpuPerJob[k])));
+        const perJob = (k: keyof CpuUse) =>
+          Math.round(median(of(v).map((run) => run.cpuPerJob[k])));
         return [
           v,
           {
-            server: of_("serverMs"),
-            worker: of_("workerMs"),
-            waiting: of_("serverWaitMs") + of_("workerWaitMs"),
+            server: perJob("serverMs"),
+            worker: perJob("workerMs"),
+            waiting: perJob("serverWaitMs") + perJob("workerWaitMs"),
           },
         ];
       }),

@@ -2,8 +2,9 @@
  * The lock session pipelines its statements: a lock request made while an earlier lock statement is still
  * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer;
  * an unlock nobody waits for leaves at once on an idle connection (with lock-ahead in use, after up to 2 ms
- * waiting for a statement to ride) and otherwise waits for a statement to ride with. Real PostgreSQL and a real runner; the lock session connects through a TCP proxy that delays
- * every answer by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
+ * waiting for a statement to ride) and otherwise waits for a statement to ride with. Real PostgreSQL and a
+ * real runner; the lock session connects through a TCP proxy that delays every answer by DELAY_MS, so that
+ * a statement's round trip is long enough to see what is sent during it.
  */
 import { afterEach, describe, expect, it } from "vitest";
 import { setSessionProbe } from "../../src/session.js";
@@ -91,17 +92,24 @@ async function pipelinedTask(
 
 /**
  * Counts the lock statements sent from now on (by any client: only the lock session sends them), and
- * resolves `reached(n)` once n were sent.
+ * resolves `reached(n)` once n were sent. `markReturn()`, called as a task's body returns, records the count
+ * then (`atReturn`) and when the first timer of the event loop fires after it (`atFirstTimer`).
  */
 function countLockStatements() {
   const waiting: Array<{ n: number; resolve(): void }> = [];
   const counter = {
     sent: 0,
+    atReturn: -1,
+    atFirstTimer: -1,
     reached: (n: number) =>
       new Promise<void>((resolve) => {
         if (counter.sent >= n) resolve();
         else waiting.push({ n, resolve });
       }),
+    markReturn: () => {
+      counter.atReturn = counter.sent;
+      setTimeout(() => (counter.atFirstTimer = counter.sent), 0);
+    },
   };
   h.watchLockStatements(() => {
     counter.sent++;
@@ -160,8 +168,6 @@ describe("pipelined lock statements", () => {
 
   it("an unlock nobody waits for leaves at once on an idle connection, and rides or follows a statement in flight", async () => {
     const statements = countLockStatements();
-    let countAtReturn = -1;
-    let countAtFirstTimer = -1;
     const { task, requests, unlocks, allRan } = await pipelinedTask(
       "quietUnlocks",
       2,
@@ -173,8 +179,7 @@ describe("pipelined lock statements", () => {
           await statements.reached(2);
         } else if (k === "c") {
           // C runs alone: its unlock must leave before the first timer of the event loop fires.
-          countAtReturn = statements.sent;
-          setTimeout(() => (countAtFirstTimer = statements.sent), 0);
+          statements.markReturn();
         }
       },
     );
@@ -182,7 +187,7 @@ describe("pipelined lock statements", () => {
     await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(2);
     await task.addJob({ k: "c" });
     await allRan;
-    await expect.poll(() => countAtFirstTimer, { timeout: 10_000 }).toBeGreaterThanOrEqual(0);
+    await expect.poll(() => statements.atFirstTimer, { timeout: 10_000 }).toBeGreaterThanOrEqual(0);
     await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(3);
 
     expect(requests).toHaveLength(3);
@@ -194,36 +199,32 @@ describe("pipelined lock statements", () => {
     expect(unlockA.queuedAt).toBeLessThan(lockB.answeredAt);
     expect(unlockA.sentAt).toBeGreaterThanOrEqual(lockB.answeredAt);
     // On the idle connection, C's unlock left within the same turn, in a statement of its own.
-    expect(countAtFirstTimer).toBe(countAtReturn + 1);
+    expect(statements.atFirstTimer).toBe(statements.atReturn + 1);
     const unlockC = unlocks.reduce((x, y) => (y.queuedAt > x.queuedAt ? y : x));
     expect(unlockC.sentAt - unlockC.queuedAt).toBeLessThan(DELAY_MS);
   });
 
   it("with lock-ahead in use, an unlock nobody waits for waits on an idle connection for a statement to ride, 2 ms at most", async () => {
     const statements = countLockStatements();
-    let countAtReturn = -1;
-    let countAtFirstTimer = -1;
     const { task, requests, unlocks, allRan } = await pipelinedTask(
       "quietUnlocksAhead",
       1,
       1,
-      () => {
-        countAtReturn = statements.sent;
-        setTimeout(() => (countAtFirstTimer = statements.sent), 0);
-      },
+      () => statements.markReturn(),
       true,
     );
     await task.addJob({ k: "a" });
     await allRan;
+    await expect.poll(() => statements.atFirstTimer, { timeout: 10_000 }).toBeGreaterThanOrEqual(0);
     await expect.poll(() => unlocks.length, { timeout: 10_000 }).toBe(1);
 
     // The lock was taken ahead, when the local queue fetched the job.
     expect(requests).toHaveLength(1);
     // Nothing was sent as the job returned, nor before the first timer of the event loop fired...
-    expect(countAtFirstTimer).toBe(countAtReturn);
+    expect(statements.atFirstTimer).toBe(statements.atReturn);
     // ...and with no lock statement coming, the unlock left alone once the hold was over. (Node's timers
     // count from the event loop's cached clock, so the hold may end up to about a millisecond early.)
-    expect(statements.sent).toBe(countAtReturn + 1);
+    expect(statements.sent).toBe(statements.atReturn + 1);
     const [unlock] = unlocks as [Timing];
     expect(unlock.sentAt - unlock.queuedAt).toBeLessThan(DELAY_MS);
   });
