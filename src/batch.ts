@@ -47,8 +47,11 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
   return literal + "}";
 }
 
-/** The query of a batch: the plain statement when it carries no line, semaphore or early wake. */
-export function batchQuery(sql: Sql, batch: Batch): QueryConfig {
+/**
+ * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
+ * session's backend, the only one the statement takes or releases anything on.
+ */
+export function batchQuery(sql: Sql, batch: Batch, pid: number): QueryConfig {
   const { unlocks, singles, multis, prewakes, wakeHere } = batch;
   const waking = unlocks.filter((hold) => hold.info.reschedule);
   const plain =
@@ -56,12 +59,12 @@ export function batchQuery(sql: Sql, batch: Batch): QueryConfig {
     waking.length === 0 &&
     prewakes.length === 0 &&
     singles.every((r) => !r.info.reschedule);
-  // $1 and $2 of both statements.
+  // $1 and $2 of both statements (the pid is $3 of the plain one, $9 of the other).
   const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
   const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
   if (plain) {
     const { name, text } = sql.lockBatchPlain;
-    return { name, text, values: [unlockKeys, singleKeys] };
+    return { name, text, values: [unlockKeys, singleKeys, pid] };
   }
   const { name, text } = sql.lockBatch;
   return {
@@ -77,6 +80,7 @@ export function batchQuery(sql: Sql, batch: Batch): QueryConfig {
       integerArray(prewakes.map((hold) => hold.keyText)),
       integerArray(waking.map((hold) => hold.info.jobId)),
       !wakeHere,
+      pid,
     ],
   };
 }

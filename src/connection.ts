@@ -16,12 +16,14 @@
  * Each connection is one generation: `generation` changes when a connection is lost or closed, so that the
  * session can tell a hold of the current connection from one of a connection gone.
  *
- * The connection is one PostgreSQL backend. Every lock statement and heartbeat answers with
- * `pg_backend_pid()`, which must be the pid seen at connect (`checkBackend`); behind a proxy (whose
- * BackendKeyData pid is not the backend's) the connection is also probed before any lock is taken
- * (`probePooler`). A second backend means a transaction-mode pooler, where session locks stay on pooled
- * backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED.
+ * The connection is one PostgreSQL backend, claimed at connect (`claimBackend`: a backend another lock
+ * session claimed is refused). Every lock statement runs only on that backend and answers with
+ * `pg_backend_pid()`, as every heartbeat does, which must be the pid seen at connect (`checkBackend`);
+ * behind a proxy (whose BackendKeyData pid is not the backend's) the connection is also probed before any
+ * lock is taken (`probePooler`). A second backend means a transaction-mode pooler, where session locks stay
+ * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED.
  */
+import { randomUUID } from "node:crypto";
 import pg from "pg";
 import type { ClientConfig } from "pg";
 import {
@@ -72,6 +74,36 @@ const SWEEP_WAITERS_INTERVAL_MS = 60_000;
 export async function backendPid(client: pg.Client): Promise<number> {
   const { rows } = await client.query<{ pid: number }>("select pg_catalog.pg_backend_pid() as pid");
   return rows[0]!.pid;
+}
+
+/**
+ * The custom setting a lock session marks its backend with, for the life of the backend (or until a pooler
+ * resets it). PostgreSQL takes any two-part name as a placeholder setting of the session.
+ */
+export const CLAIM_SETTING = "graphile_worker_locks.session";
+
+/**
+ * Marks the backend of `client` as the lock session's, with `token` (new for each connection), unless a
+ * mark is there already: reading and setting are one statement, which runs on one backend, so of two
+ * sessions that a pooler put on one backend, exactly one claims it. A session's lock statements run only
+ * on the backend it claimed (`onOwnBackend`, sql.ts), so no two sessions ever take locks on one backend.
+ * A mark already there means the backend serves, or served, another client without being reset: a pooler
+ * in transaction mode, or a session pooler that does not reset backends between clients, where a crashed
+ * client's locks would stay held too (PgBouncer resets with `server_reset_query`, by default DISCARD ALL).
+ */
+export async function claimBackend(
+  client: pg.Client,
+  token: string,
+): Promise<{ pid: number; claimed: boolean }> {
+  const { rows } = await client.query<{ pid: number; claimed: boolean }>(
+    `select pg_catalog.pg_backend_pid() as pid,
+       pg_catalog.set_config('${CLAIM_SETTING}',
+         case when coalesce(pg_catalog.current_setting('${CLAIM_SETTING}', true), '') = '' then $1::text
+              else pg_catalog.current_setting('${CLAIM_SETTING}', true) end,
+         false) = $1::text as claimed`,
+    [token],
+  );
+  return rows[0]!;
 }
 
 /**
@@ -148,7 +180,7 @@ export class LockConnection {
   /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
   private readonly sideQueries = new Set<Promise<unknown>>();
   /** `pg_backend_pid()` of the current connection, as seen at connect. */
-  private backendPid: number | null = null;
+  backendPid: number | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
@@ -159,9 +191,12 @@ export class LockConnection {
     private readonly host: ConnectionHost,
   ) {}
 
-  /** The backend pid of the current connection, if connected. */
+  /**
+   * The backend pid of the current connection, if connected: as PostgreSQL reports it (through a proxy,
+   * the pid in the connection's BackendKeyData is the proxy's, not the backend's).
+   */
   get pid(): number | null {
-    return (this.client as unknown as { processID?: number } | null)?.processID ?? null;
+    return this.client ? this.backendPid : null;
   }
 
   /**
@@ -238,8 +273,11 @@ export class LockConnection {
       await client.connect();
       connected = true;
       await this.options.prepare();
-      const pid = await backendPid(client);
-      pooled = await this.probePooler(client, pid);
+      const { pid, claimed } = await claimBackend(client, randomUUID());
+      pooled = claimed
+        ? await this.probePooler(client, pid)
+        : `its backend (pid ${pid}) is already marked by another lock session: the pooler hands one backend ` +
+          "to several clients, or hands it on without resetting it (PgBouncer's `server_reset_query`)";
       // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
       // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
       // parked job's safety net. So its hand-offs do not pay a disk flush.

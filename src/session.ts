@@ -394,7 +394,7 @@ export class LockSession implements HoldOwner {
     this.connection.statements++;
     const sentAt = performance.now();
     const done: Promise<void> = client
-      .query<BatchRow>(batchQuery(this.options.sql, batch))
+      .query<BatchRow>(batchQuery(this.options.sql, batch, this.connection.backendPid!))
       .then(
         ({ rows }) => {
           if (generation !== this.connection.generation) {

@@ -73,10 +73,22 @@ export const BatchOp = {
 /** The first branch of both lock statements: the backend that ran the statement. */
 const BACKEND = `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i, null::text as key`;
 
-/** The unlocks of $1 that PostgreSQL answered false. */
-const FAILED_UNLOCKS = `select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
+/**
+ * The condition every other branch of a lock statement runs under: the statement runs on the session's own
+ * backend, whose pid is the parameter `$n`. It does not depend on any row, so PostgreSQL tests it once, before
+ * the branch reads its first row (a one-time filter): a statement that a pooler sent to another backend takes
+ * and releases nothing, and answers only with that backend's pid.
+ */
+function onOwnBackend(n: number): string {
+  return `pg_catalog.pg_backend_pid() = $${n}::int`;
+}
+
+/** The unlocks of $1 that PostgreSQL answered false, on the backend whose pid is `$pidParam`. */
+function failedUnlocks(pidParam: number): string {
+  return `select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
         from unnest($1::bigint[]) with ordinality as t(k, i)
-        where not pg_catalog.pg_advisory_unlock(t.k)`;
+        where ${onOwnBackend(pidParam)} and not pg_catalog.pg_advisory_unlock(t.k)`;
+}
 
 const ADD_JOB_ARGS = `identifier => $1::text,
     payload => $2::json,
@@ -120,7 +132,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
      * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
      * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
-     * prewake). The functions are in sql/000001.sql, sections 3 and 4.
+     * prewake); $9: the pid of the session's backend (onOwnBackend). The functions are in sql/000001.sql,
+     * sections 3 and 4.
      */
     lockBatch: {
       name: `gwl_lock_batch`,
@@ -134,9 +147,10 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       // unlocks (lock_lines), so that a job parking meanwhile sees this statement's wake (no row comes back).
       text: `${BACKEND}
       union all
-      select ${BatchOp.WOKEN}, 0, null where cardinality($4::bigint[]) > 0 and ${s}.lock_lines($4::bigint[]) < 0
+      select ${BatchOp.WOKEN}, 0, null
+        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
       union all
-      ${FAILED_UNLOCKS}
+      ${failedUnlocks(9)}
       union all
       select case
           when r.got then ${BatchOp.LOCKED_WITH_LINE}
@@ -149,6 +163,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
               else false
             end as got
           from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
+          where ${onOwnBackend(9)}
           offset 0
         ) r
         where not r.got or (r.job is not null and (
@@ -159,10 +174,13 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       union all
       select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
+        where ${onOwnBackend(9)}
       union all
-      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null where cardinality($4::bigint[]) > 0
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null
+        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)}
       union all
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p where cardinality($6::bigint[]) > 0`,
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
+        where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`,
     },
 
     /**
@@ -174,11 +192,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       name: `gwl_lock_plain`,
       text: `${BACKEND}
       union all
-      ${FAILED_UNLOCKS}
+      ${failedUnlocks(3)}
       union all
       select ${BatchOp.LOCK_FAILED}, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
-        where not pg_catalog.pg_try_advisory_lock(t.k)`,
+        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)`,
     },
 
     /** The channel on which a release tells the session of a job woken early that its key is free. */

@@ -241,13 +241,17 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
           }),
         ),
       );
-      const error = (await instances[0]!.connect().then(
-        () => null,
-        (e: unknown) => e,
-      )) as LocksError | null;
-      expect(error?.code).toBe("GWL_LOCK_SESSION_POOLED");
-      expect(error?.message).toContain("`lockConnectionString`");
-      expect(error?.message).toContain("transaction mode");
+      // Each connects before any runner does: PgBouncer, otherwise idle, hands the probe's second client the
+      // session's backend. (Under other traffic the probe can miss; the backend checks below cover that.)
+      for (const locks of instances) {
+        const error = (await locks.connect().then(
+          () => null,
+          (e: unknown) => e,
+        )) as LocksError | null;
+        expect(error?.code).toBe("GWL_LOCK_SESSION_POOLED");
+        expect(error?.message).toContain("`lockConnectionString`");
+        expect(error?.message).toContain("transaction mode");
+      }
 
       const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
       await enqueueExec(instances[0]!, 40, 4, 50);
@@ -337,6 +341,16 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
         expect(most, `executions of key ${key} at once`).toBe(1);
       }
       expect(instances.map((locks) => locks.status().state)).toEqual(["ready", "ready"]);
+      // Each reports its backend's pid as PostgreSQL knows it (PgBouncer sends clients a key of its own).
+      for (const [i, locks] of instances.entries()) {
+        const { rows } = await db
+          .pool()
+          .query<{ application_name: string }>(
+            "select application_name from pg_catalog.pg_stat_activity where pid = $1",
+            [locks.status().pid],
+          );
+        expect(rows.map((r) => r.application_name)).toEqual([`graphile-worker-locks/session-${i}`]);
+      }
       // (the probe at connect ran, through the pooler, and found each session on its own backend)
       expect(warnings).toEqual([]);
     });
@@ -396,6 +410,90 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect((await readExecutions(db.pool())).map((e) => e.lockKey)).toEqual([
         exec.lockKey({ k: "held" }).toString(),
       ]);
+    });
+
+    it("a lock statement that reaches another backend takes and releases nothing there", async () => {
+      // As above (no room for the probe's client; idle backends closed after a second), and no heartbeat
+      // in the test's time: the first thing to reach a second backend is a lock statement.
+      const cycling = await start({
+        settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
+      });
+      cleanup.push(() => cycling.stop());
+      const locks = track(
+        makeLocks({
+          connectionString: db.url,
+          lockConnectionString: cycling.via(db.url),
+          heartbeatInterval: 600_000,
+          logger: quietLogger,
+        }),
+      );
+      await locks.connect();
+      const first = locks.status().pid;
+      await waitFor(
+        async () =>
+          (
+            await db
+              .pool()
+              .query("select 1 from pg_catalog.pg_stat_activity where pid = $1", [first])
+          ).rowCount === 0,
+        { message: "PgBouncer closed the session's first backend" },
+      );
+      const exec = execTask(locks, "w");
+      await track(
+        await startRunner({ connectionString: db.url, concurrency: 1, taskList: { exec } }),
+      );
+      await utils!.addJob("exec", { k: "elsewhere" } satisfies Payload);
+      await waitFor(async () => locks.status().state === "refused", {
+        message: "the session refused",
+      });
+      // PgBouncer keeps that backend for a second more: the key would show as held by it.
+      const { rows } = await db.pool().query<{ pid: number }>(
+        `select pid from pg_catalog.pg_locks where locktype = 'advisory'
+           and database = (select oid from pg_catalog.pg_database where datname = current_database())`,
+      );
+      expect(rows).toEqual([]);
+      await waitFor(async () => (await jobCount("last_error is not null")) === 1);
+      expect(await readExecutions(db.pool())).toEqual([]);
+    });
+
+    it("a second lock session a pooler puts on a claimed backend is refused, where the probe cannot run", async () => {
+      // One backend, two clients: with a third client (the probe's) never let in, only the claim on the
+      // backend can tell that both sessions share it.
+      const single = await start({ settings: { max_client_conn: 2, default_pool_size: 1 } });
+      cleanup.push(() => single.stop());
+      const warnings: string[] = [];
+      const make = (i: number) =>
+        track(
+          makeLocks({
+            connectionString: db.url,
+            lockConnectionString: single.via(db.url),
+            logger: new Logger(() => (level, message) => {
+              if (level === "warning") warnings.push(message);
+            }),
+            applicationName: `graphile-worker-locks/shared-${i}`,
+          }),
+        );
+      const occupant = new pg.Client({ connectionString: single.via(db.url) });
+      occupant.on("error", () => undefined);
+      await occupant.connect();
+      const first = make(0);
+      await first.connect();
+      expect(warnings.join("\n")).toContain("Could not probe the proxy");
+      await occupant.end();
+
+      const second = make(1);
+      // (PgBouncer may not have seen the occupant go yet: the session then retries, and meets the claim)
+      await second.connect().catch(() => undefined);
+      await waitFor(async () => second.status().state === "refused", {
+        message: "the second session refused",
+      });
+      const refusal = await second.connect().then(
+        () => null,
+        (e: unknown) => e as LocksError,
+      );
+      expect(refusal?.code).toBe("GWL_LOCK_SESSION_POOLED");
+      expect(refusal?.message).toContain("already marked by another lock session");
+      expect(first.status().state).toBe("ready");
     });
   });
 }

@@ -564,7 +564,8 @@ describe("reschedule hand-off", () => {
     await releaser.query("select pg_advisory_lock($1)", [key]);
     await releaser.query("begin");
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true]);
+    const pid = await backendPid(releaser);
+    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid]);
     // A job that met the key held has parked and now checks whether the key is free.
     const checker = await connect();
     const checkerPid = await backendPid(checker);
@@ -603,7 +604,17 @@ describe("reschedule hand-off", () => {
     expect(checked[0]!.woken).toBe(0);
     const releaserPid = await backendPid(releaser);
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const released = releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true]);
+    const released = releaser.query(lockBatch.text, [
+      [key],
+      [],
+      [],
+      [key],
+      [],
+      [],
+      [holder],
+      true,
+      releaserPid,
+    ]);
     await waitForLockWait(releaserPid, "the release to wait for the check");
     // Still held while the release waits: had it unlocked first, the check would have seen the key free.
     const { rows: held } = await q<{ held: boolean }>(
@@ -731,13 +742,14 @@ describe("plans with a long line analyzed", () => {
     // The lock statement's own question, whether anyone waits in line for the key a `reschedule` job just
     // took, is read by key and position as well, never by scanning every waiter.
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
+    const pid = await backendPid(client);
     await client.query({
       name: "lock_batch",
       text: lockBatch.text,
-      values: [[], [key], [], [], [id], [], [], true],
+      values: [[], [key], [], [], [id], [], [], true, pid],
     });
     const { rows: batchPlan } = await client.query<{ "QUERY PLAN": string }>(
-      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true)`,
+      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true, ${pid})`,
     );
     const batchText = batchPlan.map((row) => row["QUERY PLAN"]).join("\n");
     expect(batchText).toContain("waiters_lock_key_pos");
