@@ -49,9 +49,9 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
 
 /**
  * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
- * session's backend, the only one the statement takes or releases anything on.
+ * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
  */
-export function batchQuery(sql: Sql, batch: Batch, pid: number): QueryConfig {
+export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
   const { unlocks, singles, multis, prewakes, wakeHere } = batch;
   const waking = unlocks.filter((hold) => hold.info.reschedule);
   const plain =
@@ -59,12 +59,12 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number): QueryConfig {
     waking.length === 0 &&
     prewakes.length === 0 &&
     singles.every((r) => !r.info.reschedule);
-  // $1 and $2 of both statements (the pid is $3 of the plain one, $9 of the other).
+  // $1 and $2 of both statements (the pid and mark are $3 and $4 of the plain one, $9 and $10 of the other).
   const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
   const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
   if (plain) {
     const { name, text } = sql.lockBatchPlain;
-    return { name, text, values: [unlockKeys, singleKeys, pid] };
+    return { name, text, values: [unlockKeys, singleKeys, pid, mark] };
   }
   const { name, text } = sql.lockBatch;
   return {
@@ -81,6 +81,7 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number): QueryConfig {
       integerArray(waking.map((hold) => hold.info.jobId)),
       !wakeHere,
       pid,
+      mark,
     ],
   };
 }
@@ -95,6 +96,8 @@ export interface BatchRow {
 export interface BatchAnswer {
   /** The pid of the backend that ran the statement. */
   backendPid: number | undefined;
+  /** Whether that backend still carried the session's mark. */
+  marked: boolean;
   /** Unlocks that PostgreSQL answered false. */
   failedUnlocks: Set<number>;
   /** Single keys with a row: LOCK_FAILED, WAIT_FOR_RELEASE or LOCKED_WITH_LINE (no row: taken). */
@@ -108,6 +111,7 @@ export interface BatchAnswer {
 export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
   const answer: BatchAnswer = {
     backendPid: undefined,
+    marked: false,
     failedUnlocks: new Set(),
     singles: new Map(),
     slots: new Map(),
@@ -117,6 +121,7 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
     switch (row.op) {
       case BatchOp.BACKEND:
         answer.backendPid = row.i;
+        answer.marked = row.key === null;
         break;
       case BatchOp.UNLOCK_FAILED:
         answer.failedUnlocks.add(row.i);

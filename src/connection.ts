@@ -34,7 +34,7 @@ import {
   type LocksError,
 } from "./errors.js";
 import type { HoldImpl } from "./holds.js";
-import type { Sql } from "./sql.js";
+import { CLAIM_SETTING, type Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
 
@@ -75,12 +75,6 @@ export async function backendPid(client: pg.Client): Promise<number> {
   const { rows } = await client.query<{ pid: number }>("select pg_catalog.pg_backend_pid() as pid");
   return rows[0]!.pid;
 }
-
-/**
- * The custom setting a lock session marks its backend with, for the life of the backend (or until a pooler
- * resets it). PostgreSQL takes any two-part name as a placeholder setting of the session.
- */
-export const CLAIM_SETTING = "graphile_worker_locks.session";
 
 /**
  * Marks the backend of `client` as the lock session's, with `token` (new for each connection), unless a
@@ -181,6 +175,8 @@ export class LockConnection {
   private readonly sideQueries = new Set<Promise<unknown>>();
   /** `pg_backend_pid()` of the current connection, as seen at connect. */
   backendPid: number | null = null;
+  /** The mark this connection claimed its backend with (`claimBackend`). */
+  claimToken: string | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
@@ -273,7 +269,8 @@ export class LockConnection {
       await client.connect();
       connected = true;
       await this.options.prepare();
-      const { pid, claimed } = await claimBackend(client, randomUUID());
+      const token = randomUUID();
+      const { pid, claimed } = await claimBackend(client, token);
       pooled = claimed
         ? await this.probePooler(client, pid)
         : `its backend (pid ${pid}) is already marked by another lock session: the pooler hands one backend ` +
@@ -295,6 +292,7 @@ export class LockConnection {
       if (pooled === null && after !== pid)
         pooled = `its statements at connect reached backends ${pid} and ${after}`;
       this.backendPid = pid;
+      this.claimToken = token;
     } catch (error) {
       client.removeAllListeners("end");
       client.end().catch(() => undefined);
@@ -387,18 +385,20 @@ export class LockConnection {
       this.lost(client, new Error(`The lock session did not answer a heartbeat in ${timeout} ms`));
     }, timeout);
     this.side(
-      client.query<{ pid: number }>(this.options.sql.heartbeat).then(
-        ({ rows }) => {
-          clearTimeout(timer);
-          this.heartbeatPending = false;
-          this.checkBackend(client, rows[0]?.pid, "a heartbeat");
-        },
-        (error: Error) => {
-          clearTimeout(timer);
-          this.heartbeatPending = false;
-          this.lost(client, error);
-        },
-      ),
+      client
+        .query<{ pid: number; marked: boolean }>(this.options.sql.heartbeat, [this.claimToken])
+        .then(
+          ({ rows }) => {
+            clearTimeout(timer);
+            this.heartbeatPending = false;
+            this.checkBackend(client, rows[0]?.pid, "a heartbeat", rows[0]?.marked);
+          },
+          (error: Error) => {
+            clearTimeout(timer);
+            this.heartbeatPending = false;
+            this.lost(client, error);
+          },
+        ),
     );
   }
 
@@ -439,13 +439,24 @@ export class LockConnection {
   }
 
   /**
-   * Whether `pid`, the backend that answered a statement of `client`, is the one the connection began on.
-   * If not, the connection goes through a transaction pooler: it is lost and refused for good.
+   * Whether `pid`, the backend that answered a statement of `client`, is the one the connection began on,
+   * still `marked` with the session's claim. If not, the connection goes through a transaction pooler, or
+   * something reset its backend (which ends every session lock on it): it is lost and refused for good.
    */
-  checkBackend(client: pg.Client, pid: number | undefined, what: string): boolean {
-    if (pid === this.backendPid || client !== this.client || this.state !== "ready") return true;
+  checkBackend(
+    client: pg.Client,
+    pid: number | undefined,
+    what: string,
+    marked: boolean | undefined,
+  ): boolean {
+    if (client !== this.client || this.state !== "ready") return true;
+    if (pid === this.backendPid && marked === true) return true;
     this.refusal = lockSessionPooled(
-      `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}`,
+      pid === this.backendPid
+        ? `${what} found the session's backend ${pid} reset, its mark (the setting ${CLAIM_SETTING}) gone: ` +
+            "a reset (DISCARD ALL, as PgBouncer's `server_reset_query_always` runs between transactions) also " +
+            "ends every session lock"
+        : `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}`,
     );
     this.lost(client, this.refusal);
     return false;
@@ -459,7 +470,9 @@ export class LockConnection {
     const client = this.client;
     if (this.state !== "ready" || !client) return false;
     const generation = this.generation;
-    const query = client.query<{ pid: number }>(this.options.sql.heartbeat);
+    const query = client.query<{ pid: number; marked: boolean }>(this.options.sql.heartbeat, [
+      this.claimToken,
+    ]);
     // (counted and awaited by close() as a side statement; its failure is handled below)
     this.side(query.catch(() => undefined));
     try {
@@ -467,7 +480,7 @@ export class LockConnection {
       return (
         generation === this.generation &&
         this.state === "ready" &&
-        this.checkBackend(client, rows[0]?.pid, what)
+        this.checkBackend(client, rows[0]?.pid, what, rows[0]?.marked)
       );
     } catch (error) {
       this.lost(client, error as Error);

@@ -394,7 +394,14 @@ export class LockSession implements HoldOwner {
     this.connection.statements++;
     const sentAt = performance.now();
     const done: Promise<void> = client
-      .query<BatchRow>(batchQuery(this.options.sql, batch, this.connection.backendPid!))
+      .query<BatchRow>(
+        batchQuery(
+          this.options.sql,
+          batch,
+          this.connection.backendPid!,
+          this.connection.claimToken!,
+        ),
+      )
       .then(
         ({ rows }) => {
           if (generation !== this.connection.generation) {
@@ -404,8 +411,16 @@ export class LockSession implements HoldOwner {
           }
           probeAnswered(sentAt, locks, unlocks);
           const answer = decodeBatch(rows);
-          if (!this.connection.checkBackend(client, answer.backendPid, "a lock statement")) {
-            // What it took is on another backend, out of reach: none of it is granted.
+          if (
+            !this.connection.checkBackend(
+              client,
+              answer.backendPid,
+              "a lock statement",
+              answer.marked,
+            )
+          ) {
+            // It ran on another backend, or found its own reset: it took nothing (onOwnBackend), and none of it
+            // is granted.
             return this.fail(locks, unlocks, this.connection.refusal!, true);
           }
           for (const [i, key] of answer.slots)

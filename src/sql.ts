@@ -52,7 +52,10 @@ function heldCount(classids: string, objids: string): string {
  * among the statement's unlocks, single keys, semaphore requests or early wakes.
  */
 export const BatchOp = {
-  /** The backend that ran the statement: its pid is `i` (the session checks it is the one it connected to). */
+  /**
+   * The backend that ran the statement: its pid is `i` (the session checks it is the one it connected to),
+   * and `key` is 'reset' when it no longer carries the session's mark.
+   */
   BACKEND: 7,
   /** The unlock of $1[i] returned false. */
   UNLOCK_FAILED: 0,
@@ -70,20 +73,36 @@ export const BatchOp = {
   PREWOKEN: 6,
 } as const;
 
-/** The first branch of both lock statements: the backend that ran the statement. */
-const BACKEND = `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i, null::text as key`;
+/**
+ * The custom setting a lock session marks its backend with (claimBackend, connection.ts), for the life of
+ * the backend or until something resets it. PostgreSQL takes any two-part name as a placeholder setting.
+ */
+export const CLAIM_SETTING = "graphile_worker_locks.session";
+
+/** The session's mark on the backend running the statement. */
+const MARK = `pg_catalog.current_setting('${CLAIM_SETTING}', true)`;
+
+/**
+ * The first branch of both lock statements: the backend that ran the statement, and (`key` not null)
+ * whether that backend lost the session's mark, `$t` (it was reset, which also ends its session locks).
+ */
+function backendRow(t: number): string {
+  return `select ${BatchOp.BACKEND} as op, pg_catalog.pg_backend_pid() as i,
+        case when ${MARK} is distinct from $${t}::text then 'reset' end as key`;
+}
 
 /**
  * The condition every other branch of a lock statement runs under: the statement runs on the session's own
- * backend, whose pid is the parameter `$n`. It does not depend on any row, so PostgreSQL tests it once, before
- * the branch reads its first row (a one-time filter): a statement that a pooler sent to another backend takes
- * and releases nothing, and answers only with that backend's pid.
+ * backend, whose pid is the parameter `$n`, still carrying the session's mark, `$n+1`. It does not depend on
+ * any row, so PostgreSQL tests it once, before the branch reads its first row (a one-time filter): a
+ * statement that a pooler sent to another backend, or that found its backend reset, takes and releases
+ * nothing, and answers only with the backend's pid and whether it was reset.
  */
 function onOwnBackend(n: number): string {
-  return `pg_catalog.pg_backend_pid() = $${n}::int`;
+  return `pg_catalog.pg_backend_pid() = $${n}::int and ${MARK} = $${n + 1}::text`;
 }
 
-/** The unlocks of $1 that PostgreSQL answered false, on the backend whose pid is `$pidParam`. */
+/** The unlocks of $1 that PostgreSQL answered false, under `onOwnBackend(pidParam)`. */
 function failedUnlocks(pidParam: number): string {
   return `select ${BatchOp.UNLOCK_FAILED}, t.i::int, null
         from unnest($1::bigint[]) with ordinality as t(k, i)
@@ -132,8 +151,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
      * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
      * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
-     * prewake); $9: the pid of the session's backend (onOwnBackend). The functions are in sql/000001.sql,
-     * sections 3 and 4.
+     * prewake); $9, $10: the pid of the session's backend and the session's mark on it (onOwnBackend). The
+     * functions are in sql/000001.sql, sections 3 and 4.
      */
     lockBatch: {
       name: `gwl_lock_batch`,
@@ -145,7 +164,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       // they took; PREWOKEN names the job each early wake woke.
       // PostgreSQL runs the branches in order: the lines of the keys whose waiters to wake are locked before the
       // unlocks (lock_lines), so that a job parking meanwhile sees this statement's wake (no row comes back).
-      text: `${BACKEND}
+      text: `${backendRow(10)}
       union all
       select ${BatchOp.WOKEN}, 0, null
         where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
@@ -190,7 +209,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      */
     lockBatchPlain: {
       name: `gwl_lock_plain`,
-      text: `${BACKEND}
+      text: `${backendRow(4)}
       union all
       ${failedUnlocks(3)}
       union all
@@ -218,8 +237,11 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       where h.pid = pg_backend_pid()
          or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)`,
 
-    /** Answers with the backend's pid, which the session checks is the one it connected to. */
-    heartbeat: "select pg_catalog.pg_backend_pid() as pid",
+    /**
+     * Answers with the backend's pid, which the session checks is the one it connected to, and whether the
+     * backend still carries the session's mark ($1).
+     */
+    heartbeat: `select pg_catalog.pg_backend_pid() as pid, ${MARK} is not distinct from $1::text as marked`,
 
     /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
     lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,

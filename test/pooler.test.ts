@@ -456,6 +456,37 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(await readExecutions(db.pool())).toEqual([]);
     });
 
+    it("a lock session whose backend the pooler resets between transactions is refused before any job runs", async () => {
+      // PgBouncer running its reset (DISCARD ALL, which ends every session lock) after every transaction, one
+      // backend, no room for the probe's client: the pid never changes, only the session's mark goes.
+      const resetting = await start({
+        settings: { max_client_conn: 1, default_pool_size: 1, server_reset_query_always: 1 },
+      });
+      cleanup.push(() => resetting.stop());
+      const locks = track(
+        makeLocks({
+          connectionString: db.url,
+          lockConnectionString: resetting.via(db.url),
+          logger: quietLogger,
+        }),
+      );
+      await locks.connect();
+      const exec = execTask(locks, "w");
+      await track(
+        await startRunner({ connectionString: db.url, concurrency: 1, taskList: { exec } }),
+      );
+      await utils!.addJob("exec", { k: "reset" } satisfies Payload);
+      await waitFor(async () => (await jobCount("last_error is not null")) === 1, {
+        message: "the job failed",
+      });
+      const { rows } = await db
+        .pool()
+        .query<{ last_error: string }>("select last_error from graphile_worker._private_jobs");
+      expect(rows[0]?.last_error).toContain("graphile_worker_locks.session");
+      expect(locks.status().state).toBe("refused");
+      expect(await readExecutions(db.pool())).toEqual([]);
+    });
+
     it("a second lock session a pooler puts on a claimed backend is refused, where the probe cannot run", async () => {
       // One backend, two clients: with a third client (the probe's) never let in, only the claim on the
       // backend can tell that both sessions share it.

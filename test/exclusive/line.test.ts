@@ -6,7 +6,7 @@
 import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { lockKey, type HandoffCounts, type Locks } from "../../src/index.js";
-import { makeSql } from "../../src/sql.js";
+import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
@@ -39,6 +39,18 @@ async function heldLine(task: string, parked: number) {
 /** The backend pid of `client` (asked before it sends a statement that may block). */
 const backendPid = async (client: pg.Client) =>
   (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
+
+/** The mark a lock statement sent by hand must find on its backend (a lock session's claim). */
+const MARK = "test";
+
+/**
+ * Marks the backend of `client` as a lock session's, as the session's connect does, for a lock statement sent
+ * by hand; its pid.
+ */
+async function asLockSession(client: pg.Client): Promise<number> {
+  await client.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, MARK]);
+  return backendPid(client);
+}
 
 /** Waits until backend `pid` waits for a lock another transaction holds. */
 async function waitForLockWait(pid: number, message: string): Promise<void> {
@@ -564,8 +576,8 @@ describe("reschedule hand-off", () => {
     await releaser.query("select pg_advisory_lock($1)", [key]);
     await releaser.query("begin");
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const pid = await backendPid(releaser);
-    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid]);
+    const pid = await asLockSession(releaser);
+    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
     // A job that met the key held has parked and now checks whether the key is free.
     const checker = await connect();
     const checkerPid = await backendPid(checker);
@@ -602,7 +614,7 @@ describe("reschedule hand-off", () => {
       [[key], key, parker],
     );
     expect(checked[0]!.woken).toBe(0);
-    const releaserPid = await backendPid(releaser);
+    const releaserPid = await asLockSession(releaser);
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
     const released = releaser.query(lockBatch.text, [
       [key],
@@ -614,6 +626,7 @@ describe("reschedule hand-off", () => {
       [holder],
       true,
       releaserPid,
+      MARK,
     ]);
     await waitForLockWait(releaserPid, "the release to wait for the check");
     // Still held while the release waits: had it unlocked first, the check would have seen the key free.
@@ -742,14 +755,14 @@ describe("plans with a long line analyzed", () => {
     // The lock statement's own question, whether anyone waits in line for the key a `reschedule` job just
     // took, is read by key and position as well, never by scanning every waiter.
     const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const pid = await backendPid(client);
+    const pid = await asLockSession(client);
     await client.query({
       name: "lock_batch",
       text: lockBatch.text,
-      values: [[], [key], [], [], [id], [], [], true, pid],
+      values: [[], [key], [], [], [id], [], [], true, pid, MARK],
     });
     const { rows: batchPlan } = await client.query<{ "QUERY PLAN": string }>(
-      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true, ${pid})`,
+      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true, ${pid}, '${MARK}')`,
     );
     const batchText = batchPlan.map((row) => row["QUERY PLAN"]).join("\n");
     expect(batchText).toContain("waiters_lock_key_pos");
