@@ -26,8 +26,9 @@ export const ErrorCodes = {
   /** The `Locks` instance was released. */
   RELEASED: "GWL_RELEASED",
   /**
-   * The lock session goes through a transaction-mode pooler (its statements reach more than one PostgreSQL
-   * backend), which breaks session advisory locks: the session refuses to take any lock.
+   * The lock session goes through a pooler that does not give it a backend of its own: its statements reach
+   * more than one PostgreSQL backend (transaction mode), its backend carries another session's mark, or its
+   * backend is reset under it. Session advisory locks do not hold there: the session refuses to take any lock.
    */
   LOCK_SESSION_POOLED: "GWL_LOCK_SESSION_POOLED",
   /** A named prepared statement failed behind a pooler that does not carry prepared statements. */
