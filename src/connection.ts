@@ -34,7 +34,7 @@ import {
   type LocksError,
 } from "./errors.js";
 import type { HoldImpl } from "./holds.js";
-import { CLAIM_SETTING, type Sql } from "./sql.js";
+import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
 
@@ -89,14 +89,7 @@ export async function claimBackend(
   client: pg.Client,
   token: string,
 ): Promise<{ pid: number; claimed: boolean }> {
-  const { rows } = await client.query<{ pid: number; claimed: boolean }>(
-    `select pg_catalog.pg_backend_pid() as pid,
-       pg_catalog.set_config('${CLAIM_SETTING}',
-         case when coalesce(pg_catalog.current_setting('${CLAIM_SETTING}', true), '') = '' then $1::text
-              else pg_catalog.current_setting('${CLAIM_SETTING}', true) end,
-         false) = $1::text as claimed`,
-    [token],
-  );
+  const { rows } = await client.query<{ pid: number; claimed: boolean }>(CLAIM_BACKEND, [token]);
   return rows[0]!;
 }
 

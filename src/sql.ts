@@ -83,6 +83,15 @@ export const CLAIM_SETTING = "graphile_worker_locks.session";
 const MARK = `pg_catalog.current_setting('${CLAIM_SETTING}', true)`;
 
 /**
+ * Marks the backend with $1 unless a mark is there already, in one statement (claimBackend, connection.ts):
+ * its pid, and whether the mark is now $1.
+ */
+export const CLAIM_BACKEND = `select pg_catalog.pg_backend_pid() as pid,
+       pg_catalog.set_config('${CLAIM_SETTING}',
+         case when coalesce(${MARK}, '') = '' then $1::text else ${MARK} end,
+         false) = $1::text as claimed`;
+
+/**
  * The first branch of both lock statements: the backend that ran the statement, and (`key` not null)
  * whether that backend lost the session's mark, `$t` (it was reset, which also ends its session locks).
  */

@@ -72,6 +72,15 @@ function execTask(locks: Locks, worker: string) {
   return task;
 }
 
+/** The backend pid of each advisory lock held in the test database. */
+async function advisoryLockHolders(): Promise<number[]> {
+  const { rows } = await db.pool().query<{ pid: number }>(
+    `select pid from pg_catalog.pg_locks where locktype = 'advisory'
+       and database = (select oid from pg_catalog.pg_database where datname = current_database())`,
+  );
+  return rows.map((r) => r.pid);
+}
+
 async function jobCount(where = "true"): Promise<number> {
   const { rows } = await db.pool().query<{
     n: number;
@@ -152,6 +161,12 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
   let utils: WorkerUtils | undefined;
   const start = (options: PgBouncerOptions = {}) =>
     startPgBouncer(db.url, { binary: binary!.path, ...options });
+  /** A PgBouncer of the test's own, stopped by its cleanups. */
+  const startForTest = async (options: PgBouncerOptions = {}) => {
+    const started = await start(options);
+    cleanup.push(() => started.stop());
+    return started;
+  };
   /** The library's options for this version, as the README gives them: its default where it can. */
   const preparedOption = prepared ? {} : { preparedStatements: false };
   /** One runner per task through the pooler at `via` (concurrency 4, graphile-worker's side as the README sets it). */
@@ -281,14 +296,12 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
         expect(await enqueueAcrossBackends(bouncer!.via(db.url), true)).toBeNull();
         // The same enqueues through the same binary with the setting at 0 (no prepared-statement support):
         // the second enqueue does reach another backend.
-        const off = await start({ maxPreparedStatements: 0 });
-        cleanup.push(() => off.stop());
+        const off = await startForTest({ maxPreparedStatements: 0 });
         expectPreparedStatementsUnsupported(await enqueueAcrossBackends(off.via(db.url), true));
         expect(await enqueueAcrossBackends(off.via(db.url), false)).toBeNull();
         if (compareVersions(binary!.version, "1.24.0") >= 0) {
           // Since 1.24, PgBouncer's default is 200: on without the setting.
-          const byDefault = await start();
-          cleanup.push(() => byDefault.stop());
+          const byDefault = await startForTest();
           expect(await enqueueAcrossBackends(byDefault.via(db.url), true)).toBeNull();
         }
       });
@@ -297,8 +310,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
 
   describe("session mode", () => {
     it("carries the lock session: contended jobs never overlap", async () => {
-      const session = await start({ poolMode: "session" });
-      cleanup.push(() => session.stop());
+      const session = await startForTest({ poolMode: "session" });
       const warnings: string[] = [];
       const logger = new Logger(() => (level, message) => {
         if (level === "warning") warnings.push(message);
@@ -316,17 +328,9 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       for (const locks of instances) await locks.connect();
       // The sessions of an earlier test's pooler may still be ending, and with them the keys they held:
       // jobs that met such a key would all be dropped, and the test would show no execution.
-      await waitFor(
-        async () =>
-          (
-            await db.pool().query<{ n: number }>(
-              `select count(*)::int as n from pg_catalog.pg_locks l
-                 where l.locktype = 'advisory' and l.database =
-                   (select oid from pg_catalog.pg_database where datname = current_database())`,
-            )
-          ).rows[0]!.n === 0,
-        { message: "no advisory lock left by an earlier test" },
-      );
+      await waitFor(async () => (await advisoryLockHolders()).length === 0, {
+        message: "no advisory lock left by an earlier test",
+      });
       const tasks = instances.map((locks, i) => execTask(locks, `w${i}`));
       await enqueueExec(instances[0]!, 80, 4);
       await Promise.all(
@@ -360,10 +364,9 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
     it("loses every hold and refuses the session when its statements reach another backend", async () => {
       // A PgBouncer that lets no second client in (so the connect-time probe cannot tell) and closes an idle
       // backend after a second: the session's next statement runs on a fresh backend.
-      const cycling = await start({
+      const cycling = await startForTest({
         settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
       });
-      cleanup.push(() => cycling.stop());
       const warnings: string[] = [];
       const locks = track(
         makeLocks({
@@ -415,10 +418,9 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
     it("a lock statement that reaches another backend takes and releases nothing there", async () => {
       // As above (no room for the probe's client; idle backends closed after a second), and no heartbeat
       // in the test's time: the first thing to reach a second backend is a lock statement.
-      const cycling = await start({
+      const cycling = await startForTest({
         settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
       });
-      cleanup.push(() => cycling.stop());
       const locks = track(
         makeLocks({
           connectionString: db.url,
@@ -447,11 +449,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
         message: "the session refused",
       });
       // PgBouncer keeps that backend for a second more: the key would show as held by it.
-      const { rows } = await db.pool().query<{ pid: number }>(
-        `select pid from pg_catalog.pg_locks where locktype = 'advisory'
-           and database = (select oid from pg_catalog.pg_database where datname = current_database())`,
-      );
-      expect(rows).toEqual([]);
+      expect(await advisoryLockHolders()).toEqual([]);
       await waitFor(async () => (await jobCount("last_error is not null")) === 1);
       expect(await readExecutions(db.pool())).toEqual([]);
     });
@@ -459,10 +457,9 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
     it("a lock session whose backend the pooler resets between transactions is refused before any job runs", async () => {
       // PgBouncer running its reset (DISCARD ALL, which ends every session lock) after every transaction, one
       // backend, no room for the probe's client: the pid never changes, only the session's mark goes.
-      const resetting = await start({
+      const resetting = await startForTest({
         settings: { max_client_conn: 1, default_pool_size: 1, server_reset_query_always: 1 },
       });
-      cleanup.push(() => resetting.stop());
       const locks = track(
         makeLocks({
           connectionString: db.url,
@@ -490,8 +487,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
     it("a second lock session a pooler puts on a claimed backend is refused, where the probe cannot run", async () => {
       // One backend, two clients: with a third client (the probe's) never let in, only the claim on the
       // backend can tell that both sessions share it.
-      const single = await start({ settings: { max_client_conn: 2, default_pool_size: 1 } });
-      cleanup.push(() => single.stop());
+      const single = await startForTest({ settings: { max_client_conn: 2, default_pool_size: 1 } });
       const warnings: string[] = [];
       const make = (i: number) =>
         track(
