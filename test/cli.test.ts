@@ -259,6 +259,54 @@ describe.skipIf(pgbouncer !== null)("graphile-worker-locks check through PgBounc
       await session.stop();
     }
   }, 60_000);
+
+  it("a session-mode pooler that does not reset a backend between clients fails the reset check", async () => {
+    type Finding = { check: string; ok: boolean; detail: string; fix?: string };
+    const resetFinding = async (resetQuery: string | null) => {
+      const bouncer = await startPgBouncer(db.url, {
+        poolMode: "session",
+        settings: resetQuery === null ? {} : { server_reset_query: resetQuery },
+      });
+      try {
+        const result = await cli(["check", "--connection", bouncer.via(db.url), "--json"]);
+        const findings = JSON.parse(result.stdout) as Finding[];
+        return {
+          code: result.code,
+          finding: findings.find((f) => f.check === "lock session backend reset"),
+        };
+      } finally {
+        await bouncer.stop();
+      }
+    };
+
+    // PgBouncer's default, DISCARD ALL: the lock and the setting end with their client.
+    const byDefault = await resetFinding(null);
+    expect(byDefault.finding).toMatchObject({
+      ok: true,
+      detail: expect.stringMatching(/advisory lock and settings ended with the client/),
+    });
+    expect(byDefault.code).toBe(0);
+
+    // No reset at all: both stay.
+    const none = await resetFinding("");
+    expect(none.code).toBe(1);
+    expect(none.finding).toMatchObject({ ok: false, fix: expect.stringMatching(/DISCARD ALL/) });
+    expect(none.finding!.detail).toMatch(/an advisory lock outlived the client that took it/);
+    expect(none.finding!.detail).toMatch(/with the settings of the one before/);
+
+    // Settings reset, locks kept: a dead process's locks would stay held.
+    const settingsOnly = await resetFinding("RESET ALL");
+    expect(settingsOnly.finding).toMatchObject({ ok: false });
+    expect(settingsOnly.finding!.detail).toMatch(/an advisory lock outlived the client/);
+    expect(settingsOnly.finding!.detail).not.toMatch(/settings of the one before/);
+
+    // Locks released, settings kept: the next lock session on that backend would be refused.
+    const locksOnly = await resetFinding("select pg_advisory_unlock_all()");
+    expect(locksOnly.finding).toMatchObject({ ok: false });
+    expect(locksOnly.finding!.detail).toMatch(
+      /^backend \d+ was handed to the next client with the settings/,
+    );
+  }, 90_000);
 });
 
 describe("graphile-worker-locks status --watch", () => {

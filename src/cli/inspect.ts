@@ -2,6 +2,7 @@
  * The operator CLI's reads: what `status` shows and what `check` diagnoses. Read-only: every connection
  * opened here runs with `default_transaction_read_only`, so nothing is written.
  */
+import { randomInt, randomUUID } from "node:crypto";
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
@@ -250,6 +251,7 @@ export async function runChecks(target: Target, options: CheckOptions): Promise<
   const lockUrl = target.lockConnectionString ?? target.connectionString;
   const lock = readOnlyClient(lockUrl);
   await lock.connect();
+  let resetCheckWanted = false;
   try {
     const pid = await backendPid(lock);
     let pooled = await probeTransactionPooling(lock, pid, readOnlyConfig(lockUrl));
@@ -275,8 +277,90 @@ export async function runChecks(target: Target, options: CheckOptions): Promise<
               : `through a proxy that keeps one backend per session (backend ${pid})`,
           },
     );
+    if (pooled === null && !isDirect(lock, pid)) resetCheckWanted = true;
   } finally {
     await lock.end();
   }
+  if (resetCheckWanted) findings.push(await checkBackendReset(lockUrl));
   return findings;
+}
+
+/** The setting the reset check leaves on its backend: not the lock session's mark, so it refuses nothing. */
+const RESET_CHECK_SETTING = "graphile_worker_locks.check";
+/** How long the reset check waits for a proxy to release the lock a client left behind. */
+const RESET_WAIT_MS = 2000;
+
+/**
+ * Whether a proxy that keeps one backend per client resets the backend before the next client gets it, as
+ * PgBouncer's default `server_reset_query` (DISCARD ALL) does. A client takes an advisory lock (the two-int
+ * form, which no job's key uses, on a random pair) and sets a setting of its own, then leaves. A second
+ * client looks for the lock in pg_locks, from whichever backend it is given, until it is gone or
+ * RESET_WAIT_MS has passed, and, when it is given the same backend, for the setting.
+ */
+async function checkBackendReset(url: string): Promise<Finding> {
+  const check = "lock session backend reset";
+  const fix =
+    "let the proxy reset a backend between clients: PgBouncer's `server_reset_query = DISCARD ALL` (its default); or set `lockConnectionString` to a direct connection";
+  const [classid, objid] = [randomInt(2 ** 31), randomInt(2 ** 31)];
+  const token = randomUUID();
+  const first = readOnlyClient(url);
+  await first.connect();
+  let pid: number;
+  try {
+    const { rows } = await first.query<{ pid: number }>(
+      `select pg_catalog.pg_backend_pid() as pid, pg_catalog.pg_try_advisory_lock($1::int, $2::int) as locked,
+         pg_catalog.set_config('${RESET_CHECK_SETTING}', $3::text, false) is not null as set`,
+      [classid, objid, token],
+    );
+    pid = rows[0]!.pid;
+  } finally {
+    await first.end();
+  }
+  const second = readOnlyClient(url);
+  await second.connect();
+  let held = true;
+  let settingKept: boolean | null = null;
+  let nextPid = pid;
+  try {
+    const deadline = Date.now() + RESET_WAIT_MS;
+    for (;;) {
+      const { rows } = await second.query<{ pid: number; mark: string | null; held: boolean }>(
+        `select pg_catalog.pg_backend_pid() as pid,
+           pg_catalog.current_setting('${RESET_CHECK_SETTING}', true) as mark,
+           exists (select 1 from pg_catalog.pg_locks l
+             where l.locktype = 'advisory' and l.classid = $1::oid and l.objid = $2::oid and l.objsubid = 2
+               and l.granted and l.pid = $3::int) as held`,
+        [classid, objid, pid],
+      );
+      const row = rows[0]!;
+      nextPid = row.pid;
+      if (row.pid === pid) settingKept = row.mark === token;
+      held = row.held;
+      if (!held || Date.now() >= deadline) break;
+      await new Promise((resolve) => setTimeout(resolve, 50));
+    }
+  } finally {
+    await second.end();
+  }
+  const problems = [
+    ...(held
+      ? [
+          `an advisory lock outlived the client that took it (backend ${pid} still held it ${RESET_WAIT_MS} ms after the client left): the locks of a lock session whose process died would stay held there, and the jobs of their keys blocked, until the proxy closes that backend`,
+        ]
+      : []),
+    ...(settingKept
+      ? [
+          `backend ${pid} was handed to the next client with the settings of the one before: a lock session started after its process restarted would find its predecessor's mark there and be refused (GWL_LOCK_SESSION_POOLED)`,
+        ]
+      : []),
+  ];
+  if (problems.length > 0) return { ok: false, check, detail: problems.join("; and "), fix };
+  return {
+    ok: true,
+    check,
+    detail:
+      settingKept === null
+        ? `a client's advisory lock ended with the client (backend ${pid}); its settings were not checked (the next client was given backend ${nextPid})`
+        : `a client's advisory lock and settings ended with the client (backend ${pid})`,
+  };
 }
