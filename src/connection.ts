@@ -21,7 +21,9 @@
  * `pg_backend_pid()`, as every heartbeat does, which must be the pid seen at connect (`checkBackend`);
  * behind a proxy (whose BackendKeyData pid is not the backend's) the connection is also probed before any
  * lock is taken (`probePooler`). A second backend means a transaction-mode pooler, where session locks stay
- * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED.
+ * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED,
+ * and keeps trying for a while to reach its own backend again and release what it took there
+ * (`releaseLeftovers`).
  */
 import { randomUUID } from "node:crypto";
 import pg from "pg";
@@ -66,6 +68,13 @@ export interface LockConnectionOptions {
   registryIntervalMs: number;
   reconnectDelayMs: { min: number; max: number };
 }
+
+/**
+ * How long a session refused because a statement reached another backend keeps trying to reach its own
+ * again, to release what it took there (`releaseLeftovers`), and how often it tries.
+ */
+const LEFTOVERS_TRY_MS = 60_000;
+const LEFTOVERS_RETRY_MS = 200;
 
 /** Waiters whose job ran on its safety-net delay instead of being woken are swept this often. */
 const SWEEP_WAITERS_INTERVAL_MS = 60_000;
@@ -146,6 +155,13 @@ function discard(client: pg.Client): Promise<void> {
   return client.end().catch(() => undefined);
 }
 
+/** Cuts the socket of `client`, so that whatever waits on it (a connect, a query) fails now. */
+function destroySocket(client: pg.Client | null): void {
+  (
+    client as { connection?: { stream?: { destroy(): void } } } | null
+  )?.connection?.stream?.destroy();
+}
+
 export class LockConnection {
   state: SessionState = "idle";
   client: pg.Client | null = null;
@@ -172,6 +188,9 @@ export class LockConnection {
   claimToken: string | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
+  /** The release of what a refused session left on its backend, while it runs (`releaseLeftovers`). */
+  private leftovers: Promise<void> | null = null;
+  private leftoversClient: pg.Client | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
   private readonly readyWaiters = new Set<() => void>();
 
@@ -444,6 +463,7 @@ export class LockConnection {
   ): boolean {
     if (client !== this.client || this.state !== "ready") return true;
     if (pid === this.backendPid && marked === true) return true;
+    const own = { pid: this.backendPid!, token: this.claimToken! };
     this.refusal = lockSessionPooled(
       pid === this.backendPid
         ? `${what} found the session's backend ${pid} reset, its mark (the setting ${CLAIM_SETTING}) gone: ` +
@@ -452,7 +472,58 @@ export class LockConnection {
         : `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}`,
     );
     this.lost(client, this.refusal);
+    // A reset ended every lock on the backend; a statement elsewhere left what the session took on its own.
+    if (pid !== own.pid) this.leftovers = this.releaseLeftovers(own.pid, own.token);
     return false;
+  }
+
+  /**
+   * Tries, through the pooler, to reach the refused session's backend `pid` again and release the locks it
+   * took there, which would otherwise stay held until the pooler closes that backend. The statement does
+   * nothing on any other backend (`releaseLeftovers`, sql.ts), so it is sent until one reaches `pid`, for
+   * up to LEFTOVERS_TRY_MS or until the instance is released. A pooler hands out the backend released last
+   * first, so once the client that holds it lets go, the next try usually lands there.
+   */
+  private async releaseLeftovers(pid: number, token: string): Promise<void> {
+    const deadline = performance.now() + LEFTOVERS_TRY_MS;
+    let client: pg.Client | null = null;
+    try {
+      while (!this.isClosed() && performance.now() < deadline) {
+        try {
+          if (!client) {
+            client = this.leftoversClient = new pg.Client(this.options.client);
+            client.on("error", () => undefined);
+            await client.connect();
+          }
+          const { rows } = await client.query<{ released: boolean; ended: boolean }>(
+            this.options.sql.releaseLeftovers,
+            [pid, token],
+          );
+          if (rows[0]?.released || rows[0]?.ended) {
+            this.options.onWarning(
+              rows[0].released
+                ? `Released the locks the refused lock session had taken on its backend ${pid}`
+                : `The refused lock session's backend ${pid} has ended, and the locks it took there with it`,
+            );
+            return;
+          }
+        } catch {
+          // (the pooler may have no room for another client yet: try again)
+          if (client) void discard(client);
+          client = null;
+        }
+        await new Promise((resolve) => setTimeout(resolve, LEFTOVERS_RETRY_MS));
+      }
+      if (!this.isClosed()) {
+        this.options.onWarning(
+          `Could not reach the refused lock session's backend ${pid} again in ${LEFTOVERS_TRY_MS / 1000} s: ` +
+            "the locks it took there stay held until the pooler closes that backend",
+        );
+      }
+    } finally {
+      this.leftoversClient = null;
+      if (client) void discard(client);
+    }
   }
 
   /**
@@ -517,9 +588,7 @@ export class LockConnection {
     client?.end().catch(() => undefined);
     // end() waits for the server's goodbye, which a dead network never sends: cut the socket, so that what
     // is still waiting on it fails now.
-    (
-      client as { connection?: { stream?: { destroy(): void } } } | null
-    )?.connection?.stream?.destroy();
+    destroySocket(client);
     this.heartbeatPending = false;
     this.host.onLost(error, this.refusal);
     if (!this.refusal) this.scheduleReconnect();
@@ -538,6 +607,9 @@ export class LockConnection {
     await this.connecting?.catch(() => undefined);
     await drain();
     await Promise.allSettled([...this.sideQueries]);
+    // (it stops at its next try once closed; a try waiting on the pooler fails with its socket)
+    destroySocket(this.leftoversClient);
+    await this.leftovers;
     this.generation++;
     drop();
     this.tellReadyWaiters();

@@ -522,5 +522,82 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(refusal?.message).toContain("already marked by another lock session");
       expect(first.status().state).toBe("ready");
     });
+
+    /**
+     * Two backends, two clients. The occupant keeps the probe's client out at connect, then pins the
+     * session's backend in a transaction while a job holds its key there: the session's next heartbeat runs
+     * on a second backend, and the session is refused with the key still held on its own.
+     */
+    const refusedWithKeyOnOwnBackend = async () => {
+      const pool = await startForTest({ settings: { max_client_conn: 2, default_pool_size: 2 } });
+      const warnings: string[] = [];
+      const occupant = new pg.Client({ connectionString: pool.via(db.url) });
+      occupant.on("error", () => undefined);
+      await occupant.connect();
+      cleanup.push(() => occupant.end().catch(() => undefined));
+      const locks = track(
+        makeLocks({
+          connectionString: db.url,
+          lockConnectionString: pool.via(db.url),
+          heartbeatInterval: 100,
+          logger: new Logger(() => (level, message) => {
+            if (level === "warning") warnings.push(message);
+          }),
+        }),
+      );
+      await locks.connect();
+      expect(warnings.join("\n")).toContain("Could not probe the proxy");
+      const own = locks.status().pid!;
+
+      const exec = execTask(locks, "w");
+      await track(
+        await startRunner({ connectionString: db.url, concurrency: 1, taskList: { exec } }),
+      );
+      await utils!.addJob("exec", { k: "held", hold: true } satisfies Payload);
+      await waitFor(async () => (await advisoryLockHolders()).includes(own), {
+        message: "the job's key held on the session's backend",
+      });
+      const registryRows = async () =>
+        (
+          await db
+            .pool()
+            .query("select 1 from graphile_worker_locks.lock_holders where pid = $1", [own])
+        ).rowCount;
+      await waitFor(async () => (await registryRows()) === 1, {
+        message: "the holder registry lists the key",
+      });
+
+      const lost = nextEvent(locks, "lock:lost");
+      await occupant.query("begin");
+      const { rows } = await occupant.query<{ pid: number }>("select pg_backend_pid() as pid");
+      expect(rows[0]!.pid).toBe(own);
+      expect(((await lost).error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
+      expect(await advisoryLockHolders()).toEqual([own]);
+      return { locks, own, occupant, warnings, registryRows };
+    };
+
+    it("a session refused for reaching another backend releases what it took on its own once it reaches it again", async () => {
+      const { own, occupant, warnings, registryRows } = await refusedWithKeyOnOwnBackend();
+      // Once the occupant lets go of the backend, the session's next try lands there and releases the key.
+      await occupant.query("commit");
+      await waitFor(async () => (await advisoryLockHolders()).length === 0, {
+        message: "the refused session's key released on its backend",
+      });
+      await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
+      // (and its row in the holder registry, which no one else would drop while that backend lives)
+      expect(await registryRows()).toBe(0);
+    });
+
+    it("releasing a refused session stops its tries to reach its backend", async () => {
+      const { locks, own, occupant } = await refusedWithKeyOnOwnBackend();
+      // The tries would go on for a minute; release() ends them at once (a hang would show here, well under it).
+      const started = performance.now();
+      await locks.release();
+      expect(performance.now() - started).toBeLessThan(10_000);
+      await occupant.query("commit");
+      // Nothing tries any more: the key stays on that backend (until PgBouncer closes it, at the test's end).
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      expect(await advisoryLockHolders()).toEqual([own]);
+    });
   });
 }
