@@ -190,6 +190,7 @@ export class LockConnection {
   private connectError: LocksError | null = null;
   /** The release of what a refused session left on its backend, while it runs (`releaseLeftovers`). */
   private leftovers: Promise<void> | null = null;
+  /** Its client through the pooler, while it has one. */
   private leftoversClient: pg.Client | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
   private readonly readyWaiters = new Set<() => void>();
@@ -486,16 +487,15 @@ export class LockConnection {
    */
   private async releaseLeftovers(pid: number, token: string): Promise<void> {
     const deadline = performance.now() + LEFTOVERS_TRY_MS;
-    let client: pg.Client | null = null;
     try {
       while (!this.isClosed() && performance.now() < deadline) {
         try {
-          if (!client) {
-            client = this.leftoversClient = new pg.Client(this.options.client);
-            client.on("error", () => undefined);
-            await client.connect();
+          if (!this.leftoversClient) {
+            this.leftoversClient = new pg.Client(this.options.client);
+            this.leftoversClient.on("error", () => undefined);
+            await this.leftoversClient.connect();
           }
-          const { rows } = await client.query<{ released: boolean; ended: boolean }>(
+          const { rows } = await this.leftoversClient.query<{ released: boolean; ended: boolean }>(
             this.options.sql.releaseLeftovers,
             [pid, token],
           );
@@ -509,8 +509,8 @@ export class LockConnection {
           }
         } catch {
           // (the pooler may have no room for another client yet: try again)
-          if (client) void discard(client);
-          client = null;
+          if (this.leftoversClient) void discard(this.leftoversClient);
+          this.leftoversClient = null;
         }
         await new Promise((resolve) => setTimeout(resolve, LEFTOVERS_RETRY_MS));
       }
@@ -521,8 +521,8 @@ export class LockConnection {
         );
       }
     } finally {
+      if (this.leftoversClient) void discard(this.leftoversClient);
       this.leftoversClient = null;
-      if (client) void discard(client);
     }
   }
 

@@ -308,8 +308,8 @@ async function checkBackendReset(url: string): Promise<Finding> {
   let pid: number;
   try {
     const { rows } = await first.query<{ pid: number }>(
-      `select pg_catalog.pg_backend_pid() as pid, pg_catalog.pg_try_advisory_lock($1::int, $2::int) as locked,
-         pg_catalog.set_config('${RESET_CHECK_SETTING}', $3::text, false) is not null as set`,
+      `select pg_catalog.pg_backend_pid() as pid, pg_catalog.pg_try_advisory_lock($1::int, $2::int),
+         pg_catalog.set_config('${RESET_CHECK_SETTING}', $3::text, false)`,
       [classid, objid, token],
     );
     pid = rows[0]!.pid;
