@@ -5,7 +5,7 @@
  * says for the version: before 1.21 named ones fail through transaction mode, from 1.21 on they work with
  * `max_prepared_statements`. Each binary's tests skip, with a message, where it is missing.
  */
-import { Logger, makeWorkerUtils, type Runner, type Task, type WorkerUtils } from "graphile-worker";
+import { makeWorkerUtils, type Runner, type Task, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { makeLocks, type Locks, type LocksError } from "../src/index.js";
@@ -20,7 +20,7 @@ import {
   type PgBouncerBinary,
   type PgBouncerOptions,
 } from "./support/pgbouncer.js";
-import { nextEvent, quietLogger, startRunner } from "./support/runner.js";
+import { nextEvent, quietLogger, startRunner, warningsLogger } from "./support/runner.js";
 
 const candidates = pgbouncers();
 for (const { missing } of candidates) if (missing) console.warn(missing);
@@ -70,6 +70,14 @@ function execTask(locks: Locks, worker: string) {
     { onConflict: "drop", key: (p) => ({ k: p.k }) },
   );
   return task;
+}
+
+/** A client connected through the pooler at `via`, taking one of its client slots (errors ignored). */
+async function occupy(via: string): Promise<pg.Client> {
+  const client = new pg.Client({ connectionString: via });
+  client.on("error", () => undefined);
+  await client.connect();
+  return client;
 }
 
 /** The backend pid of each advisory lock held in the test database. */
@@ -311,10 +319,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
   describe("session mode", () => {
     it("carries the lock session: contended jobs never overlap", async () => {
       const session = await startForTest({ poolMode: "session" });
-      const warnings: string[] = [];
-      const logger = new Logger(() => (level, message) => {
-        if (level === "warning") warnings.push(message);
-      });
+      const { logger, warnings } = warningsLogger();
       const instances = [0, 1].map((i) =>
         track(
           makeLocks({
@@ -367,15 +372,13 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       const cycling = await startForTest({
         settings: { max_client_conn: 1, server_lifetime: 1, server_idle_timeout: 1 },
       });
-      const warnings: string[] = [];
+      const { logger, warnings } = warningsLogger();
       const locks = track(
         makeLocks({
           connectionString: db.url,
           lockConnectionString: cycling.via(db.url),
           heartbeatInterval: 100,
-          logger: new Logger(() => (level, message) => {
-            if (level === "warning") warnings.push(message);
-          }),
+          logger,
         }),
       );
       await locks.connect();
@@ -488,21 +491,17 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       // One backend, two clients: with a third client (the probe's) never let in, only the claim on the
       // backend can tell that both sessions share it.
       const single = await startForTest({ settings: { max_client_conn: 2, default_pool_size: 1 } });
-      const warnings: string[] = [];
+      const { logger, warnings } = warningsLogger();
       const make = (i: number) =>
         track(
           makeLocks({
             connectionString: db.url,
             lockConnectionString: single.via(db.url),
-            logger: new Logger(() => (level, message) => {
-              if (level === "warning") warnings.push(message);
-            }),
+            logger,
             applicationName: `graphile-worker-locks/shared-${i}`,
           }),
         );
-      const occupant = new pg.Client({ connectionString: single.via(db.url) });
-      occupant.on("error", () => undefined);
-      await occupant.connect();
+      const occupant = await occupy(single.via(db.url));
       const first = make(0);
       await first.connect();
       expect(warnings.join("\n")).toContain("Could not probe the proxy");
@@ -530,19 +529,15 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
      */
     const refusedWithKeyOnOwnBackend = async () => {
       const pool = await startForTest({ settings: { max_client_conn: 2, default_pool_size: 2 } });
-      const warnings: string[] = [];
-      const occupant = new pg.Client({ connectionString: pool.via(db.url) });
-      occupant.on("error", () => undefined);
-      await occupant.connect();
+      const { logger, warnings } = warningsLogger();
+      const occupant = await occupy(pool.via(db.url));
       cleanup.push(() => occupant.end().catch(() => undefined));
       const locks = track(
         makeLocks({
           connectionString: db.url,
           lockConnectionString: pool.via(db.url),
           heartbeatInterval: 100,
-          logger: new Logger(() => (level, message) => {
-            if (level === "warning") warnings.push(message);
-          }),
+          logger,
         }),
       );
       await locks.connect();

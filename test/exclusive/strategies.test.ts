@@ -3,13 +3,12 @@
  * check and introspection, and releases.
  * Real PostgreSQL, real graphile-worker runners, separate connections.
  */
-import { Logger } from "graphile-worker";
 import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { InvalidArgumentError, LockConflictError, lockKey, makeLocks } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
-import { countEvents, nextEvent, Timeline } from "../support/runner.js";
+import { countEvents, nextEvent, Timeline, warningsLogger } from "../support/runner.js";
 
 const h = useExclusiveHarness();
 const { db, cleanups, newLocks, runner, holdExternally, jobRows } = h;
@@ -331,10 +330,7 @@ describe("lockAvailable and the preemptive check", () => {
 
 describe("release", () => {
   it("an unlock PostgreSQL answers false is reported: lock:released with outcome unverified, and a warning", async () => {
-    const warnings: string[] = [];
-    const logger = new Logger(() => (level, message) => {
-      if (level === "warning") warnings.push(message);
-    });
+    const { logger, warnings } = warningsLogger();
     const locks = newLocks({ logger });
     // The lock session's connection: the client that sends the lock statements.
     const sessionClients = new Set<pg.Client>();

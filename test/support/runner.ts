@@ -4,6 +4,15 @@ import { maxConcurrencyPerKey } from "./executions.js";
 
 export const quietLogger = new Logger(() => () => undefined);
 
+/** A logger that keeps the warnings it is given, in `warnings`, and drops everything else. */
+export function warningsLogger(): { logger: Logger; warnings: string[] } {
+  const warnings: string[] = [];
+  const logger = new Logger(() => (level, message) => {
+    if (level === "warning") warnings.push(message);
+  });
+  return { logger, warnings };
+}
+
 /** A real graphile-worker runner in this process, quiet and quick to poll. */
 export function startRunner(options: RunnerOptions & { taskList: TaskList }): Promise<Runner> {
   return run({ noHandleSignals: true, pollInterval: 50, logger: quietLogger, ...options });
