@@ -23,7 +23,7 @@
  * lock is taken (`probePooler`). A second backend means a transaction-mode pooler, where session locks stay
  * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED,
  * and keeps trying for a while to reach its own backend again and release what it took there
- * (`releaseLeftovers`).
+ * (`LeftoverRelease`, leftovers.ts).
  */
 import { randomUUID } from "node:crypto";
 import pg from "pg";
@@ -36,6 +36,8 @@ import {
   type LocksError,
 } from "./errors.js";
 import type { HoldImpl } from "./holds.js";
+import { LeftoverRelease } from "./leftovers.js";
+import { destroySocket, discard } from "./pgclient.js";
 import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "./sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
@@ -68,13 +70,6 @@ export interface LockConnectionOptions {
   registryIntervalMs: number;
   reconnectDelayMs: { min: number; max: number };
 }
-
-/**
- * How long a session refused because a statement reached another backend keeps trying to reach its own
- * again, to release what it took there (`releaseLeftovers`), and how often it tries.
- */
-const LEFTOVERS_TRY_MS = 60_000;
-const LEFTOVERS_RETRY_MS = 200;
 
 /** Waiters whose job ran on its safety-net delay instead of being woken are swept this often. */
 const SWEEP_WAITERS_INTERVAL_MS = 60_000;
@@ -148,20 +143,6 @@ function target(client: pg.Client): string {
   return host?.startsWith("/") ? `${host}/.s.PGSQL.${port}` : `${host}:${port}`;
 }
 
-/** Ends `client` without waiting for it to answer, and ignores what it says from now on. */
-function discard(client: pg.Client): Promise<void> {
-  client.removeAllListeners("end");
-  client.on("error", () => undefined);
-  return client.end().catch(() => undefined);
-}
-
-/** Cuts the socket of `client`, so that whatever waits on it (a connect, a query) fails now. */
-function destroySocket(client: pg.Client | null): void {
-  (
-    client as { connection?: { stream?: { destroy(): void } } } | null
-  )?.connection?.stream?.destroy();
-}
-
 export class LockConnection {
   state: SessionState = "idle";
   client: pg.Client | null = null;
@@ -188,10 +169,8 @@ export class LockConnection {
   claimToken: string | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
-  /** The release of what a refused session left on its backend, while it runs (`releaseLeftovers`). */
-  private leftovers: Promise<void> | null = null;
-  /** Its client through the pooler, while it has one. */
-  private leftoversClient: pg.Client | null = null;
+  /** The release of what a refused session left on its backend (leftovers.ts). */
+  private leftovers: LeftoverRelease | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
   private readonly readyWaiters = new Set<() => void>();
 
@@ -474,56 +453,14 @@ export class LockConnection {
     );
     this.lost(client, this.refusal);
     // A reset ended every lock on the backend; a statement elsewhere left what the session took on its own.
-    if (pid !== own.pid) this.leftovers = this.releaseLeftovers(own.pid, own.token);
-    return false;
-  }
-
-  /**
-   * Tries, through the pooler, to reach the refused session's backend `pid` again and release the locks it
-   * took there, which would otherwise stay held until the pooler closes that backend. The statement does
-   * nothing on any other backend (`releaseLeftovers`, sql.ts), so it is sent until one reaches `pid`, for
-   * up to LEFTOVERS_TRY_MS or until the instance is released. A pooler hands out the backend released last
-   * first, so once the client that holds it lets go, the next try usually lands there.
-   */
-  private async releaseLeftovers(pid: number, token: string): Promise<void> {
-    const deadline = performance.now() + LEFTOVERS_TRY_MS;
-    try {
-      while (!this.isClosed() && performance.now() < deadline) {
-        try {
-          if (!this.leftoversClient) {
-            this.leftoversClient = new pg.Client(this.options.client);
-            this.leftoversClient.on("error", () => undefined);
-            await this.leftoversClient.connect();
-          }
-          const { rows } = await this.leftoversClient.query<{ released: boolean; ended: boolean }>(
-            this.options.sql.releaseLeftovers,
-            [pid, token],
-          );
-          if (rows[0]?.released || rows[0]?.ended) {
-            this.options.onWarning(
-              rows[0].released
-                ? `Released the locks the refused lock session had taken on its backend ${pid}`
-                : `The refused lock session's backend ${pid} has ended, and the locks it took there with it`,
-            );
-            return;
-          }
-        } catch {
-          // (the pooler may have no room for another client yet: try again)
-          if (this.leftoversClient) void discard(this.leftoversClient);
-          this.leftoversClient = null;
-        }
-        await new Promise((resolve) => setTimeout(resolve, LEFTOVERS_RETRY_MS));
-      }
-      if (!this.isClosed()) {
-        this.options.onWarning(
-          `Could not reach the refused lock session's backend ${pid} again in ${LEFTOVERS_TRY_MS / 1000} s: ` +
-            "the locks it took there stay held until the pooler closes that backend",
-        );
-      }
-    } finally {
-      if (this.leftoversClient) void discard(this.leftoversClient);
-      this.leftoversClient = null;
+    if (pid !== own.pid) {
+      this.leftovers = new LeftoverRelease(
+        { sql: this.options.sql, client: this.options.client, onWarning: this.options.onWarning },
+        own.pid,
+        own.token,
+      );
     }
+    return false;
   }
 
   /**
@@ -607,9 +544,7 @@ export class LockConnection {
     await this.connecting?.catch(() => undefined);
     await drain();
     await Promise.allSettled([...this.sideQueries]);
-    // (it stops at its next try once closed; a try waiting on the pooler fails with its socket)
-    destroySocket(this.leftoversClient);
-    await this.leftovers;
+    await this.leftovers?.stop();
     this.generation++;
     drop();
     this.tellReadyWaiters();

@@ -568,18 +568,39 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(rows[0]!.pid).toBe(own);
       expect(((await lost).error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
       expect(await advisoryLockHolders()).toEqual([own]);
-      return { locks, own, occupant, warnings, registryRows };
+      return { pool, locks, own, occupant, warnings, registryRows };
     };
 
     it("a session refused for reaching another backend releases what it took on its own once it reaches it again", async () => {
       const { own, occupant, warnings, registryRows } = await refusedWithKeyOnOwnBackend();
-      // Once the occupant lets go of the backend, the session's next try lands there and releases the key.
+      // Once the occupant lets go of the backend, a try lands there and releases the key. (Its client slot is
+      // freed too: a try that ran while the occupant let go is given its own backend again, above the
+      // session's, and the session's is then reached from a second client.)
       await occupant.query("commit");
+      await occupant.end();
       await waitFor(async () => (await advisoryLockHolders()).length === 0, {
         message: "the refused session's key released on its backend",
       });
       await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
       // (and its row in the holder registry, which no one else would drop while that backend lives)
+      expect(await registryRows()).toBe(0);
+    });
+
+    it("a refused session reaches its backend under backends released after it, which a pooler hands out first", async () => {
+      const { pool, own, occupant, warnings, registryRows } = await refusedWithKeyOnOwnBackend();
+      await pool.reload({ max_client_conn: 12, default_pool_size: 6 });
+      const others = await Promise.all([1, 2, 3].map(() => occupy(pool.via(db.url))));
+      cleanup.push(() => Promise.all(others.map((o) => o.end().catch(() => undefined))));
+      // Three clients each take a backend other than the session's (which the occupant holds) ...
+      for (const other of others) await other.query("begin");
+      // ... and let go of them right after the occupant lets go of the session's: idle, the session's
+      // backend is under three others, which a plain try, sent again and again, would be given every time.
+      await occupant.query("commit");
+      await Promise.all(others.map((other) => other.query("commit")));
+      await waitFor(async () => (await advisoryLockHolders()).length === 0, {
+        message: "the refused session's key released on its backend",
+      });
+      await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
       expect(await registryRows()).toBe(0);
     });
 

@@ -149,6 +149,8 @@ export interface PgBouncer {
   /** `url` with its host and port replaced by PgBouncer's. */
   via(url: string): string;
   readonly port: number;
+  /** Rewrites the configuration with `settings` over the started ones and has PgBouncer reload it. */
+  reload(settings: Record<string, string | number>): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -168,29 +170,32 @@ export async function startPgBouncer(
   const config = join(dir, "pgbouncer.ini");
   const userlist = join(dir, "userlist.txt");
   await writeFile(userlist, `"${user}" "${password}"\n`, { mode: 0o644 });
-  await writeFile(
-    config,
-    [
-      "[databases]",
-      `* = host=${server.hostname} port=${server.port}`,
-      "[pgbouncer]",
-      "listen_addr = 127.0.0.1",
-      `listen_port = ${port}`,
-      "unix_socket_dir =",
-      "auth_type = scram-sha-256",
-      `auth_file = ${userlist}`,
-      `pool_mode = ${options.poolMode ?? "transaction"}`,
-      "max_client_conn = 500",
-      "default_pool_size = 20",
-      "ignore_startup_parameters = extra_float_digits,options",
-      ...(options.maxPreparedStatements !== undefined
-        ? [`max_prepared_statements = ${options.maxPreparedStatements}`]
-        : []),
-      ...Object.entries(options.settings ?? {}).map(([name, value]) => `${name} = ${value}`),
-      "",
-    ].join("\n"),
-    { mode: 0o644 },
-  );
+  let settings = options.settings ?? {};
+  const writeConfig = () =>
+    writeFile(
+      config,
+      [
+        "[databases]",
+        `* = host=${server.hostname} port=${server.port}`,
+        "[pgbouncer]",
+        "listen_addr = 127.0.0.1",
+        `listen_port = ${port}`,
+        "unix_socket_dir =",
+        "auth_type = scram-sha-256",
+        `auth_file = ${userlist}`,
+        `pool_mode = ${options.poolMode ?? "transaction"}`,
+        "max_client_conn = 500",
+        "default_pool_size = 20",
+        "ignore_startup_parameters = extra_float_digits,options",
+        ...(options.maxPreparedStatements !== undefined
+          ? [`max_prepared_statements = ${options.maxPreparedStatements}`]
+          : []),
+        ...Object.entries(settings).map(([name, value]) => `${name} = ${value}`),
+        "",
+      ].join("\n"),
+      { mode: 0o644 },
+    );
+  await writeConfig();
   const args = userInfo().uid === 0 ? ["-u", "postgres", config] : [config];
   const child = spawn(binary, args, { stdio: ["ignore", "ignore", "pipe"] });
   let stderr = "";
@@ -212,13 +217,26 @@ export async function startPgBouncer(
     }
     await rm(dir, { recursive: true, force: true });
   };
+  const reload = async (more: Record<string, string | number>) => {
+    settings = { ...settings, ...more };
+    await writeConfig();
+    const reloads = () => stderr.split("SIGHUP").length;
+    const before = reloads();
+    child.kill("SIGHUP");
+    const deadline = Date.now() + 5_000;
+    while (reloads() === before) {
+      if (Date.now() > deadline)
+        throw new Error(`pgbouncer did not reload its configuration: ${stderr}`);
+      await sleep(20);
+    }
+  };
   try {
     await waitUntilAccepting(child, via(serverUrl), () => stderr);
   } catch (error) {
     await stop();
     throw error;
   }
-  return { via, port, stop };
+  return { via, port, reload, stop };
 }
 
 async function waitUntilAccepting(
