@@ -65,6 +65,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
     await connect(),
   ];
 
+  let roundTripChain = Promise.resolve();
   let report = newReport();
   let runner: Runner | undefined;
   let floorRunning = false;
@@ -110,7 +111,14 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
     wrapped: locks.exclusive(LATENCY_TASK, body, { onConflict: "drop" }),
     queLocks,
     roundTrip: async (payload, helpers) => {
-      await roundTripClient.query("");
+      // One connection answers one statement at a time: a job starting while another's is in flight waits
+      // for it, in this chain (node-postgres's own queue for that is deprecated).
+      const turn = roundTripChain.then(() => roundTripClient.query(""));
+      roundTripChain = turn.then(
+        () => undefined,
+        () => undefined,
+      );
+      await turn;
       await body(payload, helpers);
     },
   };
