@@ -443,7 +443,6 @@ export class LockConnection {
   ): boolean {
     if (client !== this.client || this.state !== "ready") return true;
     if (pid === this.backendPid && marked === true) return true;
-    const own = { pid: this.backendPid!, token: this.claimToken! };
     this.refusal = lockSessionPooled(
       pid === this.backendPid
         ? `${what} found the session's backend ${pid} reset, its mark (the setting ${CLAIM_SETTING}) gone: ` +
@@ -453,11 +452,11 @@ export class LockConnection {
     );
     this.lost(client, this.refusal);
     // A reset ended every lock on the backend; a statement elsewhere left what the session took on its own.
-    if (pid !== own.pid) {
+    if (pid !== this.backendPid) {
       this.leftovers = new LeftoverRelease(
         { sql: this.options.sql, client: this.options.client, onWarning: this.options.onWarning },
-        own.pid,
-        own.token,
+        this.backendPid!,
+        this.claimToken!,
       );
     }
     return false;

@@ -125,16 +125,14 @@ export class LeftoverRelease {
     let client = this.clients[depth];
     try {
       if (!client) {
-        const created = new pg.Client(this.options.client);
-        created.on("error", () => undefined);
-        this.clients.push(created);
-        client = created;
-        await this.waited(client, () => created.connect());
+        client = new pg.Client(this.options.client);
+        client.on("error", () => undefined);
+        this.clients.push(client);
+        await this.waited(client, (c) => c.connect());
       }
-      const on = client;
-      if (keep) await this.waited(on, () => on.query("begin"));
-      const { rows } = await this.waited(on, () =>
-        on.query<TryAnswer>(this.options.sql.releaseLeftovers, [this.pid, this.token]),
+      if (keep) await this.waited(client, (c) => c.query("begin"));
+      const { rows } = await this.waited(client, (c) =>
+        c.query<TryAnswer>(this.options.sql.releaseLeftovers, [this.pid, this.token]),
       );
       return rows[0] ?? null;
     } catch {
@@ -146,18 +144,18 @@ export class LeftoverRelease {
   /** Ends the transaction of `client` in the walk (dropping the client if that fails). */
   private async finish(client: pg.Client, statement: "commit" | "rollback"): Promise<void> {
     try {
-      await this.waited(client, () => client.query(statement));
+      await this.waited(client, (c) => c.query(statement));
     } catch {
       this.drop(client);
     }
   }
 
   /** `work` on `client`, which fails (its socket cut) once stopped or after STATEMENT_WAIT_MS. */
-  private async waited<T>(client: pg.Client, work: () => Promise<T>): Promise<T> {
+  private async waited<T>(client: pg.Client, work: (client: pg.Client) => Promise<T>): Promise<T> {
     if (this.stopped) throw new Error("stopped");
     const timer = setTimeout(() => destroySocket(client), STATEMENT_WAIT_MS);
     try {
-      return await work();
+      return await work(client);
     } finally {
       clearTimeout(timer);
     }

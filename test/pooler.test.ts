@@ -568,26 +568,30 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(rows[0]!.pid).toBe(own);
       expect(((await lost).error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
       expect(await advisoryLockHolders()).toEqual([own]);
-      return { pool, locks, own, occupant, warnings, registryRows };
+      /** The key gone from the session's backend, a warning saying so, and its registry row dropped. */
+      const releasedOnItsBackend = async () => {
+        await waitFor(async () => (await advisoryLockHolders()).length === 0, {
+          message: "the refused session's key released on its backend",
+        });
+        await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
+        // (which no one else would drop while that backend lives)
+        expect(await registryRows()).toBe(0);
+      };
+      return { pool, locks, own, occupant, releasedOnItsBackend };
     };
 
     it("a session refused for reaching another backend releases what it took on its own once it reaches it again", async () => {
-      const { own, occupant, warnings, registryRows } = await refusedWithKeyOnOwnBackend();
+      const { occupant, releasedOnItsBackend } = await refusedWithKeyOnOwnBackend();
       // Once the occupant lets go of the backend, a try lands there and releases the key. (Its client slot is
       // freed too: a try that ran while the occupant let go is given its own backend again, above the
       // session's, and the session's is then reached from a second client.)
       await occupant.query("commit");
       await occupant.end();
-      await waitFor(async () => (await advisoryLockHolders()).length === 0, {
-        message: "the refused session's key released on its backend",
-      });
-      await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
-      // (and its row in the holder registry, which no one else would drop while that backend lives)
-      expect(await registryRows()).toBe(0);
+      await releasedOnItsBackend();
     });
 
     it("a refused session reaches its backend under backends released after it, which a pooler hands out first", async () => {
-      const { pool, own, occupant, warnings, registryRows } = await refusedWithKeyOnOwnBackend();
+      const { pool, occupant, releasedOnItsBackend } = await refusedWithKeyOnOwnBackend();
       await pool.reload({ max_client_conn: 12, default_pool_size: 6 });
       const others = await Promise.all([1, 2, 3].map(() => occupy(pool.via(db.url))));
       cleanup.push(() => Promise.all(others.map((o) => o.end().catch(() => undefined))));
@@ -597,11 +601,7 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       // backend is under three others, which a plain try, sent again and again, would be given every time.
       await occupant.query("commit");
       await Promise.all(others.map((other) => other.query("commit")));
-      await waitFor(async () => (await advisoryLockHolders()).length === 0, {
-        message: "the refused session's key released on its backend",
-      });
-      await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
-      expect(await registryRows()).toBe(0);
+      await releasedOnItsBackend();
     });
 
     it("releasing a refused session stops its tries to reach its backend", async () => {
