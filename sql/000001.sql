@@ -322,8 +322,10 @@ begin
   if v_new_id is null then
     return;
   end if;
-  insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid) values (p_job_id, p_owner_pid)
-    on conflict (job_id) do update set owner_pid = excluded.owner_pid, parked_at = now();
+  insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid, copy_id)
+    values (p_job_id, p_owner_pid, v_new_id)
+    on conflict (job_id) do update
+      set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, parked_at = now();
   -- A waiter fetched by its safety net parks again in its own row; anyone else gets a row at its place.
   update :GWL_SCHEMA.waiters w set job_id = v_new_id
     where w.job_id = p_job_id and w.lock_key = p_lock_key;
@@ -348,20 +350,30 @@ create table :GWL_SCHEMA.parked_originals (
   job_id bigint primary key,
   -- the lock session's backend pid of the process that gave the job back, null if it had none then
   owner_pid int,
+  -- the copy that runs in its place
+  copy_id bigint,
   parked_at timestamptz not null default now()
 );
 
--- Gives a running job back to the queue without counting its attempt: a copy runs at p_run_at.
+-- Gives a running job back to the queue without counting its attempt: a copy runs at p_run_at. Idempotent:
+-- a job already given back answers with its copy, so that a caller who did not hear the answer of a first
+-- call (its connection died around the commit) can ask again, and never runs the job beside its copy.
 create function :GWL_SCHEMA.defer_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
 returns bigint
 language plpgsql volatile as $$
 declare
   v_new_id bigint;
 begin
+  select p.copy_id into v_new_id from :GWL_SCHEMA.parked_originals p where p.job_id = p_job_id;
+  if found then
+    return v_new_id;
+  end if;
   v_new_id := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
   if v_new_id is not null then
-    insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid) values (p_job_id, p_owner_pid)
-      on conflict (job_id) do update set owner_pid = excluded.owner_pid, parked_at = now();
+    insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid, copy_id)
+      values (p_job_id, p_owner_pid, v_new_id)
+      on conflict (job_id) do update
+        set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, parked_at = now();
   end if;
   return v_new_id;
 end;

@@ -123,6 +123,24 @@ function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): Lock
 
 /** The shortest delay of a deferred job's copy: it runs as soon as the session is back anyway. */
 const DEFER_MIN_MS = 1000;
+/** The longest pause between two tries to give a job back whose first try went unanswered. */
+const DEFER_RETRY_MAX_MS = 1000;
+
+/** Resolves after `ms`, or rejects with the signal's reason when it aborts first. */
+function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason as Error);
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(signal!.reason as Error);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
 
 function isSessionUnavailable(error: unknown): error is Error {
   return (
@@ -327,32 +345,41 @@ export function makeExclusiveTask<TPayload>(
 
   /**
    * Gives a job back to the queue without counting its attempt (its copy runs at `runAt`, or when the session
-   * is back). False when the queue's database could not be reached either.
+   * is back). A try whose answer did not come (the queue's database is out of reach, or the connection died
+   * around the commit) may have given the job back all the same, so the job never runs after one: the give-back
+   * is asked again (`defer_job` answers a job already given back with its copy) until it is answered, or the
+   * worker aborts.
    */
-  const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<boolean> => {
+  const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<void> => {
     const runAt = new Date(Date.now() + Math.max(DEFER_MIN_MS, ctx.lockSessionWaitMs));
     let newJobId: string | null;
-    try {
-      newJobId = await helpers.withPgClient(async (client) => {
-        try {
-          const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
-            job.id,
-            runAt.toISOString(),
-            ctx.session.connection.pid,
-          ]);
-          return rows[0]?.id ?? null;
-        } catch (error) {
-          // (a connection in an uncertain state goes, rather than back to the pool)
-          await (client as { end(): Promise<void> }).end().catch(() => undefined);
-          throw error;
+    for (let tries = 1; ; tries++) {
+      try {
+        newJobId = await helpers.withPgClient(async (client) => {
+          try {
+            const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
+              job.id,
+              runAt.toISOString(),
+              ctx.session.connection.pid,
+            ]);
+            return rows[0]?.id ?? null;
+          } catch (error) {
+            // (a connection in an uncertain state goes, rather than back to the pool)
+            await (client as { end(): Promise<void> }).end().catch(() => undefined);
+            throw error;
+          }
+        });
+        break;
+      } catch (deferError) {
+        if (tries === 1) {
+          helpers.logger.warn(
+            `Could not give job ${job.id} back to the queue while the lock session is unavailable (trying again; the job does not run meanwhile): ${String(deferError)}`,
+            { error: deferError },
+          );
         }
-      });
-    } catch (deferError) {
-      helpers.logger.warn(
-        `Could not give job ${job.id} back to the queue while the lock session is unavailable: ${String(deferError)}`,
-        { error: deferError },
-      );
-      return false;
+        if (helpers.abortSignal?.aborted) throw deferError;
+        await sleep(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), helpers.abortSignal);
+      }
     }
     if (newJobId === null) throw new Error(`Could not defer job ${job.id}: it no longer exists`);
     helpers.logger.info(
@@ -360,7 +387,6 @@ export function makeExclusiveTask<TPayload>(
     );
     ctx.emit("job:deferred", { taskIdentifier, job, newJobId, runAt, error });
     deferred.add(newJobId, helpers);
-    return true;
   };
 
   /**
@@ -372,8 +398,7 @@ export function makeExclusiveTask<TPayload>(
     helpers: JobHelpers,
     slots: bigint[],
   ): Promise<AcquireResult | null> => {
-    const waitMs = ctx.lockSessionWaitMs;
-    let deadline = performance.now() + waitMs;
+    const deadline = performance.now() + ctx.lockSessionWaitMs;
     for (;;) {
       try {
         return await ctx.session.acquire(slots, holdInfo(job, slots));
@@ -381,11 +406,8 @@ export function makeExclusiveTask<TPayload>(
         if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
         const left = deadline - performance.now();
         if (left > 0 && (await ctx.session.connection.whenReady(left))) continue;
-        if (await defer(job, helpers, error)) return null;
-        // The queue's database is out of reach too (a server restart): wait for it, then try again.
-        if (ctx.session.connection.state === "closed") throw error;
-        await ctx.session.connection.whenReady(Math.max(DEFER_MIN_MS, waitMs));
-        deadline = performance.now() + waitMs;
+        await defer(job, helpers, error);
+        return null;
       }
     }
   };

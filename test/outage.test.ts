@@ -3,10 +3,11 @@
  * deferred) leaves no row behind, whatever dies when. Real PostgreSQL, real runners, a TCP proxy in front of
  * the lock session that can be cut, and a worker in a separate process that is killed.
  */
+import pg from "pg";
 import { describe, expect, inject, it } from "vitest";
 import { InvalidArgumentError, lockKey, makeLocks } from "../src/index.js";
 import { withAdmin } from "./support/admin.js";
-import { waitFor } from "./support/db.js";
+import { deferred, waitFor } from "./support/db.js";
 import { useExclusiveHarness } from "./support/exclusive.js";
 import { readExecutions } from "./support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
@@ -243,6 +244,71 @@ describe("an outage of the lock session", () => {
     expect(ran[0]).toMatchObject({ id: event.newJobId, attempts: 1 });
     expect(ran[0]!.at).toBeLessThan(event.runAt.getTime());
     expect(ran[0]!.at).toBeGreaterThanOrEqual(restoredAt);
+  });
+
+  it("a give-back whose answer is lost is asked again, never followed by a run: the job runs once, as its copy", async () => {
+    const lockProxy = await cuttableProxy();
+    // graphile-worker's pool goes through a proxy that lets the first give-back (defer_job) reach PostgreSQL,
+    // which commits it, and then cuts that connection instead of passing the answer on.
+    const swallowed = deferred();
+    let armed = true;
+    const { url: poolUrl } = await startProxy(db.url, cleanups, (inbound, open) => {
+      inbound.on("error", () => undefined);
+      const outbound = open();
+      outbound.on("error", () => undefined);
+      let cutAnswer = false;
+      inbound.on("data", (chunk: Buffer) => {
+        if (armed && chunk.includes("defer_job")) {
+          armed = false;
+          cutAnswer = true;
+        }
+        outbound.write(chunk);
+      });
+      outbound.on("data", (chunk: Buffer) => {
+        if (!cutAnswer) {
+          inbound.write(chunk);
+          return;
+        }
+        inbound.destroy();
+        outbound.destroy();
+        swallowed.resolve();
+      });
+      inbound.on("close", () => outbound.destroy());
+      outbound.on("close", () => inbound.destroy());
+    });
+    const locks = newLocks({
+      lockConnectionString: lockProxy.url,
+      lockSessionWait: 100,
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const ran: string[] = [];
+    const task = locks.exclusive("given_back_once", async (_p: unknown, helpers) => {
+      ran.push(helpers.job.id);
+    });
+    const pool = new pg.Pool({ connectionString: poolUrl, max: 4 });
+    pool.on("error", () => undefined);
+    pool.on("connect", (client) => client.on("error", () => undefined));
+    cleanups.push(() => pool.end());
+    const r = await runner({ pgPool: pool, concurrency: 1, taskList: { given_back_once: task } });
+    const errors: unknown[] = [];
+    r.events.on("job:error", ({ error }) => errors.push(error));
+    await locks.connect();
+    lockProxy.cut();
+    const given: Array<{ jobId: string; newJobId: string }> = [];
+    locks.events.on("job:deferred", ({ job, newJobId }) => given.push({ jobId: job.id, newJobId }));
+    const { job } = await task.addJob({});
+    await swallowed.promise;
+    // The session is back while the job does not know whether it was given back.
+    lockProxy.restore();
+    await waitFor(async () => ran.length >= 1 && (await jobCount()) === 0, {
+      message: "every row to go",
+    });
+    await sleep(300);
+    // One run, of the copy: the job itself did not run beside it.
+    expect(ran).toHaveLength(1);
+    expect(ran).not.toContain(job!.id);
+    expect(given).toEqual([{ jobId: job!.id, newJobId: ran[0] }]);
+    expect(errors).toEqual([]);
   });
 
   it("while the session is down no job runs unlocked: it waits for the reconnection and runs on its first attempt", async () => {
