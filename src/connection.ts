@@ -252,7 +252,14 @@ export class LockConnection {
     this.state = "connecting";
     // Pipelined: the session may send a lock statement before the previous one is answered (session.ts).
     const client = new pg.Client({ keepAlive: true, ...this.options.client, pipeline: true });
-    const onBroken = (error: Error) => this.lost(client, error);
+    // A client that fails before it is this connection's (`this.client`) is not `lost()`: it fails the
+    // connection attempt instead, even when the failure came between the last statement's answer and the
+    // state's change to ready (a termination read in the same packet as that answer).
+    let died: Error | null = null;
+    const onBroken = (error: Error) => {
+      died ??= error;
+      this.lost(client, error);
+    };
     client.on("error", onBroken);
     client.on("end", () => onBroken(new Error("The lock session's connection ended")));
     let connected = false;
@@ -281,6 +288,7 @@ export class LockConnection {
       });
       await client.query(`listen ${this.options.sql.releaseChannel}`);
       const after = await backendPid(client);
+      if (died) throw died;
       if (pooled === null && after !== pid)
         pooled = `its statements at connect reached backends ${pid} and ${after}`;
       this.backendPid = pid;

@@ -69,6 +69,59 @@ describe("lock loss", () => {
     await waitFor(() => task.lockAvailable({ k: "k", role: "" }), { message: "B to release" });
   });
 
+  it("a termination read with the connect's last answer fails that connect: never a ready session on a dead backend", async () => {
+    // The proxy holds back the answer to the connect's last statement (its backend pid, after LISTEN) until
+    // that backend was terminated, then passes the answer and the termination on in one packet, and keeps
+    // the socket open (the FIN is lost, as on a network that drops it).
+    let armed = true;
+    const { url } = await startProxy(db.url, cleanups, (inbound, open) => {
+      const outbound = open();
+      for (const socket of [inbound, outbound]) socket.on("error", () => undefined);
+      let listened = false;
+      let holding: Buffer[] | null = null;
+      inbound.on("data", (chunk: Buffer) => {
+        if (armed && chunk.includes("listen ")) listened = true;
+        else if (armed && listened && chunk.includes("pg_backend_pid")) {
+          armed = false;
+          holding = [];
+          void db
+            .pool()
+            .query(
+              "select pg_terminate_backend(pid) from pg_stat_activity where application_name = 'gwl-connect-race'",
+            );
+        }
+        outbound.write(chunk);
+      });
+      outbound.on("data", (chunk: Buffer) => {
+        if (holding) holding.push(chunk);
+        else inbound.write(chunk);
+      });
+      outbound.on("end", () => {
+        if (holding) inbound.write(Buffer.concat(holding));
+        else inbound.end();
+      });
+      inbound.on("close", () => outbound.destroy());
+    });
+    const locks = newLocks({
+      lockConnectionString: url,
+      applicationName: "gwl-connect-race",
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const connected = nextEvent(locks, "session:connected");
+    locks.connect().catch(() => undefined);
+    const { pid } = await connected;
+    const { rows } = await db
+      .pool()
+      .query<{ alive: boolean }>(
+        "select exists (select 1 from pg_stat_activity where pid = $1) as alive",
+        [pid],
+      );
+    expect(armed).toBe(false);
+    expect(rows[0]!.alive, `the session reported ready on backend ${pid}, which is gone`).toBe(
+      true,
+    );
+  });
+
   it("the same worker's next job after a reconnection gets a live abort signal", async () => {
     const locks = newLocks({ reconnectDelay: { min: 50, max: 200 } });
     const seen: Array<{ id: number; aborted: boolean }> = [];
