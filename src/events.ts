@@ -26,9 +26,19 @@ export interface LocksEvents {
     outcome: "ok" | "lost" | "unverified";
     heldMs: number;
   };
-  /** The lock session died; every listed hold lost its lock and its job's `abortSignal` fired. */
+  /**
+   * The lock session died; every listed hold lost its lock and its job's `abortSignal` fired. A hold with
+   * `returned: true` belongs to a job that had already returned when the loss was noticed (its unlock was
+   * not answered): its abort came too late to matter, and whether its key stayed held until it returned is
+   * unknown (another job of the key may have started while it ran; a warning names it).
+   */
   "lock:lost": {
-    holds: Array<{ taskIdentifier: string; lockKey: bigint; jobId: string | null }>;
+    holds: Array<{
+      taskIdentifier: string;
+      lockKey: bigint;
+      jobId: string | null;
+      returned: boolean;
+    }>;
     error: Error;
   };
   /** The lock session (re)connected. */

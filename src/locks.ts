@@ -118,15 +118,25 @@ export function makeLocks(options: LocksOptions): Locks {
       max: options.reconnectDelay?.max ?? 5000,
     },
     onLost(holds, error) {
+      const returned = holds.filter((h) => h.releaseRequested);
       logger.error(
-        `graphile-worker-locks: the lock session was lost (${error.message}); ${holds.length} running job(s) lost their lock and were signalled to abort`,
+        `graphile-worker-locks: the lock session was lost (${error.message}); ${holds.length - returned.length} job(s) lost their lock and were signalled to abort`,
         { error },
       );
+      // A job that returned before the loss was noticed, its unlock not yet answered, cannot be told: its
+      // backend may have ended (freeing its key for other sessions) while it still ran.
+      for (const h of returned) {
+        logger.warn(
+          `graphile-worker-locks: job ${h.info.jobId} (${h.info.taskIdentifier}) returned before the loss of its lock session was noticed (${error.message}): that its lock ${h.keyText} was held until it returned is not confirmed, and another job of its key may have started while it ran`,
+          { error },
+        );
+      }
       emit("lock:lost", {
         holds: holds.map((h) => ({
           taskIdentifier: h.info.taskIdentifier,
           lockKey: h.key,
           jobId: h.info.jobId,
+          returned: h.releaseRequested,
         })),
         error,
       });

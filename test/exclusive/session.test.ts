@@ -8,8 +8,9 @@ import { describe, expect, it } from "vitest";
 import { lockKey } from "../../src/index.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
-import { nextEvent, startRunner } from "../support/runner.js";
+import { nextEvent, startRunner, warningsLogger } from "../support/runner.js";
 import { startProxy } from "../support/proxy.js";
+import { startProxy as startFreezableProxy } from "../../scripts/soak/proxy.js";
 
 const h = useExclusiveHarness();
 const { db, cleanups, newLocks, runner } = h;
@@ -120,6 +121,52 @@ describe("lock loss", () => {
     expect(rows[0]!.alive, `the session reported ready on backend ${pid}, which is gone`).toBe(
       true,
     );
+  });
+
+  it("a loss noticed only after a job returned is reported on that job: lock:lost with returned, and a warning naming it", async () => {
+    const proxy = await startFreezableProxy(Number(new URL(db.url).port || 5432));
+    cleanups.push(() => proxy.close());
+    const proxied = new URL(db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String(proxy.port);
+    const { logger, warnings } = warningsLogger();
+    const locks = newLocks({
+      lockConnectionString: proxied.toString(),
+      logger,
+      heartbeatInterval: 60_000,
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const returned = deferred<string>();
+    let abortedWhileRunning = false;
+    const task = locks.exclusive("returns_first", async (_p: unknown, helpers) => {
+      await gate.promise;
+      abortedWhileRunning = helpers.abortSignal!.aborted;
+      returned.resolve(helpers.job.id);
+    });
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { returns_first: task } });
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({});
+    await acquired;
+    // The backend ends (PostgreSQL frees the key) while the process hears nothing of it; the job returns.
+    const pid = locks.status().pid!;
+    const lost = nextEvent(locks, "lock:lost");
+    proxy.freeze();
+    await db.pool().query("select pg_terminate_backend($1)", [pid]);
+    const other = await h.holdExternally(task.lockKey({}));
+    gate.resolve();
+    const jobId = await returned.promise;
+    expect(abortedWhileRunning).toBe(false);
+    await other.release();
+    proxy.thaw();
+    const event = await lost;
+    expect(event.holds).toEqual([
+      { taskIdentifier: "returns_first", lockKey: task.lockKey({}), jobId, returned: true },
+    ]);
+    expect(
+      warnings.filter((w) => w.includes(`job ${jobId} `) && w.includes("returned before")),
+    ).toHaveLength(1);
   });
 
   it("the same worker's next job after a reconnection gets a live abort signal", async () => {
