@@ -48,11 +48,12 @@ function parseOptions(argv: string[]) {
       duration: { type: "string" },
       workers: { type: "string" },
       json: { type: "boolean", default: false },
+      hunt: { type: "boolean", default: false },
       help: { type: "boolean", default: false },
     },
   });
   if (values.help) {
-    console.log("usage: npm run soak -- [--duration S] [--seed N] [--workers N] [--json]");
+    console.log("usage: npm run soak -- [--duration S] [--seed N] [--workers N] [--hunt] [--json]");
     process.exit(0);
   }
   const integer = (
@@ -76,6 +77,7 @@ function parseOptions(argv: string[]) {
     duration: integer("duration", values.duration, 60, 20, 3600),
     workers: integer("workers", values.workers, 3, 2, 16),
     json: values.json,
+    hunt: values.hunt,
   };
 }
 
@@ -86,6 +88,8 @@ interface ChaosEvent {
   at: number;
   /** The worker slot, for kills and terminations. */
   slot: number;
+  /** When set, the event runs this long after the previous one ended, rather than at `at`. */
+  afterMs?: number;
 }
 
 /** The chaos schedule of a run, from its seed alone. */
@@ -94,6 +98,7 @@ function schedule(
   loadMs: number,
   workers: number,
   partitionMs: number,
+  hunt: boolean,
 ): ChaosEvent[] {
   const random = seeded(seed);
   const restartAt = Math.round(loadMs * 0.4);
@@ -102,6 +107,18 @@ function schedule(
     { kind: "restart", at: restartAt, slot: 0 },
     { kind: "partition", at: partitionAt, slot: 0 },
   ];
+  // Hunting: lock sessions terminated within a second of the server's return, while they reconnect, hand
+  // keys over and defer the jobs met during the outage.
+  if (hunt) {
+    for (let i = 0; i < 3; i++) {
+      events.push({
+        kind: "terminate-lock-session",
+        at: restartAt,
+        slot: between(random, 0, workers - 1),
+        afterMs: between(random, 50, 600),
+      });
+    }
+  }
   const kinds = ["kill", "kill", "terminate-lock-session", "terminate-worker-connections"] as const;
   for (
     let at = 2000 + between(random, 0, 1000);
@@ -115,7 +132,11 @@ function schedule(
       (at > partitionAt - 1500 && at < partitionAt + partitionMs + 2000);
     if (!quiet) events.push({ kind, at, slot });
   }
-  return events.sort((a, b) => a.at - b.at);
+  // (stable: the hunt's terminations follow the restart they share `at` with)
+  return events.sort(
+    (a, b) =>
+      a.at - b.at || (a.afterMs === undefined ? -1 : 0) - (b.afterMs === undefined ? -1 : 0),
+  );
 }
 
 interface Slot {
@@ -125,6 +146,8 @@ interface Slot {
   child: ChildProcess;
   workerIds: string[];
   lost: Array<{ at: number; holds: number; code: string | null }>;
+  /** When its lock session (re)connected, by its clock. */
+  connected: number[];
   killing: boolean;
   ready: boolean;
 }
@@ -150,7 +173,7 @@ async function main(): Promise<number> {
   const startedAt = Date.now();
   const loadMs = Math.round(options.duration * 1000 * 0.8);
   const partitionMs = HEARTBEAT_TIMEOUT + 2500;
-  const plan = schedule(options.seed, loadMs, options.workers, partitionMs);
+  const plan = schedule(options.seed, loadMs, options.workers, partitionMs, options.hunt);
 
   const server = await startPostgres({ envVar: "DATABASE_URL" });
   const violations: string[] = [];
@@ -240,6 +263,7 @@ async function main(): Promise<number> {
         child,
         workerIds: [],
         lost: [],
+        connected: [],
         killing: false,
         ready: false,
       };
@@ -249,6 +273,7 @@ async function main(): Promise<number> {
           poolNames.set(message.workerId, name);
         }
         if (message.type === "lost") slot.lost.push(message);
+        if (message.type === "connected") slot.connected.push(message.at);
         if (message.type === "completed")
           completions.set(message.jobId, {
             worker: name,
@@ -340,6 +365,8 @@ async function main(): Promise<number> {
     let restartUs: bigint | null = null;
     let restartMs: number | null = null;
     let partition: { at: number; us: bigint | null; until: number } | null = null;
+    /** Terminations of lock sessions (this process's clock), to time their detection. */
+    const terminations: Array<{ at: number; slot: Slot }> = [];
     const runEvent = async (event: ChaosEvent): Promise<void> => {
       const slot = slots[event.slot]!;
       switch (event.kind) {
@@ -375,12 +402,15 @@ async function main(): Promise<number> {
               ? `graphile-worker-locks/soak-${slot.name}`
               : `gwl-soak-worker/${slot.name}`;
           const us = await dbNow();
+          const at = Date.now();
           const { rows } = await admin
             .query<{ n: number }>(
               "select count(pg_terminate_backend(pid))::int as n from pg_stat_activity where application_name = $1",
               [like],
             )
             .catch(() => ({ rows: [{ n: 0 }] }));
+          if (event.kind === "terminate-lock-session" && rows[0]!.n > 0)
+            terminations.push({ at, slot });
           recorded.push({
             kind: event.kind,
             target: slot.name,
@@ -431,7 +461,7 @@ async function main(): Promise<number> {
       }
     };
     for (const event of plan) {
-      const wait = loadStart + event.at - Date.now();
+      const wait = event.afterMs !== undefined ? event.afterMs : loadStart + event.at - Date.now();
       if (wait > 0) await sleep(wait);
       log(
         `  ${((Date.now() - loadStart) / 1000).toFixed(1).padStart(5)} s  ${event.kind} ${event.kind === "restart" || event.kind === "partition" ? "" : slots[event.slot]!.name}`,
@@ -573,6 +603,7 @@ async function main(): Promise<number> {
       slots,
       restartMs,
       restartUs,
+      terminations,
     });
     const report = {
       seed: options.seed,
@@ -652,6 +683,7 @@ async function analyse(
     restartUs: bigint | null;
     partition: { at: number; us: bigint | null; until: number } | null;
     slots: Slot[];
+    terminations: Array<{ at: number; slot: Slot }>;
   },
 ) {
   const us = (column: string) => `(extract(epoch from ${column}) * 1000000)::bigint::text`;
@@ -718,8 +750,17 @@ async function analyse(
   // Overlaps, per key: a later start before an earlier end, unless the earlier one lost its lock.
   const byKey = new Map<string, Execution[]>();
   for (const e of executions) byKey.set(e.lockKey, [...(byKey.get(e.lockKey) ?? []), e]);
+  // Jobs whose lock session's loss was noticed only after they returned (lock:lost with `returned`).
+  const returnedLoss = new Set(
+    (
+      await admin.query<{ job_id: string }>(
+        `select job_id::text from ${SOAK_SCHEMA}.events where kind = 'lock:lost-returned'`,
+      )
+    ).rows.map((r) => r.job_id),
+  );
   let overlaps = 0;
   let excusedOverlaps = 0;
+  let overlapsNoticedAfterReturn = 0;
   const overlapExamples: string[] = [];
   for (const list of byKey.values()) {
     list.sort((a, b) => (a.start < b.start ? -1 : a.start > b.start ? 1 : a.id - b.id));
@@ -728,6 +769,12 @@ async function analyse(
         const [a, b] = [list[i]!, list[j]!];
         if (a.aborted === "lock:lost") {
           excusedOverlaps++;
+          continue;
+        }
+        // A loss its process noticed only after the job returned, reported on the job: the time its
+        // process took to hear of the termination, not a hold that outlived its key in the library.
+        if (returnedLoss.has(a.jobId)) {
+          overlapsNoticedAfterReturn++;
           continue;
         }
         overlaps++;
@@ -778,12 +825,12 @@ async function analyse(
         // (a kill takes effect between its `us` and its `untilUs`: a job may write its end in between)
         (r.untilUs ?? r.us) >= from - 1000n &&
         r.us <= to &&
+        // Only what can lose graphile-worker's completion of a job explains a second run after a first
+        // that ran to its end: a kill, the restart, a termination of graphile-worker's connections. The lock
+        // session has no part in completing a job.
         (r.kind === "restart" ||
-          r.kind === "partition" ||
           (r.target === worker &&
-            (r.kind === "kill" ||
-              r.kind === "terminate-worker-connections" ||
-              r.kind === "terminate-lock-session"))),
+            (r.kind === "kill" || r.kind === "terminate-worker-connections"))),
     );
     return hit ? `${hit.kind} before the job was completed` : null;
   };
@@ -877,6 +924,29 @@ async function analyse(
     }
   }
 
+  // From the termination of a lock session that was up (connected, not lost since) to its process's
+  // lock:lost, both on this machine's clock. A termination that meets a session while it connects fails
+  // that connection attempt instead, with no lock:lost (nothing was held on it).
+  const up = context.terminations.filter(({ at, slot }) => {
+    const since = slot.connected.filter((c) => c < at).at(-1);
+    return since !== undefined && !slot.lost.some((l) => l.at > since && l.at < at);
+  });
+  const detection = up
+    .map(({ at, slot }) => {
+      const lostAt = slot.lost.find((l) => l.at >= at)?.at;
+      return lostAt === undefined ? null : lostAt - at;
+    })
+    .filter((ms): ms is number => ms !== null)
+    .sort((a, b) => a - b);
+  if (detection.length < up.length)
+    violations.push(
+      `${up.length - detection.length} termination(s) of a lock session that was up went unnoticed`,
+    );
+  const quantile = (q: number) =>
+    detection.length === 0
+      ? null
+      : detection[Math.min(detection.length - 1, Math.floor(q * detection.length))];
+
   const outcomes = countBy(enqueues.map((e) => e.outcome));
   return {
     executions: {
@@ -888,6 +958,15 @@ async function analyse(
     enqueues: outcomes,
     overlaps,
     overlapsAfterLockLoss: excusedOverlaps,
+    overlapsLossNoticedAfterReturn: overlapsNoticedAfterReturn,
+    lockLossDetectionMs: {
+      terminations: context.terminations.length,
+      ofSessionsUp: up.length,
+      noticed: detection.length,
+      p50: quantile(0.5),
+      p99: quantile(0.99),
+      max: detection.at(-1) ?? null,
+    },
     jobsLost: lost.length,
     repeatedWithoutCause: repeated.length,
     reruns,

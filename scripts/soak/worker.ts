@@ -92,6 +92,15 @@ locks.events.on("lock:lost", ({ holds, error }) => {
     name,
     JSON.stringify({ holds: holds.map((h) => h.jobId), error: error.message }),
   ]);
+  // Jobs that had returned before the loss was noticed: their abort could not cover them.
+  for (const h of holds) {
+    if (h.returned && h.jobId !== null) {
+      record(
+        `insert into ${SOAK_SCHEMA}.events (kind, job_id, worker) values ('lock:lost-returned', $1, $2)`,
+        [h.jobId, name],
+      );
+    }
+  }
 });
 locks.events.on("session:connected", () => send({ type: "connected", at: Date.now() }));
 
