@@ -169,6 +169,18 @@ describe("lock loss", () => {
     ).toHaveLength(1);
   });
 
+  it("an idle lock session whose backend is terminated notices at once, not at its next heartbeat", async () => {
+    const locks = newLocks({ heartbeatInterval: 600_000, reconnectDelay: { min: 50, max: 100 } });
+    await locks.connect();
+    const pid = locks.status().pid!;
+    // (nextEvent gives up after 20 s, long before a heartbeat would run)
+    const lost = nextEvent(locks, "lock:lost");
+    const reconnected = nextEvent(locks, "session:connected");
+    await db.pool().query("select pg_terminate_backend($1)", [pid]);
+    expect((await lost).holds).toEqual([]);
+    expect((await reconnected).pid).not.toBe(pid);
+  });
+
   it("the same worker's next job after a reconnection gets a live abort signal", async () => {
     const locks = newLocks({ reconnectDelay: { min: 50, max: 200 } });
     const seen: Array<{ id: number; aborted: boolean }> = [];
