@@ -30,9 +30,10 @@ export interface SessionSettings {
 
 /**
  * The settings under which the server ends a lock session whose client went silent `partitionTimeoutMs`
- * ago. Keepalive probes start halfway and are spaced so that the last one falls on the bound (in whole
- * seconds, as PostgreSQL takes them); `tcp_user_timeout` ends the connection at the first probe at or past
- * the bound, or when data sent has gone unacknowledged that long.
+ * ago. Keepalive probes start halfway and are spaced a tenth apart so that the last one falls on the bound
+ * (in whole seconds, as PostgreSQL takes them); `tcp_user_timeout` ends the connection at the first probe
+ * at or past the bound (so at most a probe interval late), or when data sent has gone unacknowledged that
+ * long.
  */
 export function sessionSettings(partitionTimeoutMs: number): SessionSettings {
   const seconds = Math.max(1, Math.floor(partitionTimeoutMs / 1000));

@@ -99,9 +99,10 @@ export interface LocksOptions {
   heartbeatTimeout?: number;
   /**
    * How long, in ms, the server keeps the locks of a lock session whose network went silent (a partition: no
-   * reset, no answer) before it ends the session and frees them: TCP keepalives and `tcp_user_timeout` of the
-   * session's backend (at whole seconds; `tcp_user_timeout` is Linux only, elsewhere the keepalives alone end
-   * it, in about the same time). It must exceed `heartbeatInterval + heartbeatTimeout`, the time the holder
+   * reset, no answer) before it ends the session and frees them, counted from the last packet it had from it:
+   * never sooner, at most a tenth (or 1 s) later (the next keepalive probe). Set as TCP keepalives and
+   * `tcp_user_timeout` of the session's backend (keepalives at whole seconds; `tcp_user_timeout` is Linux
+   * only, elsewhere the keepalives alone end it, in about the same time). It must exceed `heartbeatInterval + heartbeatTimeout`, the time the holder
    * takes to find the connection dead (its abort signals fire first), or another process could take a key
    * while its holder still runs unaware.
    * @defaultValue `60000`, or `2 × (heartbeatInterval + heartbeatTimeout)` when that is longer

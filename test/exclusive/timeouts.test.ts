@@ -8,6 +8,7 @@ import { randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
 import { InvalidArgumentError, makeLocks } from "../../src/index.js";
+import { sessionSettings } from "../../src/keepalive.js";
 import { withAdmin } from "../support/admin.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
@@ -120,6 +121,24 @@ describe("timeouts set on the lock session's role", () => {
 });
 
 describe("partitionTimeout", () => {
+  it("sets keepalive probes from halfway, a tenth apart, the last on the bound, and tcp_user_timeout to it", () => {
+    const timers = (ms: number) =>
+      Object.fromEntries(sessionSettings(ms).server.filter(([name]) => name.startsWith("tcp_")));
+    expect(timers(60_000)).toEqual({
+      tcp_keepalives_idle: "30",
+      tcp_keepalives_interval: "6",
+      tcp_keepalives_count: "5",
+      tcp_user_timeout: "60000",
+    });
+    expect(timers(5000)).toEqual({
+      tcp_keepalives_idle: "1",
+      tcp_keepalives_interval: "1",
+      tcp_keepalives_count: "5",
+      tcp_user_timeout: "5000",
+    });
+    expect(sessionSettings(60_000).keepAliveInitialDelayMillis).toBe(30_000);
+  });
+
   it("is validated: a number of ms, longer than the heartbeat takes to find a dead connection", () => {
     const make = (options: Record<string, unknown>) =>
       makeLocks({ connectionString: db.url, ...options });
