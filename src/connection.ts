@@ -36,6 +36,7 @@ import {
   type LocksError,
 } from "./errors.js";
 import type { HoldImpl } from "./holds.js";
+import { SET_SESSION_SETTINGS, sessionSettings } from "./keepalive.js";
 import { LeftoverRelease } from "./leftovers.js";
 import { destroySocket, discard } from "./pgclient.js";
 import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "./sql.js";
@@ -67,6 +68,8 @@ export interface LockConnectionOptions {
   heartbeatIntervalMs: number;
   /** How long a heartbeat or lock statement may go unanswered before the connection counts as lost. */
   heartbeatTimeoutMs: number;
+  /** How long the server keeps the locks of a session whose network went silent (keepalive.ts). */
+  partitionTimeoutMs: number;
   registryIntervalMs: number;
   reconnectDelayMs: { min: number; max: number };
 }
@@ -250,8 +253,14 @@ export class LockConnection {
 
   private async doConnect(): Promise<void> {
     this.state = "connecting";
+    const settings = sessionSettings(this.options.partitionTimeoutMs);
     // Pipelined: the session may send a lock statement before the previous one is answered (session.ts).
-    const client = new pg.Client({ keepAlive: true, ...this.options.client, pipeline: true });
+    const client = new pg.Client({
+      ...this.options.client,
+      keepAlive: true,
+      keepAliveInitialDelayMillis: settings.keepAliveInitialDelayMillis,
+      pipeline: true,
+    });
     // A client that fails before it is this connection's (`this.client`) is not `lost()`: it fails the
     // connection attempt instead, even when the failure came between the last statement's answer and the
     // state's change to ready (a termination read in the same packet as that answer).
@@ -267,6 +276,11 @@ export class LockConnection {
     try {
       await client.connect();
       connected = true;
+      // First, before the session waits for anything (a role's `idle_session_timeout` would end it meanwhile).
+      await client.query(SET_SESSION_SETTINGS, [
+        settings.server.map(([name]) => name),
+        settings.server.map(([, value]) => value),
+      ]);
       await this.options.prepare();
       const token = randomUUID();
       const { pid, claimed } = await claimBackend(client, token);

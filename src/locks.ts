@@ -18,6 +18,7 @@ import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
 import {
   resolveExclusiveOptions,
+  resolvePartitionTimeout,
   validateLocksTimings,
   type AddJobSpec,
   type ExclusiveOptions,
@@ -112,6 +113,7 @@ export function makeLocks(options: LocksOptions): Locks {
     prepare: ensureMigrated,
     heartbeatIntervalMs: options.heartbeatInterval ?? 5000,
     heartbeatTimeoutMs: options.heartbeatTimeout ?? 20_000,
+    partitionTimeoutMs: resolvePartitionTimeout(options),
     registryIntervalMs: 500,
     reconnectDelayMs: {
       min: options.reconnectDelay?.min ?? 100,

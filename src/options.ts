@@ -98,6 +98,17 @@ export interface LocksOptions {
    */
   heartbeatTimeout?: number;
   /**
+   * How long, in ms, the server keeps the locks of a lock session whose network went silent (a partition: no
+   * reset, no answer) before it ends the session and frees them, counted from the last packet it had from it:
+   * never sooner, at most a tenth (or 1 s) later (the next keepalive probe). Set as TCP keepalives and
+   * `tcp_user_timeout` of the session's backend (keepalives at whole seconds; `tcp_user_timeout` is Linux
+   * only, elsewhere the keepalives alone end it, in about the same time). It must exceed `heartbeatInterval + heartbeatTimeout`, the time the holder
+   * takes to find the connection dead (its abort signals fire first), or another process could take a key
+   * while its holder still runs unaware.
+   * @defaultValue `60000`, or `2 × (heartbeatInterval + heartbeatTimeout)` when that is longer
+   */
+  partitionTimeout?: number;
+  /**
    * How long a job that finds the lock session unavailable (reconnecting after a lost connection) waits for
    * it, in ms. A job whose session comes back in time runs then; otherwise it goes back to the queue without
    * its attempt counted (`job:deferred`) and runs as soon as the session is back. It never runs unlocked.
@@ -140,6 +151,30 @@ export function validateLocksTimings(options: LocksOptions): void {
   }
   if (options.lockSessionWait !== undefined)
     assertNonNegative("lockSessionWait", options.lockSessionWait);
+  resolvePartitionTimeout(options);
+}
+
+/**
+ * `partitionTimeout`, or its default; refused when the server could free a silent holder's locks before the
+ * holder's heartbeat finds its connection dead.
+ */
+export function resolvePartitionTimeout(options: LocksOptions): number {
+  const detection = (options.heartbeatInterval ?? 5000) + (options.heartbeatTimeout ?? 20_000);
+  const value = options.partitionTimeout;
+  if (value === undefined) return Math.max(60_000, 2 * detection);
+  if (typeof value !== "number" || !Number.isFinite(value) || value < 1000) {
+    throw new InvalidArgumentError(
+      `\`partitionTimeout\` must be a number of milliseconds of at least 1000, got ${String(value)}`,
+    );
+  }
+  if (value <= detection) {
+    throw new InvalidArgumentError(
+      `\`partitionTimeout\` (${value} ms) must exceed \`heartbeatInterval\` + \`heartbeatTimeout\` (${detection} ms): ` +
+        "the server would free the locks of a holder cut off by the network before the holder finds out, and " +
+        "another process could take a key while its holder still runs",
+    );
+  }
+  return value;
 }
 
 function assertPositiveInteger(name: string, value: unknown): asserts value is number {
