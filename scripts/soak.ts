@@ -489,6 +489,8 @@ async function main(): Promise<number> {
     const drainStart = Date.now();
     let hurried = 0;
     const completionsLost: string[] = [];
+    /** Jobs whose completion graphile-worker lost (unlocked here to run again). */
+    const completionLostIds = new Set<string>();
     let remaining = -1;
     while (Date.now() - drainStart < 30_000) {
       try {
@@ -537,6 +539,7 @@ async function main(): Promise<number> {
           );
           for (const r of uncompleted) {
             const { worker, failed } = completions.get(r.id)!;
+            completionLostIds.add(r.id);
             completionsLost.push(
               `job ${r.id} on ${worker} (${failed ? "failed" : "succeeded"}): its end was never recorded`,
             );
@@ -604,6 +607,7 @@ async function main(): Promise<number> {
       restartMs,
       restartUs,
       terminations,
+      completionLostIds,
     });
     const report = {
       seed: options.seed,
@@ -684,6 +688,7 @@ async function analyse(
     partition: { at: number; us: bigint | null; until: number } | null;
     slots: Slot[];
     terminations: Array<{ at: number; slot: Slot }>;
+    completionLostIds: Set<string>;
   },
 ) {
   const us = (column: string) => `(extract(epoch from ${column}) * 1000000)::bigint::text`;
@@ -844,6 +849,7 @@ async function analyse(
       let why: string;
       if (run.aborted !== null) why = `aborted (${run.aborted})`;
       else if (run.interrupted !== null) why = run.interrupted;
+      else if (context.completionLostIds.has(run.jobId)) why = "completion lost by graphile-worker";
       else {
         why =
           chaosBetween(run.worker, run.end!, runs[i + 1]!.start) ?? "ran to the end, then again";
