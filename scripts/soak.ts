@@ -29,7 +29,7 @@ import { makeLocks } from "../src/index.js";
 import { databaseUrl, startPostgres } from "./postgres.js";
 import { between, seeded } from "./soak/random.js";
 import { startProxy } from "./soak/proxy.js";
-import { SOAK_SCHEMA, type SoakMessage } from "./soak/shared.js";
+import { SOAK_SCHEMA, type SoakMessage, type SoakWorkerStatus } from "./soak/shared.js";
 
 const WORKER = fileURLToPath(new URL("./soak/worker.ts", import.meta.url));
 const ENQUEUER = fileURLToPath(new URL("./soak/enqueuer.ts", import.meta.url));
@@ -148,6 +148,8 @@ interface Slot {
   lost: Array<{ at: number; holds: number; code: string | null }>;
   /** When its lock session (re)connected, by its clock. */
   connected: number[];
+  /** What it was doing each second after the restart (asked over IPC). */
+  afterRestart: SoakWorkerStatus[];
   killing: boolean;
   ready: boolean;
 }
@@ -264,6 +266,7 @@ async function main(): Promise<number> {
         workerIds: [],
         lost: [],
         connected: [],
+        afterRestart: [],
         killing: false,
         ready: false,
       };
@@ -274,6 +277,7 @@ async function main(): Promise<number> {
         }
         if (message.type === "lost") slot.lost.push(message);
         if (message.type === "connected") slot.connected.push(message.at);
+        if (message.type === "status") slot.afterRestart.push(message.status);
         if (message.type === "completed")
           completions.set(message.jobId, {
             worker: name,
@@ -365,6 +369,8 @@ async function main(): Promise<number> {
     let restartUs: bigint | null = null;
     let restartMs: number | null = null;
     let partition: { at: number; us: bigint | null; until: number } | null = null;
+    /** Runnable jobs in the queue, each second of the 5 s after the restart. */
+    const queuedAfterRestart: number[] = [];
     /** Terminations of lock sessions (this process's clock), to time their detection. */
     const terminations: Array<{ at: number; slot: Slot }> = [];
     const runEvent = async (event: ChaosEvent): Promise<void> => {
@@ -441,6 +447,28 @@ async function main(): Promise<number> {
             us,
             detail: `${restartMs} ms down`,
           });
+          // What each process does in the 5 s after the restart, once a second: a process that runs
+          // nothing while jobs wait shows whether its jobs wait in the library (for the session, or to be
+          // given back) or whether it fetches nothing.
+          const waiting = (async () => {
+            for (let second = 0; second < 5; second++) {
+              await sleep(1000);
+              for (const slot of slots) {
+                if (slot.child.connected && !slot.killing) slot.child.send({ type: "status" });
+              }
+              queuedAfterRestart.push(
+                await admin
+                  .query<{ n: number }>(
+                    "select count(*)::int as n from graphile_worker.jobs where task_identifier like 'soak_%' and locked_at is null and run_at <= now()",
+                  )
+                  .then(
+                    ({ rows }) => rows[0]!.n,
+                    () => -1,
+                  ),
+              );
+            }
+          })();
+          restarts.push(waiting);
           return;
         }
         case "partition": {
@@ -608,6 +636,7 @@ async function main(): Promise<number> {
       restartUs,
       terminations,
       completionLostIds,
+      queuedAfterRestart,
     });
     const report = {
       seed: options.seed,
@@ -689,6 +718,7 @@ async function analyse(
     slots: Slot[];
     terminations: Array<{ at: number; slot: Slot }>;
     completionLostIds: Set<string>;
+    queuedAfterRestart: number[];
   },
 ) {
   const us = (column: string) => `(extract(epoch from ${column}) * 1000000)::bigint::text`;
@@ -906,6 +936,16 @@ async function analyse(
       else {
         recovery[name] = "ran nothing after the restart";
         violations.push(`worker ${name} ran nothing after the PostgreSQL restart`);
+      }
+      const slot = context.slots.find((s) => s.name === name);
+      const slow = typeof recovery[name] === "string" || (recovery[name] as number) > 2000;
+      if (slot && slow) {
+        recovery[`${name} each second after`] = slot.afterRestart
+          .map(
+            (s, i) =>
+              `${s.startedSinceLast} started, ${s.running} running, ${s.waitingForSession} waiting for the session, ${s.givingBack} being given back, session ${s.session}, ${context.queuedAfterRestart[i] ?? "?"} runnable in the queue`,
+          )
+          .join("; ");
       }
     }
   }

@@ -11,6 +11,8 @@ export interface LocksContext {
   readonly sql: Sql;
   /** How long a job waits for an unavailable lock session before it goes back to the queue (ms). */
   readonly lockSessionWaitMs: number;
+  /** Jobs that wait out an unavailable lock session, and jobs being given back meanwhile (for `status()`). */
+  readonly outage: { waitingForSession: number; givingBack: number };
   emit<K extends keyof LocksEvents>(event: K, payload: LocksEvents[K]): void;
   /** Whether anyone listens to `event` (to skip building its payload). */
   listening(event: keyof LocksEvents): boolean;

@@ -353,33 +353,38 @@ export function makeExclusiveTask<TPayload>(
   const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<void> => {
     const runAt = new Date(Date.now() + Math.max(DEFER_MIN_MS, ctx.lockSessionWaitMs));
     let newJobId: string | null;
-    for (let tries = 1; ; tries++) {
-      try {
-        newJobId = await helpers.withPgClient(async (client) => {
-          try {
-            const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
-              job.id,
-              runAt.toISOString(),
-              ctx.session.connection.pid,
-            ]);
-            return rows[0]?.id ?? null;
-          } catch (error) {
-            // (a connection in an uncertain state goes, rather than back to the pool)
-            await (client as { end(): Promise<void> }).end().catch(() => undefined);
-            throw error;
+    ctx.outage.givingBack++;
+    try {
+      for (let tries = 1; ; tries++) {
+        try {
+          newJobId = await helpers.withPgClient(async (client) => {
+            try {
+              const { rows } = await client.query<{ id: string | null }>(ctx.sql.deferJob, [
+                job.id,
+                runAt.toISOString(),
+                ctx.session.connection.pid,
+              ]);
+              return rows[0]?.id ?? null;
+            } catch (error) {
+              // (a connection in an uncertain state goes, rather than back to the pool)
+              await (client as { end(): Promise<void> }).end().catch(() => undefined);
+              throw error;
+            }
+          });
+          break;
+        } catch (deferError) {
+          if (tries === 1) {
+            helpers.logger.warn(
+              `Could not give job ${job.id} back to the queue while the lock session is unavailable (trying again; the job does not run meanwhile): ${String(deferError)}`,
+              { error: deferError },
+            );
           }
-        });
-        break;
-      } catch (deferError) {
-        if (tries === 1) {
-          helpers.logger.warn(
-            `Could not give job ${job.id} back to the queue while the lock session is unavailable (trying again; the job does not run meanwhile): ${String(deferError)}`,
-            { error: deferError },
-          );
+          if (helpers.abortSignal?.aborted) throw deferError;
+          await sleep(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), helpers.abortSignal);
         }
-        if (helpers.abortSignal?.aborted) throw deferError;
-        await sleep(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), helpers.abortSignal);
       }
+    } finally {
+      ctx.outage.givingBack--;
     }
     if (newJobId === null) throw new Error(`Could not defer job ${job.id}: it no longer exists`);
     helpers.logger.info(
@@ -405,7 +410,13 @@ export function makeExclusiveTask<TPayload>(
       } catch (error) {
         if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
         const left = deadline - performance.now();
-        if (left > 0 && (await ctx.session.connection.whenReady(left))) continue;
+        if (left > 0) {
+          ctx.outage.waitingForSession++;
+          const ready = await ctx.session.connection
+            .whenReady(left)
+            .finally(() => ctx.outage.waitingForSession--);
+          if (ready) continue;
+        }
         await defer(job, helpers, error);
         return null;
       }

@@ -209,6 +209,7 @@ export function makeLocks(options: LocksOptions): Locks {
     session,
     sql,
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
+    outage: { waitingForSession: 0, givingBack: 0 },
     emit,
     prefetched: (jobId) => prefetcher.take(jobId),
     listening: (event) => events.listenerCount(event) > 0,
@@ -337,6 +338,7 @@ export function makeLocks(options: LocksOptions): Locks {
         })),
         statements: session.connection.statements,
         handoffs: { ...session.handoffs },
+        outage: { ...ctx.outage },
       };
     },
     async release() {

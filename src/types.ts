@@ -126,6 +126,12 @@ export interface Locks {
      * in this process without an unlock, and keys taken after waiting for another process's release.
      */
     handoffs: HandoffCounts;
+    /**
+     * Jobs of this process that wait, right now, for an unavailable lock session (up to `lockSessionWait`),
+     * and jobs being given back to the queue meanwhile (a give-back whose answer did not come is asked
+     * again, and the job does not run until one comes).
+     */
+    outage: { waitingForSession: number; givingBack: number };
   };
   /**
    * Follows a runner of this process:

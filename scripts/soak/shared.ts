@@ -20,7 +20,22 @@ export type SoakMessage =
   | { type: "lost"; at: number; holds: number; code: string | null }
   | { type: "connected"; at: number }
   | { type: "completed"; jobId: string; attempts: number; failed: boolean }
+  | { type: "status"; at: number; status: SoakWorkerStatus }
   | { type: "stopped" };
+
+/** What a worker process is doing, as the soak asks after the restart. */
+export interface SoakWorkerStatus {
+  /** The lock session's state, and the keys this process holds. */
+  session: string;
+  held: number;
+  /** Jobs waiting for the lock session, and being given back, in the wrapper. */
+  waitingForSession: number;
+  givingBack: number;
+  /** Jobs graphile-worker started and has not completed. */
+  running: number;
+  /** Jobs this process started since it was asked last. */
+  startedSinceLast: number;
+}
 
 /** A pool whose errors (a server-side disconnection of an idle or a busy client) are ignored, never thrown. */
 export function makePool(config: pg.PoolConfig): pg.Pool {

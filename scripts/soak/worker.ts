@@ -165,6 +165,14 @@ const dedupe = locks.exclusive<SoakPayload>(
 const unlocked: Task = (payload, helpers) => body("soak_serial", payload as SoakPayload, helpers);
 
 const events: WorkerEvents = new EventEmitter();
+let running = 0;
+let started = 0;
+let startedAtLastStatus = 0;
+events.on("job:start", () => {
+  running++;
+  started++;
+});
+events.on("job:complete", () => running--);
 // graphile-worker 0.18 locks jobs in the pool's name (`locked_by`), not the worker's: the soak process
 // needs it to unlock this process's jobs after killing it.
 events.on("pool:create", ({ workerPool }) => send({ type: "workerId", workerId: workerPool.id }));
@@ -209,6 +217,23 @@ locks.attach(runner);
 
 let stopping: Promise<void> | undefined;
 process.on("message", (message: { type?: string }) => {
+  if (message?.type === "status") {
+    const status = locks.status();
+    send({
+      type: "status",
+      at: Date.now(),
+      status: {
+        session: status.state,
+        held: status.held.length,
+        waitingForSession: status.outage.waitingForSession,
+        givingBack: status.outage.givingBack,
+        running,
+        startedSinceLast: started - startedAtLastStatus,
+      },
+    });
+    startedAtLastStatus = started;
+    return;
+  }
   if (message?.type !== "stop") return;
   stopping ??= (async () => {
     setTimeout(() => process.exit(1), 15_000).unref();
