@@ -9,6 +9,7 @@ import { pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
 import { loadConfig } from "graphile-config/load";
 import pg from "pg";
+import { InvalidArgumentError } from "./errors.js";
 import { lockKey } from "./key.js";
 import { migrate } from "./migrate.js";
 import { payloadWithoutCron, resolveWorkerOptions, validateLocksPresetOptions } from "./preset.js";
@@ -62,7 +63,7 @@ async function rulesOf(worker: GraphileConfig.WorkerOptions, task: string): Prom
   if (fromConfig !== undefined) validateTaskRules(task, fromConfig, "`worker.locks.tasks`");
   let fromFile: TaskLocksOptions | undefined;
   let file: string | undefined;
-  // A task list given to `run()` in code has no files: only a task directory is read.
+  // Only the task directory is read: the rules of a task list given to `run()` in code are in no file.
   if (worker.taskDirectory) {
     file = pickTaskFile(
       await findTaskFiles(worker.taskDirectory, task),
@@ -72,6 +73,8 @@ async function rulesOf(worker: GraphileConfig.WorkerOptions, task: string): Prom
       try {
         fromFile = await readFileRules(task, file);
       } catch (error) {
+        // (wrong rules in a file that loads are reported as the workers report them)
+        if (error instanceof InvalidArgumentError) throw error;
         throw new Error(
           `cannot tell the rules of task '${task}': its file ${file} could not be loaded (${(error as Error).message}). ` +
             `The workers apply the rules its \`locks\` export declares; run this command as the workers run (a TypeScript task file needs a loader, e.g. NODE_OPTIONS="--import tsx/esm")`,
