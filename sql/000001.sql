@@ -4,7 +4,7 @@
 -- :GRAPHILE_WORKER_SCHEMA (graphile-worker's schema). Both arrive quoted.
 --
 -- Contents, in order:
---   1. Who holds what: the holder registry and the held_locks view.
+--   1. Who holds what: the holder registry, the lock sessions' processes and the held_locks view.
 --   2. Unique jobs: windows, the flags a unique job carries, and the check of an existing job.
 --   3. The lock statement's helpers: semaphores, and the line of a `reschedule` key.
 --   4. Parking a job, and waking the line when its key frees (and a little before).
@@ -30,8 +30,19 @@ create unlogged table :GWL_SCHEMA.lock_holders (
   primary key (pid, lock_key)
 );
 
+-- Each lock session of this library, written by the session when it connects: the process it belongs to and
+-- that process's host, which PostgreSQL does not know (its `pid` is the backend's). A row counts only while
+-- its backend is the one that wrote it (`backend_start`), so a backend pid reused by another client shows no
+-- process; stale rows are dropped by the next session that connects.
+create unlogged table :GWL_SCHEMA.lock_sessions (
+  pid int primary key,
+  backend_start timestamptz not null,
+  process_id int not null,
+  host text not null
+);
+
 -- Every advisory lock held in this database (one-bigint form), with the holder's session and, for locks
--- taken by this library, the task, job and time of acquisition.
+-- taken by this library, the worker process and its host, and the task, job and time of acquisition.
 create view :GWL_SCHEMA.held_locks as
 select
   ((l.classid::int8 << 32) | l.objid::int8) as lock_key,
@@ -41,11 +52,14 @@ select
   a.application_name,
   a.client_addr,
   h.since,
-  a.backend_start as session_started_at
+  a.backend_start as session_started_at,
+  s.process_id,
+  s.host
 from pg_catalog.pg_locks l
 join pg_catalog.pg_stat_activity a on a.pid = l.pid
 left join :GWL_SCHEMA.lock_holders h
   on h.pid = l.pid and h.lock_key = ((l.classid::int8 << 32) | l.objid::int8)
+left join :GWL_SCHEMA.lock_sessions s on s.pid = l.pid and s.backend_start = a.backend_start
 where l.locktype = 'advisory'
   and l.objsubid = 1
   and l.granted

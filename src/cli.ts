@@ -1,17 +1,25 @@
 #!/usr/bin/env node
 /**
  * `graphile-worker-locks`: the operator's command line. `status` (who holds what, who waits), `check` (a
- * doctor), `migrate` (the only command that writes). Reads the same config file as graphile-worker
- * (`-C`), or `--connection` / `DATABASE_URL`.
+ * doctor), `migrate` (the only command that writes). Reads the config graphile-worker reads (`-C`, else a
+ * `graphile.config.*` in the current folder, found by graphile-config as graphile-worker's CLI finds it),
+ * resolved as graphile-worker resolves it; `--connection` and `DATABASE_URL` where there is none.
  */
-import { resolve } from "node:path";
 import { pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
+import { loadConfig } from "graphile-config/load";
 import pg from "pg";
-import { slotKeys } from "./key.js";
+import { InvalidArgumentError } from "./errors.js";
+import { lockKey } from "./key.js";
 import { migrate } from "./migrate.js";
-import { payloadWithoutCron, resolveWorkerOptions } from "./preset.js";
-import type { TaskLocksOptions } from "./preset/rules.js";
+import { payloadWithoutCron, resolveWorkerOptions, validateLocksPresetOptions } from "./preset.js";
+import { findTaskFiles, pickTaskFile, readFileRules } from "./preset/files.js";
+import {
+  jobLockKeys,
+  mergeRules,
+  validateTaskRules,
+  type TaskLocksOptions,
+} from "./preset/rules.js";
 import {
   readOnlyClient,
   readStatus,
@@ -30,7 +38,8 @@ Commands:
   migrate                  installs or upgrades the library's schema (the only command that writes)
 
 Options:
-  -C, --config <file>      a graphile config file (graphile.config.mjs; .ts needs a loader such as tsx)
+  -C, --config <file>      the graphile config file (default: graphile.config.* in the current folder,
+                           as graphile-worker finds it; .ts needs a loader such as tsx)
   -c, --connection <url>   the database (default: the config's, or DATABASE_URL)
   -s, --schema <name>      graphile-worker's schema (default: the config's, or graphile_worker)
       --json               machine-readable output (status, check)
@@ -42,15 +51,56 @@ Options:
 
 class UsageError extends Error {}
 
-async function loadConfig(path: string | undefined): Promise<GraphileConfig.Preset | null> {
-  if (!path) return null;
-  const mod = (await import(pathToFileURL(resolve(path)).href)) as {
-    default?: GraphileConfig.Preset;
-  };
-  if (!mod.default || typeof mod.default !== "object") {
-    throw new UsageError(`${path} has no default export (a graphile config preset)`);
+/** A task's rules as its workers apply them: its task file's `locks` export under the config's entry. */
+interface FocusRules {
+  rules: TaskLocksOptions | undefined;
+  /** Where they come from: the config, the task file, both, or nowhere. */
+  from: string[];
+}
+
+async function rulesOf(worker: GraphileConfig.WorkerOptions, task: string): Promise<FocusRules> {
+  const fromConfig = worker.locks?.tasks?.[task] as TaskLocksOptions | undefined;
+  if (fromConfig !== undefined) validateTaskRules(task, fromConfig, "`worker.locks.tasks`");
+  let fromFile: TaskLocksOptions | undefined;
+  let file: string | undefined;
+  // Only the task directory is read: the rules of a task list given to `run()` in code are in no file.
+  if (worker.taskDirectory) {
+    file = pickTaskFile(
+      await findTaskFiles(worker.taskDirectory, task),
+      worker.fileExtensions,
+    )?.fullPath;
+    if (file) {
+      try {
+        fromFile = await readFileRules(task, file);
+      } catch (error) {
+        // (wrong rules in a file that loads are reported as the workers report them)
+        if (error instanceof InvalidArgumentError) throw error;
+        throw new Error(
+          `cannot tell the rules of task '${task}': its file ${file} could not be loaded (${(error as Error).message}). ` +
+            `The workers apply the rules its \`locks\` export declares; run this command as the workers run (a TypeScript task file needs a loader, e.g. NODE_OPTIONS="--import tsx/esm")`,
+          { cause: error },
+        );
+      }
+    }
   }
-  return mod.default;
+  return {
+    rules: mergeRules(fromFile, fromConfig),
+    from: [
+      ...(fromFile ? [`the \`locks\` export of ${file}`] : []),
+      ...(fromConfig ? ["the config's `worker.locks.tasks`"] : []),
+    ],
+  };
+}
+
+/** A session as `status` names it: its worker process and host (when it is a lock session), and its backend. */
+function holder(s: {
+  pid: number;
+  processId: number | null;
+  host: string | null;
+  applicationName: string;
+}): string {
+  const worker = s.processId === null ? "process ?" : `process ${s.processId} on ${s.host}`;
+  return `${worker}  backend pid ${s.pid} (${s.applicationName})`;
 }
 
 function formatStatus(status: Status, focus: string | null): string {
@@ -59,7 +109,7 @@ function formatStatus(status: Status, focus: string | null): string {
   out.push(`Held locks (${status.held.length}):`);
   for (const h of status.held) {
     out.push(
-      `  key ${h.lockKey}  task ${h.taskIdentifier ?? "?"}  job ${h.jobId ?? "?"}  pid ${h.pid} (${h.applicationName})  since ${h.since ?? "?"}`,
+      `  key ${h.lockKey}  task ${h.taskIdentifier ?? "?"}  job ${h.jobId ?? "?"}  ${holder(h)}  since ${h.since ?? "?"}`,
     );
   }
   out.push(`Parked jobs (${status.lines.reduce((n, l) => n + l.waiting, 0)}):`);
@@ -71,7 +121,7 @@ function formatStatus(status: Status, focus: string | null): string {
   out.push(`Unique windows alive: ${status.uniqueWindowsAlive}`);
   out.push(`Lock sessions connected (${status.sessions.length}):`);
   for (const s of status.sessions) {
-    out.push(`  pid ${s.pid}  ${s.applicationName}  since ${s.connectedAt}`);
+    out.push(`  ${holder(s)}  since ${s.connectedAt}`);
   }
   return out.join("\n");
 }
@@ -97,14 +147,17 @@ export async function main(argv: string[]): Promise<number> {
     return values.help ? 0 : 2;
   }
   const preset = await loadConfig(values.config);
-  const worker = preset ? resolveWorkerOptions(preset) : {};
+  const worker = resolveWorkerOptions(preset ?? {});
+  validateLocksPresetOptions(worker.locks);
   const connectionString =
     values.connection ??
     worker.locks?.connectionString ??
     worker.connectionString ??
     process.env.DATABASE_URL;
   if (!connectionString) {
-    throw new UsageError("no database: pass --connection, -C <config>, or set DATABASE_URL");
+    throw new UsageError(
+      `no database: pass --connection, -C <config>, or set DATABASE_URL (${preset ? `the config sets no \`worker.connectionString\`` : `no -C, and no graphile.config.* in ${process.cwd()}`})`,
+    );
   }
   const target: Target = {
     connectionString,
@@ -158,15 +211,17 @@ export async function main(argv: string[]): Promise<number> {
         } catch (error) {
           throw new UsageError(`the payload must be JSON: ${(error as Error).message}`);
         }
-        const rules = worker.locks?.tasks?.[task] as TaskLocksOptions | undefined;
-        const key = (rules?.key as ((p: unknown) => unknown) | undefined) ?? payloadWithoutCron;
-        keys = slotKeys(
-          task,
-          key(payload),
-          rules?.limit ?? 1,
-          rules?.key ? "key(payload)" : "payload",
-        );
-        focus = `Task ${task}, payload ${JSON.stringify(payload)}: key ${keys.join(", ")}${rules ? "" : " (no rules for this task in the config: the whole payload is the key)"}`;
+        const { rules, from } = await rulesOf(worker, task);
+        const ruled = rules && jobLockKeys(task, rules, payload, worker.locks?.defaults);
+        // Without rules (or with unique-only rules) its jobs take no lock: the key shown is the one an
+        // empty entry would give them.
+        keys = ruled ?? [lockKey(task, payloadWithoutCron(payload))];
+        const why = !rules
+          ? "no rules for this task in the config or its task file, so its jobs take no lock; the key of the whole payload"
+          : !ruled
+            ? `its rules (${from.join(" and ")}) are unique only, so its jobs take no lock; the key of the whole payload`
+            : `rules from ${from.join(" and ")}`;
+        focus = `Task ${task}, payload ${JSON.stringify(payload)}: key ${keys.join(", ")} (${why})`;
       }
       const client = readOnlyClient(connectionString);
       await client.connect();

@@ -26,6 +26,7 @@
  * (`LeftoverRelease`, leftovers.ts).
  */
 import { randomUUID } from "node:crypto";
+import { hostname } from "node:os";
 import pg from "pg";
 import type { ClientConfig } from "pg";
 import {
@@ -295,7 +296,7 @@ export class LockConnection {
       // parameters: a generic plan skips the unused ones at run time, while PostgreSQL's default would keep
       // re-planning it for each call (measured: 3× the cost of a lock and unlock).
       await client.query("set synchronous_commit = off; set plan_cache_mode = force_generic_plan");
-      await client.query(this.options.sql.cleanHolders);
+      await client.query(this.options.sql.registerSession, [process.pid, hostname()]);
       client.on("notification", (message) => {
         if (message.channel === this.options.sql.releaseChannel && message.payload)
           this.host.onReleaseNotice(message.payload);

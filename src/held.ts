@@ -10,6 +10,8 @@ interface HeldLockRow {
   task_identifier: string | null;
   job_id: string | null;
   pid: number;
+  process_id: number | null;
+  host: string | null;
   application_name: string;
   since: Date | null;
   session_started_at: Date;
@@ -27,6 +29,8 @@ export async function readHeldLocks(
     taskIdentifier: r.task_identifier,
     jobId: r.job_id,
     pid: r.pid,
+    processId: r.process_id,
+    host: r.host,
     applicationName: r.application_name,
     since: r.since,
     sessionStartedAt: r.session_started_at,

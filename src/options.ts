@@ -85,7 +85,7 @@ export interface LocksOptions {
    * @defaultValue `false`
    */
   allowUntestedWorkerSchema?: boolean;
-  /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<pid>"` */
+  /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<host>/<pid>"` */
   applicationName?: string;
   /** Where warnings go. @defaultValue graphile-worker's console logger */
   logger?: Logger;

@@ -13,14 +13,17 @@
  * - `poolGracefulShutdown` / `poolForcefulShutdown` (middleware) and `pool:release`: the pool lets go of
  *   the instance; the last pool to do so releases it (closing the lock session).
  */
-import { pathToFileURL } from "node:url";
 import type { Pool } from "pg";
+import { resolvePreset } from "graphile-config";
+import { WorkerPreset } from "graphile-worker";
 import type { Task, TaskList, WorkerPool, WorkerEvents } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
 import { makeLocks } from "./locks.js";
 import type { Locks } from "./types.js";
 import { migrate } from "./migrate.js";
-import type { LocksOptions } from "./options.js";
+import { validateLocksTimings, type LocksOptions } from "./options.js";
+import { pickTaskFile, readFileRules } from "./preset/files.js";
+import { migrateOptionsOf, PRESET_OPTION_NAMES, type PresetOptionName } from "./preset/options.js";
 import {
   defineTask,
   mergeRules,
@@ -34,9 +37,9 @@ export type { TaskLocksOptions, TaskLocksOptionsMap } from "./preset/rules.js";
 export { payloadWithoutCron } from "./preset/rules.js";
 
 /** `worker.locks` of a graphile-worker preset. */
-export interface LocksPresetOptions extends Omit<
+export interface LocksPresetOptions extends Pick<
   LocksOptions,
-  "connectionString" | "pgPool" | "workerSchema" | "logger"
+  Exclude<PresetOptionName, "connectionString">
 > {
   /**
    * Connection string for enqueueing and introspection (and the lock session, unless
@@ -66,18 +69,6 @@ declare global {
 }
 
 const VERSION = "0.1.0";
-const PRESET_KEYS = new Set([
-  "connectionString",
-  "lockConnectionString",
-  "schema",
-  "applicationName",
-  "heartbeatInterval",
-  "heartbeatTimeout",
-  "reconnectDelay",
-  "defaults",
-  "preparedStatements",
-  "tasks",
-]);
 
 /** Validates `worker.locks`, throwing an `InvalidArgumentError` naming the task and the option. */
 export function validateLocksPresetOptions(
@@ -88,11 +79,17 @@ export function validateLocksPresetOptions(
     throw new InvalidArgumentError(`\`worker.locks\` must be an object, got ${String(options)}`);
   }
   for (const name of Object.keys(options)) {
-    if (!PRESET_KEYS.has(name)) {
+    if (!PRESET_OPTION_NAMES.includes(name)) {
       throw new InvalidArgumentError(
-        `\`worker.locks\`: unknown option \`${name}\` (known: ${[...PRESET_KEYS].join(", ")})`,
+        `\`worker.locks\`: unknown option \`${name}\` (known: ${PRESET_OPTION_NAMES.join(", ")})`,
       );
     }
+  }
+  try {
+    validateLocksTimings(options as LocksPresetOptions);
+  } catch (error) {
+    if (!(error instanceof InvalidArgumentError)) throw error;
+    throw new InvalidArgumentError(`\`worker.locks\`: ${error.message}`, { cause: error });
   }
   const { tasks } = options as LocksPresetOptions;
   if (tasks === undefined) return;
@@ -230,16 +227,6 @@ function poolOver(client: { query: Pool["query"] }): Pool {
   } as unknown as Pool;
 }
 
-async function readFileRules(fullPath: string): Promise<unknown> {
-  const mod = (await import(pathToFileURL(fullPath).href)) as Record<string, unknown>;
-  if (mod.locks !== undefined) return mod.locks;
-  // A CommonJS task file: its exports are under `default`.
-  const inner = mod.default as Record<string, unknown> | undefined;
-  return inner && typeof inner === "object" ? inner.locks : undefined;
-}
-
-const JS_EXTENSIONS = new Set([".js", ".cjs", ".mjs", ".ts", ".mts", ".cts"]);
-
 /** The plugin of `LocksPreset`; see the module comment. */
 export const LocksPlugin: GraphileConfig.Plugin = {
   name: "LocksPlugin",
@@ -281,22 +268,20 @@ export const LocksPlugin: GraphileConfig.Plugin = {
     hooks: {
       async postmigrate(ctx, event) {
         await migrate({
+          ...migrateOptionsOf(ctx.resolvedPreset.worker?.locks),
           pgPool: poolOver(event.client),
-          schema: ctx.resolvedPreset.worker?.locks?.schema,
           workerSchema: ctx.workerSchema,
         });
       },
       async loadTaskFromFiles(ctx, details) {
-        const file = details.fileDetailsList.find((f) => JS_EXTENSIONS.has(f.extension));
-        if (!file) return;
-        const rules = await readFileRules(file.fullPath);
-        if (rules === undefined) return;
-        validateTaskRules(
-          details.taskIdentifier,
-          rules,
-          `the \`locks\` export of ${file.fullPath}`,
+        const file = pickTaskFile(
+          details.fileDetailsList,
+          ctx.resolvedPreset.worker?.fileExtensions,
         );
-        stateOf(ctx.resolvedPreset).fileRules.set(details.taskIdentifier, rules);
+        if (!file) return;
+        const rules = await readFileRules(details.taskIdentifier, file.fullPath);
+        if (rules !== undefined)
+          stateOf(ctx.resolvedPreset).fileRules.set(details.taskIdentifier, rules);
       },
       startWorker(ctx, event) {
         const c = ctx as unknown as Ctx;
@@ -340,26 +325,16 @@ export const LocksPreset: GraphileConfig.Preset = {
   plugins: [LocksPlugin],
 };
 
-/** The `worker` options of a preset and the presets it extends (later ones win, as graphile-config does). */
+/**
+ * The `worker` options a runner of `preset` sees: resolved by graphile-config (as `run()` and the
+ * `graphile-worker` CLI resolve it), over the defaults of graphile-worker's `WorkerPreset` (`DATABASE_URL`,
+ * `GRAPHILE_WORKER_SCHEMA`, `./tasks`). graphile-config merges each `worker` option as a whole: a preset's
+ * `worker.locks` replaces that of a preset it extends, `tasks` included.
+ */
 export function resolveWorkerOptions(preset: GraphileConfig.Preset): GraphileConfig.WorkerOptions {
-  const resolved: GraphileConfig.WorkerOptions = {};
-  const visit = (p: GraphileConfig.Preset) => {
-    for (const parent of p.extends ?? []) visit(parent);
-    const { locks, ...rest } = p.worker ?? {};
-    Object.assign(resolved, rest);
-    if (locks) {
-      resolved.locks = {
-        ...resolved.locks,
-        ...locks,
-        tasks: { ...resolved.locks?.tasks, ...locks.tasks },
-      };
-    }
-  };
-  visit(preset);
-  if (resolved.locks && resolved.locks.tasks && Object.keys(resolved.locks.tasks).length === 0) {
-    delete resolved.locks.tasks;
-  }
-  return resolved;
+  // WorkerPreset's options only: its plugins may come from another copy of graphile-worker than the
+  // preset's own, which graphile-config would refuse as two plugins of the same name.
+  return resolvePreset({ extends: [{ worker: WorkerPreset.worker }, preset] }).worker ?? {};
 }
 
 /**

@@ -257,10 +257,25 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
         not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = $1::int) as ended,
         coalesce((select a.state = 'idle' from pg_catalog.pg_stat_activity a where a.pid = $1::int), false) as idle`,
 
-    /** Drops registry rows of this backend (a reused pid) and of sessions that no longer exist. */
-    cleanHolders: `delete from ${s}.lock_holders h
-      where h.pid = pg_backend_pid()
-         or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)`,
+    /**
+     * At connect: drops registry rows of this backend (a reused pid) and of sessions that no longer exist, and
+     * registers this session's process ($1, its pid) and host ($2) in `lock_sessions`.
+     */
+    registerSession: `with gone_holders as (
+        delete from ${s}.lock_holders h
+        where h.pid = pg_backend_pid()
+           or not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = h.pid)
+      ), gone_sessions as (
+        delete from ${s}.lock_sessions g
+        where g.pid <> pg_backend_pid()
+          and not exists (select 1 from pg_catalog.pg_stat_activity a
+            where a.pid = g.pid and a.backend_start = g.backend_start)
+      )
+      insert into ${s}.lock_sessions (pid, backend_start, process_id, host)
+      select a.pid, a.backend_start, $1::int, $2::text
+      from pg_catalog.pg_stat_activity a where a.pid = pg_backend_pid()
+      on conflict (pid) do update
+        set backend_start = excluded.backend_start, process_id = excluded.process_id, host = excluded.host`,
 
     /**
      * Answers with the backend's pid, which the session checks is the one it connected to, and whether the
@@ -325,7 +340,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
 
     /** $1: the lock keys to show, or null for all. */
     heldLocks: `select lock_key::text as lock_key, task_identifier, job_id::text as job_id, pid,
-        application_name, since, session_started_at
+        process_id, host, application_name, since, session_started_at
       from ${s}.held_locks where $1::bigint[] is null or lock_key = any($1::bigint[])
       order by since nulls last, lock_key`,
   };

@@ -36,7 +36,12 @@ export interface HeldLock {
   /** Set for locks taken by this library, once the holder registry caught up (within about half a second). */
   taskIdentifier: string | null;
   jobId: string | null;
+  /** The holder's backend (PostgreSQL's pid of its session). */
   pid: number;
+  /** For a lock session of this library: the id of the process it belongs to (null for other holders). */
+  processId: number | null;
+  /** For a lock session of this library: the host of that process (null for other holders). */
+  host: string | null;
   applicationName: string;
   /** When the lock was taken (null until the registry caught up, or for locks not taken by this library). */
   since: Date | null;

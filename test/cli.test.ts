@@ -4,7 +4,8 @@
  */
 import { execFile, spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { readFile, writeFile } from "node:fs/promises";
+import { mkdir, readFile, writeFile } from "node:fs/promises";
+import { hostname } from "node:os";
 import { promisify } from "node:util";
 import pg from "pg";
 import { run, type JobHelpers } from "graphile-worker";
@@ -51,11 +52,16 @@ interface Result {
   stderr: string;
 }
 
-async function cli(args: string[], env: Record<string, string> = {}): Promise<Result> {
+async function cli(
+  args: string[],
+  env: Record<string, string> = {},
+  cwd?: string,
+): Promise<Result> {
   try {
     const { stdout, stderr } = await promisify(execFile)(process.execPath, [bin, ...args], {
       env: { ...process.env, DATABASE_URL: "", ...env },
       timeout: 30_000,
+      ...(cwd ? { cwd } : {}),
     });
     return { code: 0, stdout, stderr };
   } catch (error) {
@@ -96,10 +102,23 @@ describe("graphile-worker-locks CLI on an empty database", () => {
     expect(usage.stderr).toMatch(/unknown command 'frobnicate'/);
     expect(await cli([])).toMatchObject({ code: 2 });
   }, 60_000);
+
+  it("without -C, reads the graphile.config.* of the current folder, as graphile-worker does", async () => {
+    const dir = `${built.dir}found-config/`;
+    await mkdir(dir, { recursive: true });
+    await writeFile(
+      `${dir}graphile.config.mjs`,
+      `export default { worker: { connectionString: ${JSON.stringify(emptyUrl)} } };\n`,
+    );
+    // The database comes from that file alone (DATABASE_URL is empty).
+    const status = await cli(["status"], {}, dir);
+    expect(status.stderr).toMatch(/schema 'graphile_worker_locks' is not installed/);
+    expect(status.code).toBe(1);
+  }, 60_000);
 });
 
 describe("graphile-worker-locks CLI on a database in use", () => {
-  it("migrate, then status answers who holds a job's key and who waits; check passes", async () => {
+  it("migrate, then status answers who holds a job's key (by the config's rules or a task file's), in which process on which host, and who waits; check passes", async () => {
     // A fresh library schema name, so that migrate has something to install.
     const configPath = `${built.dir}graphile.config.mjs`;
     await writeFile(
@@ -180,6 +199,9 @@ describe("graphile-worker-locks CLI on a database in use", () => {
         jobId: first.job!.id,
       });
       expect(parsed.held[0]!.applicationName).toMatch(/^graphile-worker-locks\//);
+      // The holder's worker process and host, beside its backend.
+      expect(parsed.held[0]).toMatchObject({ processId: process.pid, host: hostname() });
+      expect(parsed.sessions[0]).toMatchObject({ processId: process.pid, host: hostname() });
       expect(parsed.lines).toEqual([
         expect.objectContaining({ lockKey: parsed.keys[0], waiting: 1 }),
       ]);
@@ -201,6 +223,43 @@ describe("graphile-worker-locks CLI on a database in use", () => {
         /Held locks \(1\):\n {2}key -?\d+ {2}task charge_card {2}job \d+/,
       );
       expect(text.stdout).toMatch(/Parked jobs \(1\):/);
+      expect(text.stdout).toContain(
+        `task charge_card  job ${first.job!.id}  process ${process.pid} on ${hostname()}  backend pid `,
+      );
+
+      // Rules a task file declares, in the task directory the config names (found without -C).
+      const dir = `${built.dir}file-rules/`;
+      await mkdir(`${dir}tasks`, { recursive: true });
+      await writeFile(
+        `${dir}tasks/charge_card.js`,
+        'export const locks = { onConflict: "reschedule", key: (p) => ({ userId: p.userId }) };\nexport default async () => {};\n',
+      );
+      // (an enum: TypeScript that no loader-less Node.js runs, type stripping included)
+      await writeFile(
+        `${dir}tasks/typed.ts`,
+        "enum Kind { A }\nexport const locks = { key: (p: { userId: number }) => ({ userId: p.userId, k: Kind.A }) };\nexport default async () => {};\n",
+      );
+      await writeFile(
+        `${dir}graphile.config.mjs`,
+        `export default { worker: { connectionString: ${JSON.stringify(db.url)}, taskDirectory: ${JSON.stringify(`${dir}tasks`)}, fileExtensions: [".js", ".ts"], locks: { schema: "gwl_cli" } } };\n`,
+      );
+      const fromFile = await cli(
+        ["status", "charge_card", '{"userId":1,"amount":5}', "--json"],
+        {},
+        dir,
+      );
+      expect(fromFile.stderr).toBe("");
+      const focused = JSON.parse(fromFile.stdout) as typeof parsed & { focus: string };
+      expect(focused.keys).toEqual(parsed.keys);
+      expect(focused.focus).toMatch(/rules from the `locks` export of .*charge_card\.js/);
+      expect(focused.held).toEqual([
+        expect.objectContaining({ jobId: first.job!.id, processId: process.pid }),
+      ]);
+      const typed = await cli(["status", "typed", '{"userId":1}'], {}, dir);
+      expect(typed.stderr).toMatch(
+        /cannot tell the rules of task 'typed': its file .*typed\.ts could not be loaded/,
+      );
+      expect(typed.code).toBe(1);
 
       const check = await cli(["check", "-C", configPath]);
       expect(check.stdout).toMatch(/ok {3}graphile-worker-locks schema/);

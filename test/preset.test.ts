@@ -2,12 +2,26 @@
  * `LocksPreset` for real: the `graphile-worker` CLI in separate processes with a `graphile.config.ts`, a
  * `tasks/` folder (TypeScript and JavaScript) and a crontab; and `run({ preset })` in this process.
  */
+import { execFile } from "node:child_process";
+import { writeFile } from "node:fs/promises";
+import { promisify } from "node:util";
+import { resolvePreset } from "graphile-config";
 import { register } from "tsx/esm/api";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { buildPackage, type BuiltPackage } from "./support/build.js";
-import { run, WorkerPreset, makeWorkerUtils } from "graphile-worker";
-import { LocksPreset, makeLocksFromPreset, InvalidArgumentError } from "../src/index.js";
+import { run, runMigrations, WorkerPreset, makeWorkerUtils, type Task } from "graphile-worker";
+import {
+  LocksPreset,
+  lockKey,
+  makeLocksFromPreset,
+  InvalidArgumentError,
+  TESTED_WORKER_SCHEMAS,
+  UntestedWorkerSchemaError,
+  type LocksOptions,
+} from "../src/index.js";
 import { useTestDatabase } from "./support/db.js";
+import { quietLogger } from "./support/runner.js";
+import { useScratchDatabases } from "./support/scratch.js";
 import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
 import {
   recordingTask,
@@ -17,6 +31,7 @@ import {
 } from "./support/presetProject.js";
 
 const db = useTestDatabase();
+const scratch = useScratchDatabases();
 const projects: Project[] = [];
 let built: BuiltPackage;
 beforeAll(async () => {
@@ -282,4 +297,175 @@ describe("LocksPreset configuration errors", () => {
       }),
     ).toThrow(/task 'x'.*unknown option `limt`/);
   });
+});
+
+describe("LocksPreset options", () => {
+  it("takes every option of makeLocks under `worker.locks` (but those graphile-worker supplies), at start-up and in makeLocksFromPreset", async () => {
+    // Every option, so that one added to makeLocks fails to compile here until it is listed.
+    const every: Required<Omit<LocksOptions, "pgPool" | "workerSchema" | "logger">> = {
+      connectionString: db.url,
+      lockConnectionString: db.url,
+      schema: "gwl_every_option",
+      allowUntestedWorkerSchema: false,
+      applicationName: "graphile-worker-locks/every-option",
+      heartbeatInterval: 5000,
+      heartbeatTimeout: 20_000,
+      lockSessionWait: 5000,
+      reconnectDelay: { min: 100, max: 5000 },
+      defaults: { onConflict: "drop" },
+      preparedStatements: true,
+    };
+    const preset: GraphileConfig.Preset = {
+      extends: [WorkerPreset, LocksPreset],
+      worker: {
+        connectionString: db.url,
+        logger: quietLogger,
+        pollInterval: 100,
+        locks: { ...every, tasks: { every_option: {} } },
+      },
+    };
+    const locks = makeLocksFromPreset(preset);
+    try {
+      expect((await locks.addJob("every_option", { n: 1 })).outcome).toBe("added");
+    } finally {
+      await locks.release();
+    }
+    // The application name of the session holding the job's key, as the job saw it.
+    let seen: string | null = null;
+    const task: Task = async (_payload, helpers) => {
+      const { rows } = await helpers.query<{ application_name: string }>(
+        `select a.application_name from gwl_every_option.held_locks h
+         join pg_stat_activity a on a.pid = h.pid where h.lock_key = $1`,
+        [String(lockKey("every_option", { n: 1 }))],
+      );
+      seen = rows[0]?.application_name ?? "(no lock held)";
+    };
+    const runner = await run({ preset, taskList: { every_option: task }, noHandleSignals: true });
+    try {
+      await waitFor("the job", async () => (await jobsLeft("every_option")) === 0);
+    } finally {
+      await runner.stop();
+    }
+    expect(seen).toBe(every.applicationName);
+  }, 60_000);
+
+  it("graphile-worker's migrations give `allowUntestedWorkerSchema` to the library's", async () => {
+    const url = await scratch.create();
+    await runMigrations({ connectionString: url, logger: quietLogger });
+    const pool = scratch.pool(url);
+    // A level beyond every tested one (graphile-worker itself goes ahead, with a warning).
+    await pool.query("insert into graphile_worker.migrations (id) values ($1)", [
+      Math.max(...TESTED_WORKER_SCHEMAS.map((t) => t.level)) + 1,
+    ]);
+    const migrateWith = (locks: GraphileConfig.WorkerOptions["locks"]) =>
+      runMigrations({
+        preset: {
+          extends: [WorkerPreset, LocksPreset],
+          worker: { connectionString: url, logger: quietLogger, locks },
+        },
+      });
+    const installed = async () =>
+      (
+        await pool.query<{ ok: boolean }>(
+          "select to_regclass('graphile_worker_locks.migrations') is not null as ok",
+        )
+      ).rows[0]!.ok;
+
+    await expect(migrateWith({})).rejects.toBeInstanceOf(UntestedWorkerSchemaError);
+    expect(await installed()).toBe(false);
+    await migrateWith({ allowUntestedWorkerSchema: true });
+    expect(await installed()).toBe(true);
+  });
+
+  it("a preset extending a preset: the workers, makeLocksFromPreset and the CLI apply the same rules, graphile-config's", async () => {
+    const project = await writeProject({ entry: built.entry, worker: "", tasks: {} });
+    projects.push(project);
+    // `leaf` extends `base`, each with rules for one task under `worker.locks.tasks`.
+    const configPath = `${project.dir}extending.config.mjs`;
+    await writeFile(
+      configPath,
+      `import { WorkerPreset } from "graphile-worker";
+import { LocksPreset } from ${JSON.stringify(built.entry)};
+
+const rules = { onConflict: "reschedule", key: (p) => ({ id: p.id }) };
+const base = {
+  extends: [WorkerPreset, LocksPreset],
+  worker: {
+    connectionString: ${JSON.stringify(db.url)},
+    taskDirectory: ${JSON.stringify(`${project.dir}tasks`)},
+    locks: { tasks: { from_base: rules } },
+  },
+};
+export default { extends: [base], worker: { pollInterval: 100, locks: { tasks: { from_leaf: rules } } } };
+`,
+    );
+    const { default: preset } = (await import(configPath)) as { default: GraphileConfig.Preset };
+    const tasks = ["from_base", "from_leaf"] as const;
+    const payload = { id: 1, n: 7 };
+    // Whether a view of the preset gives the task rules: the job's key is then that of `{ id }`.
+    const ruledKey = (task: string) => lockKey(task, { id: payload.id });
+
+    // graphile-config: the leaf's `worker.locks` replaces the base's.
+    const resolved = resolvePreset(preset).worker?.locks?.tasks ?? {};
+    const expected = Object.fromEntries(tasks.map((t) => [t, t in resolved]));
+    expect(expected).toEqual({ from_base: false, from_leaf: true });
+
+    // makeLocksFromPreset: a `reschedule` job carries its key's flag.
+    const enqueue: Record<string, boolean> = {};
+    const locks = makeLocksFromPreset(preset, { connectionString: db.url });
+    try {
+      for (const task of tasks) {
+        const { job } = await locks.addJob(task, payload);
+        enqueue[task] = Object.keys(job!.flags ?? {}).some((flag) =>
+          flag.includes(String(ruledKey(task))),
+        );
+      }
+    } finally {
+      await locks.release();
+    }
+
+    // The CLI: the key `status` computes for the job.
+    const cli: Record<string, boolean> = {};
+    const bin = `${built.dir}dist/cli.js`;
+    for (const task of tasks) {
+      const { stdout } = await promisify(execFile)(
+        process.execPath,
+        [bin, "status", task, JSON.stringify(payload), "-C", configPath, "--json"],
+        { env: { ...process.env, DATABASE_URL: "" }, timeout: 30_000 },
+      );
+      cli[task] = (JSON.parse(stdout) as { keys: string[] }).keys[0] === String(ruledKey(task));
+    }
+
+    // The workers: whether the job held the key of its rules while it ran.
+    const workers: Record<string, boolean> = {};
+    const recordHeld: Task = async (_payload, helpers) => {
+      const task = helpers.job.task_identifier;
+      const { rows } = await helpers.query(
+        "select 1 from graphile_worker_locks.held_locks where lock_key = $1",
+        [String(ruledKey(task))],
+      );
+      workers[task] = rows.length > 0;
+    };
+    const runner = await run({
+      preset,
+      taskList: { from_base: recordHeld, from_leaf: recordHeld },
+      logger: quietLogger,
+      noHandleSignals: true,
+    });
+    try {
+      await waitFor(
+        "both jobs",
+        async () => (await jobsLeft("from_base")) + (await jobsLeft("from_leaf")) === 0,
+      );
+    } finally {
+      await runner.stop();
+      await cleanUp();
+    }
+
+    expect({ workers, enqueue, cli }).toEqual({
+      workers: expected,
+      enqueue: expected,
+      cli: expected,
+    });
+  }, 90_000);
 });

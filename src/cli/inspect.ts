@@ -61,13 +61,23 @@ export interface Status {
     lockKey: string;
     taskIdentifier: string | null;
     jobId: string | null;
+    /** The holder's backend. */
     pid: number;
+    /** The worker process of the holding lock session, and its host (null for other holders). */
+    processId: number | null;
+    host: string | null;
     applicationName: string;
     since: string | null;
   }>;
   lines: Array<{ lockKey: string; waiting: number; oldestSince: string; nextWake: string | null }>;
   uniqueWindowsAlive: number;
-  sessions: Array<{ pid: number; applicationName: string; connectedAt: string }>;
+  sessions: Array<{
+    pid: number;
+    processId: number | null;
+    host: string | null;
+    applicationName: string;
+    connectedAt: string;
+  }>;
 }
 
 /** Everything `status` shows, optionally only for the given lock keys. */
@@ -101,13 +111,18 @@ export async function readStatus(
   );
   const sessions = await client.query<{
     pid: number;
+    process_id: number | null;
+    host: string | null;
     application_name: string;
     backend_start: Date;
   }>(
-    `select pid, application_name, backend_start from pg_stat_activity
-     where datname = current_database()
-       and (application_name like 'graphile-worker-locks/%' or pid in (select pid from ${s}.lock_holders))
-     order by backend_start`,
+    `select a.pid, g.process_id, g.host, a.application_name, a.backend_start
+     from pg_stat_activity a
+     left join ${s}.lock_sessions g on g.pid = a.pid and g.backend_start = a.backend_start
+     where a.datname = current_database()
+       and (g.pid is not null or a.application_name like 'graphile-worker-locks/%'
+         or a.pid in (select pid from ${s}.lock_holders))
+     order by a.backend_start`,
   );
   return {
     held: held.map(({ sessionStartedAt: _started, lockKey, since, ...holder }) => ({
@@ -124,6 +139,8 @@ export async function readStatus(
     uniqueWindowsAlive: windows.rows[0]!.n,
     sessions: sessions.rows.map((r) => ({
       pid: r.pid,
+      processId: r.process_id,
+      host: r.host,
       applicationName: r.application_name,
       connectedAt: r.backend_start.toISOString(),
     })),

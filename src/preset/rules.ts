@@ -4,6 +4,7 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
+import { slotKeys } from "../key.js";
 import type { Locks } from "../types.js";
 import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
 import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
@@ -142,4 +143,19 @@ export function defineTask(locks: Locks, taskIdentifier: string, rules: TaskLock
     const { exclusive: _exclusive, ...options } = rules;
     locks.define(taskIdentifier, { ...(options as UniqueOptions<never>), exclusive: false });
   }
+}
+
+/**
+ * The advisory keys a job of this task with this payload takes under `rules` (and `worker.locks.defaults`),
+ * as the wrapped task computes them; null when the rules are unique only (its jobs take no lock).
+ */
+export function jobLockKeys(
+  taskIdentifier: string,
+  rules: TaskLocksOptions,
+  payload: unknown,
+  defaults: ExclusiveOptions | undefined,
+): bigint[] | null {
+  if (!isExclusive(rules)) return null;
+  const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
+  return slotKeys(taskIdentifier, resolved.key(payload), resolved.limit, resolved.keyPath);
 }
