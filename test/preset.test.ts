@@ -311,6 +311,7 @@ describe("LocksPreset options", () => {
       heartbeatInterval: 5000,
       heartbeatTimeout: 20_000,
       lockSessionWait: 5000,
+      partitionTimeout: 60_000,
       reconnectDelay: { min: 100, max: 5000 },
       defaults: { onConflict: "drop" },
       preparedStatements: true,

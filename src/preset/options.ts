@@ -26,6 +26,7 @@ export const PRESET_OPTIONS = {
   heartbeatInterval: { migrate: false },
   heartbeatTimeout: { migrate: false },
   lockSessionWait: { migrate: false },
+  partitionTimeout: { migrate: false },
   reconnectDelay: { migrate: false },
   defaults: { migrate: false },
   preparedStatements: { migrate: false },
