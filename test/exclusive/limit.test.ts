@@ -6,6 +6,7 @@
  */
 import { describe, expect, it } from "vitest";
 import type { Locks } from "../../src/index.js";
+import { slotKeys } from "../../src/key.js";
 import { deferred, waitFor, type Deferred } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { maxConcurrencyPerKey, readExecutions } from "../support/executions.js";
@@ -172,6 +173,67 @@ describe.each([
         expect(maxConcurrencyPerKey(together).get("one")).toBe(limit);
         expect(maxConcurrencyPerKey(apart).get("one")).toBe(limit);
       },
+    );
+  });
+});
+
+describe.each([
+  { lockAhead: false, name: "without lock-ahead" },
+  { lockAhead: true, name: "with lock-ahead" },
+])("limit > 1 with slots held by another session, $name", ({ lockAhead }) => {
+  it("limit 3, slots 0 and 2 held elsewhere: of 3 jobs fetched together one runs and two are dropped as held elsewhere; once freed, 3 run at once", async () => {
+    const identifier = `lim_elsewhere_${lockAhead ? "ahead" : "plain"}`;
+    const locks = newLocks();
+    const t = gatedTask(locks, identifier, 3, "drop");
+    const local: boolean[] = [];
+    locks.events.on("lock:conflict", (e) => void local.push(e.local));
+    const [slot0, , slot2] = slotKeys(identifier, "one", 3, null);
+    const others = [await h.holdExternally(slot0!), await h.holdExternally(slot2!)];
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 5,
+      taskList: { [identifier]: t.task },
+      ...(lockAhead
+        ? { preset: { worker: { localQueue: { size: 20 }, completeJobBatchDelay: 0 } } }
+        : {}),
+    });
+    if (lockAhead) locks.attach(r);
+    h.cleanups.push(async () => t.openForGood());
+
+    await h.utils.addJobs(
+      Array.from({ length: 3 }, (_, i) => ({ identifier, payload: { n: `held-${i}` } })),
+    );
+    await waitFor(async () => (await h.jobRows()).length === 1 && t.started.length === 1, {
+      message: "one job to run and two to be dropped",
+    });
+    expect(t.conflicts).toHaveLength(2);
+    // (this process holds one slot; the other two are another session's)
+    expect(local).toEqual([false, false]);
+    expect(await t.task.lockAvailable({ n: "any" })).toBe(false);
+
+    for (const other of others) await other.release();
+    t.open();
+    await waitFor(async () => (await h.jobRows()).length === 0, {
+      message: "the running job to end",
+    });
+    await h.utils.addJobs(
+      Array.from({ length: 3 }, (_, i) => ({ identifier, payload: { n: `free-${i}` } })),
+    );
+    await waitFor(async () => t.started.length + t.conflicts.length >= 4 + 2, {
+      message: "three more jobs to start or conflict",
+    });
+    expect(t.conflicts).toHaveLength(2);
+    t.openForGood();
+    await waitFor(async () => (await h.jobRows()).length === 0, {
+      message: "every job to complete",
+    });
+    const executions = await readExecutions(db.pool(), identifier);
+    expect(executions).toHaveLength(4);
+    expect(maxConcurrencyPerKey(executions.filter((e) => e.note?.startsWith("held-")))).toEqual(
+      new Map([["one", 1]]),
+    );
+    expect(maxConcurrencyPerKey(executions.filter((e) => e.note?.startsWith("free-")))).toEqual(
+      new Map([["one", 3]]),
     );
   });
 });
