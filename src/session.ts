@@ -10,7 +10,10 @@
  * - Session advisory locks are re-entrant, so PostgreSQL cannot tell two jobs of this process apart. This
  *   module does: a key is held by at most one `Hold` (`holds`), and a key that is being acquired or
  *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
- *   round trip, never a re-entrant "success".
+ *   round trip, never a re-entrant "success". A semaphore request (`limit` > 1) counts every slot it tries
+ *   as pending but takes at most one: a request that finds its slots pending for another job of this
+ *   process waits for that answer and tries the slots still free, so this process's own acquisitions never
+ *   turn a job away while a slot is free.
  * - Requests are coalesced: the requests of one turn of the event loop share a statement (batch.ts). Up to
  *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
  *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
@@ -86,6 +89,16 @@ const PIPELINE_DEPTH = 4;
  */
 const QUIET_UNLOCK_HOLD_MS = 2;
 const LOCK_AHEAD_RECENT_MS = 1000;
+
+/**
+ * The slots of semaphore request `request` that its statement found held by other sessions: all it tried
+ * when it took none, else those before the one it took (they are tried in order).
+ */
+function slotsHeldElsewhere(request: LockRequest, answer: AcquireResult): readonly string[] {
+  if (!answer.acquired) return answer.local ? [] : request.slots;
+  const taken = request.slots.indexOf(answer.hold.key.toString());
+  return taken < 0 ? [] : request.slots.slice(0, taken);
+}
 
 export class LockSession implements HoldOwner {
   /**
@@ -224,17 +237,24 @@ export class LockSession implements HoldOwner {
 
   private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
     const keys = slots.map(String);
+    const semaphore = keys.length > 1;
+    /** Slots that a statement this request waited for found held by other sessions (semaphores only). */
+    let heldElsewhere: Set<string> | undefined;
     let free: string[];
     for (;;) {
       if (this.connection.state !== "ready") await this.connection.ensureReady();
-      free = keys.filter((k) => this.isFree(k));
+      free = keys.filter((k) => this.isFree(k) && !heldElsewhere?.has(k));
       if (free.length > 0) break;
-      // A job that waits its turn (`reschedule`) does not give up on a key another job of this process is
-      // only trying to take: that attempt may fail (it may not be that job's turn), and this one's may not.
-      if (info.reschedule) {
+      // Another job of this process is only trying to take these keys. A semaphore request takes one slot of
+      // all it tries, and a job that waits its turn (`reschedule`) may fail where this one would not (it may
+      // not be that job's turn): wait for that answer, then look again.
+      if (semaphore || info.reschedule) {
         const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
         if (acquiring) {
-          await acquiring.promise().catch(() => undefined);
+          const answer = await acquiring.promise().catch(() => undefined);
+          if (semaphore && answer)
+            for (const k of slotsHeldElsewhere(acquiring, answer))
+              (heldElsewhere ??= new Set()).add(k);
           continue;
         }
       }
@@ -243,7 +263,7 @@ export class LockSession implements HoldOwner {
       if (!releasing) {
         const handedOver =
           keys.length === 1 ? this.handoff.onLocalConflict(keys[0]!, slots, info) : null;
-        if (!handedOver) return { acquired: false, local: true };
+        if (!handedOver) return { acquired: false, local: heldElsewhere === undefined };
         const result = await handedOver;
         if (result === "retry") continue;
         return result;
