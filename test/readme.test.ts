@@ -1,50 +1,48 @@
 /**
- * The README's TypeScript snippets, run as written (with `connectionString` provided and the package
- * import pointed at the source), each in its own process; what they print must match their `// …`
- * comments.
+ * The TypeScript snippets of the README and of docs/*.md, run as written (with `connectionString` provided
+ * and the package import pointed at the source), each in its own process; what they print must match
+ * their `// …` comments.
  */
-import { execFile } from "node:child_process";
-import { mkdir, readFile, rm, writeFile } from "node:fs/promises";
-import { promisify } from "node:util";
+import { readdir, readFile, rm } from "node:fs/promises";
 import { afterAll, describe, expect, it } from "vitest";
 import { useTestDatabase } from "./support/db.js";
+import { expectedOutput, runSnippet } from "./support/readme.js";
 
 const db = useTestDatabase();
+const root = new URL("../", import.meta.url);
 const dir = new URL("./.readme/", import.meta.url);
-const readme = await readFile(new URL("../README.md", import.meta.url), "utf8");
-const snippets = [...readme.matchAll(/```ts\n([\s\S]*?)```/g)].map((m) => m[1]!);
+
+/** The Markdown files whose snippets run: the README, then docs/*.md in name order. */
+const files = [
+  "README.md",
+  ...(await readdir(new URL("docs/", root)))
+    .filter((name) => name.endsWith(".md"))
+    .sort()
+    .map((name) => `docs/${name}`),
+];
+const snippets: Array<{ file: string; index: number; source: string }> = [];
+for (const file of files) {
+  const text = await readFile(new URL(file, root), "utf8");
+  [...text.matchAll(/```ts\n([\s\S]*?)```/g)].forEach((m, index) =>
+    snippets.push({ file, index: index + 1, source: m[1]! }),
+  );
+}
 
 afterAll(async () => {
   await rm(dir, { recursive: true, force: true });
 });
 
-describe("README snippets", () => {
-  it("there are snippets to run", () => {
-    expect(snippets.length).toBeGreaterThanOrEqual(2);
+describe("documentation snippets", () => {
+  it("there are snippets to run in the README and in docs/", () => {
+    expect(snippets.filter((s) => s.file === "README.md").length).toBeGreaterThanOrEqual(2);
+    expect(snippets.filter((s) => s.file.startsWith("docs/")).length).toBeGreaterThanOrEqual(1);
   });
 
-  snippets.forEach((snippet, index) => {
-    it(`snippet ${index + 1} runs and prints what its comments say`, async () => {
-      await mkdir(dir, { recursive: true });
-      const file = new URL(`snippet-${index + 1}.ts`, dir);
-      const source = snippet.replaceAll('"graphile-worker-locks"', '"../../src/index.js"');
-      await writeFile(file, `const connectionString = process.env.DATABASE_URL!;\n${source}`);
-      const { stdout } = await promisify(execFile)(
-        process.execPath,
-        ["--import", "tsx", file.pathname],
-        {
-          env: { ...process.env, DATABASE_URL: db.url },
-          timeout: 30_000,
-        },
-      );
-      const expected = [...snippet.matchAll(/console\.log\(.*\); \/\/ (.*)$/gm)].map((m) =>
-        m[1]!.trim(),
-      );
-      const printed = stdout
-        .split("\n")
-        .map((line) => line.trim())
-        .filter((line) => line && !line.startsWith("["));
-      expect(printed).toEqual(expected);
+  for (const { file, index, source } of snippets) {
+    it(`${file} snippet ${index} runs and prints what its comments say`, async () => {
+      const name = `${file.replace(/\W/g, "-")}-${index}`;
+      const printed = await runSnippet(source, db.url, dir, name);
+      expect(printed).toEqual(expectedOutput(source));
     });
-  });
+  }
 });
