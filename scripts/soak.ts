@@ -955,9 +955,16 @@ async function analyse(
   const window = context.partition;
   if (window) {
     partition = {};
+    // (an execution aborted by a lock loss is not counted: its loss, if not the partition's, came first)
     const holders = new Set(
       executions
-        .filter((e) => window.us !== null && e.start <= window.us && e.end! > window.us)
+        .filter(
+          (e) =>
+            window.us !== null &&
+            e.start <= window.us &&
+            e.end! > window.us &&
+            e.aborted !== "lock:lost",
+        )
         .map((e) => e.worker),
     );
     for (const slot of context.slots) {
