@@ -131,6 +131,13 @@ function isSessionUnavailable(error: unknown): error is Error {
   );
 }
 
+/** PostgreSQL could not take the job's lock for want of resources (its lock table is full): session.ts. */
+function isLockTableFull(error: unknown): error is Error {
+  return (
+    error instanceof Error && (error as { code?: unknown }).code === ErrorCodes.LOCK_TABLE_FULL
+  );
+}
+
 /**
  * Copies of deferred jobs, made runnable at once when the lock session is back (their `runAt` is a safety net
  * should this process not see it back). One wait for the session at a time, whatever the number of copies.
@@ -326,10 +333,15 @@ export function makeExclusiveTask<TPayload>(
   };
 
   /**
-   * Gives a job back to the queue without counting its attempt (its copy runs at `runAt`, or when the session
-   * is back). False when the queue's database could not be reached either.
+   * Gives a job back to the queue without counting its attempt: its copy runs at `runAt`, or (`whenBack`)
+   * when the session is back. False when the queue's database could not be reached either.
    */
-  const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<boolean> => {
+  const defer = async (
+    job: Job,
+    helpers: JobHelpers,
+    error: Error,
+    whenBack: boolean,
+  ): Promise<boolean> => {
     const runAt = new Date(Date.now() + Math.max(DEFER_MIN_MS, ctx.lockSessionWaitMs));
     let newJobId: string | null;
     try {
@@ -359,13 +371,16 @@ export function makeExclusiveTask<TPayload>(
       `Deferred job ${job.id} as ${newJobId} (no attempt counted): ${error.message}`,
     );
     ctx.emit("job:deferred", { taskIdentifier, job, newJobId, runAt, error });
-    deferred.add(newJobId, helpers);
+    if (whenBack) deferred.add(newJobId, helpers);
     return true;
   };
 
   /**
    * Takes the job's key, waiting out an unavailable lock session for up to `lockSessionWait`; null when the
-   * job went back to the queue instead (it never runs unlocked, and an outage never costs it an attempt).
+   * job went back to the queue instead (it never runs unlocked, and an outage never costs it an attempt). A
+   * job whose lock PostgreSQL could not take for want of lock memory goes back at once, to run again
+   * `lockSessionWait` later: the session is up, so its copy is not made runnable early (it would only meet
+   * the full table again).
    */
   const acquireThroughOutage = async (
     job: Job,
@@ -378,10 +393,17 @@ export function makeExclusiveTask<TPayload>(
       try {
         return await ctx.session.acquire(slots, holdInfo(job, slots));
       } catch (error) {
-        if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
+        if (helpers.abortSignal?.aborted) throw error;
+        if (isLockTableFull(error)) {
+          if (await defer(job, helpers, error, false)) return null;
+          // The queue's database refused the deferral too: try again after a while.
+          await new Promise((resolve) => setTimeout(resolve, Math.max(DEFER_MIN_MS, waitMs)));
+          continue;
+        }
+        if (!isSessionUnavailable(error)) throw error;
         const left = deadline - performance.now();
         if (left > 0 && (await ctx.session.connection.whenReady(left))) continue;
-        if (await defer(job, helpers, error)) return null;
+        if (await defer(job, helpers, error, true)) return null;
         // The queue's database is out of reach too (a server restart): wait for it, then try again.
         if (ctx.session.connection.state === "closed") throw error;
         await ctx.session.connection.whenReady(Math.max(DEFER_MIN_MS, waitMs));
