@@ -533,7 +533,7 @@ export class LockSession implements HoldOwner {
         : null,
     );
     this.options.onWarning(
-      `A lock statement failed: ${full.message}. The lock session stays connected; ${locks.length} lock request(s) failed, ${unlocks.length} unlock(s) done`,
+      `A lock statement failed: ${full.message}. The lock session stays connected; ${locks.length} lock request(s) failed, ${unlocks.length} unlock(s) done, ${row?.released ?? 0} key(s) the statement left held released`,
     );
     for (const request of locks) {
       for (const k of request.slots) {
