@@ -12,6 +12,12 @@ export const ErrorCodes = {
   LOCK_SESSION_UNAVAILABLE: "GWL_LOCK_SESSION_UNAVAILABLE",
   /** The lock session died while the job held its key. */
   LOCK_LOST: "GWL_LOCK_LOST",
+  /**
+   * PostgreSQL could not take the lock for want of resources (SQLSTATE class 53), most often because its
+   * shared lock table is full (53200, "out of shared memory"). The session is intact: the job goes back to
+   * the queue without its attempt counted; see {@link lockTableFull}.
+   */
+  LOCK_TABLE_FULL: "GWL_LOCK_TABLE_FULL",
   /** A unique job already exists; thrown by the `raise` unique conflict strategy. */
   UNIQUE_CONFLICT: "GWL_UNIQUE_CONFLICT",
   /** Bad options or a value that cannot be turned into a key. */
@@ -169,6 +175,53 @@ function explainPreparedStatementError(error: unknown): unknown {
 /** Rethrows `error`, explained by {@link explainPreparedStatementError}: for a query's `catch`. */
 export function rethrowExplained(error: unknown): never {
   throw explainPreparedStatementError(error);
+}
+
+/** SQLSTATE of PostgreSQL's "out of shared memory" when its lock table is full (also plain out of memory). */
+const OUT_OF_MEMORY = "53200";
+
+/**
+ * Whether `error` is PostgreSQL refusing a statement for want of resources (SQLSTATE class 53:
+ * insufficient_resources, out_of_memory, disk_full, configuration_limit_exceeded). The statement failed, the
+ * connection did not: what the statement did not finish is undone (or, for session locks, can be read back).
+ */
+export function isOutOfResources(error: unknown): boolean {
+  const code = (error as { code?: unknown } | null)?.code;
+  return typeof code === "string" && code.length === 5 && code.startsWith("53");
+}
+
+/** The server's lock table settings, read when a lock statement met a full table. */
+export interface LockTableSize {
+  maxLocksPerTransaction: number;
+  maxConnections: number;
+  maxPreparedTransactions: number;
+}
+
+/**
+ * A lock statement failed for want of resources (`cause`, SQLSTATE class 53): for a full lock table (53200),
+ * the message names the setting to raise and, when `size` is known, how many entries the table holds.
+ */
+export function lockTableFull(cause: unknown, size: LockTableSize | null): LocksError {
+  const code = (cause as { code?: unknown } | null)?.code;
+  const message = (cause as { message?: unknown } | null)?.message;
+  const what = `${typeof message === "string" ? message : String(cause)} [${String(code)}]`;
+  let advice = "";
+  if (code === OUT_OF_MEMORY) {
+    const formula = "max_locks_per_transaction × (max_connections + max_prepared_transactions)";
+    const holds = size
+      ? `${formula} = ${size.maxLocksPerTransaction} × (${size.maxConnections} + ${size.maxPreparedTransactions}) = ${
+          size.maxLocksPerTransaction * (size.maxConnections + size.maxPreparedTransactions)
+        } entries`
+      : formula;
+    advice =
+      `: PostgreSQL's shared lock table is full (it holds ${holds}, shared by every session). ` +
+      "Raise the server setting `max_locks_per_transaction` (a restart applies it)";
+  }
+  return new LocksError(
+    ErrorCodes.LOCK_TABLE_FULL,
+    `The lock session could not take a lock (${what})${advice}; the job goes back to the queue without its attempt counted`,
+    { cause },
+  );
 }
 
 export function lockLost(cause?: unknown): LocksError {

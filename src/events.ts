@@ -55,8 +55,10 @@ export interface LocksEvents {
     delayMs: number;
   };
   /**
-   * A job met an unavailable lock session, waited `lockSessionWait` for it in vain, and went back to the
-   * queue without its attempt counted: its copy `newJobId` runs at `runAt`, or as soon as the session is back.
+   * A job went back to the queue without its attempt counted: it met an unavailable lock session and waited
+   * `lockSessionWait` for it in vain (its copy `newJobId` runs at `runAt`, or as soon as the session is back),
+   * or PostgreSQL could not take its lock for want of lock memory (`error.code` GWL_LOCK_TABLE_FULL, whose
+   * message names the server setting to raise; its copy runs at `runAt`).
    */
   "job:deferred": {
     taskIdentifier: string;

@@ -149,6 +149,13 @@ function isSessionUnavailable(error: unknown): error is Error {
   );
 }
 
+/** PostgreSQL could not take the job's lock for want of resources (its lock table is full): session.ts. */
+function isLockTableFull(error: unknown): error is Error {
+  return (
+    error instanceof Error && (error as { code?: unknown }).code === ErrorCodes.LOCK_TABLE_FULL
+  );
+}
+
 /**
  * Copies of deferred jobs, made runnable at once when the lock session is back (their `runAt` is a safety net
  * should this process not see it back). One wait for the session at a time, whatever the number of copies.
@@ -344,13 +351,18 @@ export function makeExclusiveTask<TPayload>(
   };
 
   /**
-   * Gives a job back to the queue without counting its attempt (its copy runs at `runAt`, or when the session
-   * is back). A try whose answer did not come (the queue's database is out of reach, or the connection died
-   * around the commit) may have given the job back all the same, so the job never runs after one: the give-back
-   * is asked again (`defer_job` answers a job already given back with its copy) until it is answered, or the
-   * worker aborts.
+   * Gives a job back to the queue without counting its attempt: its copy runs at `runAt`, or (`whenBack`)
+   * when the session is back. A try whose answer did not come (the queue's database is out of reach, or the
+   * connection died around the commit) may have given the job back all the same, so the job never runs
+   * after one: the give-back is asked again (`defer_job` answers a job already given back with its copy)
+   * until it is answered, or the worker aborts.
    */
-  const defer = async (job: Job, helpers: JobHelpers, error: Error): Promise<void> => {
+  const defer = async (
+    job: Job,
+    helpers: JobHelpers,
+    error: Error,
+    whenBack: boolean,
+  ): Promise<void> => {
     const runAt = new Date(Date.now() + Math.max(DEFER_MIN_MS, ctx.lockSessionWaitMs));
     let newJobId: string | null;
     ctx.outage.givingBack++;
@@ -375,7 +387,7 @@ export function makeExclusiveTask<TPayload>(
         } catch (deferError) {
           if (tries === 1) {
             helpers.logger.warn(
-              `Could not give job ${job.id} back to the queue while the lock session is unavailable (trying again; the job does not run meanwhile): ${String(deferError)}`,
+              `Could not give job ${job.id} back to the queue (trying again; the job does not run meanwhile): ${String(deferError)}`,
               { error: deferError },
             );
           }
@@ -391,12 +403,15 @@ export function makeExclusiveTask<TPayload>(
       `Deferred job ${job.id} as ${newJobId} (no attempt counted): ${error.message}`,
     );
     ctx.emit("job:deferred", { taskIdentifier, job, newJobId, runAt, error });
-    deferred.add(newJobId, helpers);
+    if (whenBack) deferred.add(newJobId, helpers);
   };
 
   /**
    * Takes the job's key, waiting out an unavailable lock session for up to `lockSessionWait`; null when the
-   * job went back to the queue instead (it never runs unlocked, and an outage never costs it an attempt).
+   * job went back to the queue instead (it never runs unlocked, and an outage never costs it an attempt). A
+   * job whose lock PostgreSQL could not take for want of lock memory goes back at once, to run again
+   * `lockSessionWait` later: the session is up, so its copy is not made runnable early (it would only meet
+   * the full table again).
    */
   const acquireThroughOutage = async (
     job: Job,
@@ -408,7 +423,12 @@ export function makeExclusiveTask<TPayload>(
       try {
         return await ctx.session.acquire(slots, holdInfo(job, slots));
       } catch (error) {
-        if (!isSessionUnavailable(error) || helpers.abortSignal?.aborted) throw error;
+        if (helpers.abortSignal?.aborted) throw error;
+        if (isLockTableFull(error)) {
+          await defer(job, helpers, error, false);
+          return null;
+        }
+        if (!isSessionUnavailable(error)) throw error;
         const left = deadline - performance.now();
         if (left > 0) {
           ctx.outage.waitingForSession++;
@@ -417,7 +437,7 @@ export function makeExclusiveTask<TPayload>(
             .finally(() => ctx.outage.waitingForSession--);
           if (ready) continue;
         }
-        await defer(job, helpers, error);
+        await defer(job, helpers, error, true);
         return null;
       }
     }

@@ -111,7 +111,9 @@ export interface LocksOptions {
   /**
    * How long a job that finds the lock session unavailable (reconnecting after a lost connection) waits for
    * it, in ms. A job whose session comes back in time runs then; otherwise it goes back to the queue without
-   * its attempt counted (`job:deferred`) and runs as soon as the session is back. It never runs unlocked.
+   * its attempt counted (`job:deferred`) and runs as soon as the session is back. It never runs unlocked. A
+   * job whose lock PostgreSQL could not take for want of lock memory (a full lock table) goes back at once
+   * and runs again this much later (at least a second).
    * @defaultValue `5000`
    */
   lockSessionWait?: number;

@@ -1,10 +1,16 @@
 /**
  * Lock-ahead for graphile-worker's local queue. When a runner fetches a batch of jobs into its local queue
- * (`localQueue.size`), the locks of the batch's exclusive jobs are requested at once, in the lock session's
- * next statement, so that each job finds its lock already taken when it starts instead of waiting a round
- * trip. A job keeps a prefetched lock until it runs and finishes; a job handed back by the local queue
- * (shutdown, ttl) gives it back. A prefetch that met a held key is not final: the job tries again when it
- * starts, so lock-ahead never turns a key that frees in time into a conflict.
+ * (`localQueue.size`), the locks of the first of the batch's exclusive jobs are requested at once, in the
+ * lock session's next statement, so that each job finds its lock already taken when it starts instead of
+ * waiting a round trip. A job keeps a prefetched lock until it runs and finishes; a job handed back by the
+ * local queue (shutdown, ttl) gives it back. A prefetch that met a held key is not final: the job tries
+ * again when it starts, so lock-ahead never turns a key that frees in time into a conflict.
+ *
+ * Lock-ahead takes only what the runner can start soon: the jobs of a fetched batch that go straight to
+ * idle workers, and LOCK_AHEAD_MARGIN more; as a job with a lock taken ahead starts, the next waiting job of
+ * its local queue takes its lock, up to the idle workers and the margin again. So a runner's jobs hold at most
+ * its concurrency plus LOCK_AHEAD_MARGIN keys, whatever the size of its local queue: each is an entry of
+ * PostgreSQL's shared lock table (see the README's lock table sizing).
  *
  * Holding the lock from fetch to start is stricter, never looser: the job is claimed by this worker from
  * the moment it is fetched.
@@ -15,6 +21,12 @@ import type { LockSession } from "./session.js";
 
 /** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
 export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;
+
+/**
+ * How many jobs of a local queue, besides those going to idle workers, hold a lock taken ahead without having
+ * started: the next jobs of busy workers, ready for when those workers finish.
+ */
+export const LOCK_AHEAD_MARGIN = 8;
 
 /**
  * A lock-ahead acquisition: its result once settled (null if it failed), and a promise of it, made only for a
@@ -40,16 +52,48 @@ export class Prefetch implements AcquireReceiver {
   }
 }
 
+/** What graphile-worker's local queue events show of the queue (0.17.3 and 0.18). */
+interface LocalQueueView {
+  /** Jobs fetched and waiting for a worker, in the order workers take them. */
+  readonly jobQueue?: readonly Job[];
+  /** Workers waiting for a job (idle). */
+  readonly workerQueue?: readonly unknown[];
+}
+
+/** A local queue's lock-ahead: how many of its jobs hold a lock taken ahead and have not started. */
+interface QueueAhead {
+  readonly queue: LocalQueueView;
+  ahead: number;
+}
+
 export class Prefetcher {
-  private readonly pending = new Map<string, Prefetch>();
+  private readonly pending = new Map<string, { prefetch: Prefetch; queue: QueueAhead }>();
+  private readonly queues = new WeakMap<object, QueueAhead>();
 
   constructor(
     private readonly session: LockSession,
     private readonly plan: LockPlan,
   ) {}
 
-  fetched(jobs: readonly Job[]): void {
+  /** A batch `queue` fetched: its first jobs take their locks, for its idle workers and the margin. */
+  fetched(jobs: readonly Job[], queue: LocalQueueView = {}): void {
+    let state = this.queues.get(queue);
+    if (!state) {
+      state = { queue, ahead: 0 };
+      this.queues.set(queue, state);
+    }
+    this.fill(state, jobs);
+  }
+
+  /**
+   * Takes locks ahead for `jobs` (in the order they will start) while fewer of `state`'s jobs hold one than
+   * it has idle workers plus LOCK_AHEAD_MARGIN. (A fetched batch goes to the idle workers after this.)
+   */
+  private fill(state: QueueAhead, jobs: readonly Job[]): void {
+    const idle = state.queue.workerQueue?.length ?? 0;
+    const limit = idle + LOCK_AHEAD_MARGIN;
     for (const job of jobs) {
+      if (state.ahead >= limit) return;
       if (this.pending.has(job.id)) continue;
       let plan: ReturnType<LockPlan>;
       try {
@@ -58,17 +102,31 @@ export class Prefetcher {
         continue; // the job itself will report the bad key when it runs
       }
       if (!plan) continue;
-      const entry = new Prefetch();
-      this.pending.set(job.id, entry);
-      this.session.acquireInto(plan.slots, plan.info, entry);
+      const prefetch = new Prefetch();
+      this.pending.set(job.id, { prefetch, queue: state });
+      state.ahead++;
+      this.session.acquireInto(plan.slots, plan.info, prefetch);
     }
   }
 
-  /** The prefetched acquisition of a job that is starting, if any (and forgets it). */
+  /**
+   * The prefetched acquisition of a job that is starting, if any (and forgets it); the jobs waiting in its
+   * local queue then take locks ahead in its place.
+   */
   take(jobId: string): Prefetch | undefined {
-    const pending = this.pending.get(jobId);
-    if (pending) this.pending.delete(jobId);
-    return pending;
+    const entry = this.forget(jobId);
+    if (!entry) return undefined;
+    const waiting = entry.queue.queue.jobQueue;
+    if (Array.isArray(waiting)) this.fill(entry.queue, waiting);
+    return entry.prefetch;
+  }
+
+  private forget(jobId: string): { prefetch: Prefetch; queue: QueueAhead } | undefined {
+    const entry = this.pending.get(jobId);
+    if (!entry) return undefined;
+    this.pending.delete(jobId);
+    entry.queue.ahead--;
+    return entry;
   }
 
   /** Jobs handed back by the local queue: their prefetched locks are released. */
@@ -81,14 +139,15 @@ export class Prefetcher {
   }
 
   private giveBack(jobId: string): void {
-    void this.take(jobId)?.promise.then((result) => {
+    void this.forget(jobId)?.prefetch.promise.then((result) => {
       if (result?.acquired) result.hold.releaseQuietly();
     });
   }
 
   /** Listens to a runner's events; returns a function that stops listening and releases what is left. */
   attach(events: WorkerEvents): () => void {
-    const onFetched = ({ jobs }: { jobs: Job[] }) => this.fetched(jobs);
+    const onFetched = ({ jobs, localQueue }: { jobs: Job[]; localQueue: object }) =>
+      this.fetched(jobs, localQueue as LocalQueueView);
     const onReturned = ({ jobs }: { jobs: Job[] }) => this.returned(jobs);
     events.on("localQueue:getJobs:complete", onFetched);
     events.on("localQueue:returnJobs", onReturned);

@@ -22,7 +22,10 @@
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
  * - A failed lock statement leaves the session's state uncertain, so the connection is destroyed (which
- *   releases everything) rather than reused.
+ *   releases everything) rather than reused; except a statement PostgreSQL refused for want of resources
+ *   (SQLSTATE class 53, a full lock table), after which the connection is sound: the session releases
+ *   whatever of the statement's keys its backend still holds (`recover`), settles its unlocks as released
+ *   and fails its lock requests with GWL_LOCK_TABLE_FULL. Nobody else's hold is touched.
  * - While the connection is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE (or,
  *   behind a transaction pooler, GWL_LOCK_SESSION_POOLED): no job ever runs unlocked.
  * - Every lock statement answers with `pg_backend_pid()`, checked against the connection's backend: what a
@@ -32,9 +35,16 @@
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
  */
+import type pg from "pg";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
 import { LockConnection, type LockConnectionOptions } from "./connection.js";
-import { lockLost, lockSessionUnavailable, type LocksError } from "./errors.js";
+import {
+  isOutOfResources,
+  lockLost,
+  lockSessionUnavailable,
+  lockTableFull,
+  type LocksError,
+} from "./errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
   Acquisition,
@@ -54,6 +64,16 @@ import { probeAnswered, probeQueued } from "./probe.js";
 import { BatchOp, type Sql } from "./sql.js";
 
 export type { SessionState } from "./connection.js";
+
+/** The answer of `reconcileLocks` (sql.ts). */
+interface ReconcileRow {
+  pid: number;
+  marked: boolean;
+  released: number;
+  max_locks_per_transaction: number;
+  max_connections: number;
+  max_prepared_transactions: number;
+}
 
 export { setSessionProbe, type SessionProbe } from "./probe.js";
 
@@ -461,6 +481,8 @@ export class LockSession implements HoldOwner {
           });
         },
         (error: Error) => {
+          if (generation === this.connection.generation && isOutOfResources(error))
+            return this.recover(client, generation, locks, unlocks, error);
           const unavailable = lockSessionUnavailable("a lock statement failed", error);
           this.fail(locks, unlocks, unavailable, true);
           if (generation === this.connection.generation) {
@@ -479,6 +501,83 @@ export class LockSession implements HoldOwner {
         this.flush();
       });
     this.inFlight.push({ sentAt, done });
+  }
+
+  /**
+   * A lock statement failed for want of resources (`error`, SQLSTATE class 53: PostgreSQL's lock table is
+   * full): the connection is sound, but the statement may have taken some of its keys, and released some,
+   * before it failed (session locks ignore its rollback). One statement releases those of its keys the backend
+   * still holds; then its lock requests fail with GWL_LOCK_TABLE_FULL (their jobs go back to the queue) and its
+   * unlocks count as done, their lines woken. Should that statement fail too, the session's state is unknown
+   * and the connection goes, as for any other failed statement.
+   */
+  private async recover(
+    client: pg.Client,
+    generation: number,
+    locks: LockRequest[],
+    unlocks: HoldImpl[],
+    error: Error,
+  ): Promise<void> {
+    const keys = [...locks.flatMap((r) => r.slots), ...unlocks.map((hold) => hold.keyText)];
+    let row: ReconcileRow | undefined;
+    try {
+      const { name, text } = this.options.sql.reconcileLocks;
+      const values = [keys, this.connection.backendPid, this.connection.claimToken];
+      ({
+        rows: [row],
+      } = await client.query<ReconcileRow>({ name, text, values }));
+    } catch (reconcileError) {
+      this.fail(locks, unlocks, lockSessionUnavailable("a lock statement failed", error), true);
+      if (generation === this.connection.generation) {
+        this.options.onWarning(
+          "A lock statement failed for want of resources, and so did the release of what it took; dropping the lock session",
+          reconcileError,
+        );
+        this.connection.lost(client, error);
+      }
+      return;
+    }
+    if (generation !== this.connection.generation) {
+      return this.fail(locks, unlocks, lockSessionUnavailable("the connection was lost"), false);
+    }
+    if (!this.connection.checkBackend(client, row?.pid, "a lock statement's recovery", row?.marked))
+      return this.fail(locks, unlocks, this.connection.refusal!, true);
+    const full = lockTableFull(
+      error,
+      row
+        ? {
+            maxLocksPerTransaction: row.max_locks_per_transaction,
+            maxConnections: row.max_connections,
+            maxPreparedTransactions: row.max_prepared_transactions,
+          }
+        : null,
+    );
+    this.options.onWarning(
+      `A lock statement failed: ${full.message}. The lock session stays connected; ${locks.length} lock request(s) failed, ${unlocks.length} unlock(s) done, ${row?.released ?? 0} key(s) the statement left held released`,
+    );
+    for (const request of locks) {
+      for (const k of request.slots) {
+        this.pending.delete(k);
+        this.handoff.answered(k);
+      }
+      request.reject(full);
+    }
+    for (const hold of unlocks) this.settleUnlock(hold, true);
+    // The wakes of the failed statement rolled back with it: the lines of released `reschedule` keys are woken
+    // now (should this fail, their jobs' safety net runs them).
+    const waking = unlocks.filter((hold) => hold.info.reschedule);
+    if (waking.length === 0) return;
+    try {
+      await client.query(this.options.sql.releaseWaiters, [
+        waking.map((hold) => (hold.info.reschedule ? hold.info.wakeKey.toString() : null)),
+        waking.map((hold) => hold.info.jobId),
+      ]);
+    } catch (wakeError) {
+      this.options.onWarning(
+        "Could not wake the lines of keys released after a failed lock statement (their parked jobs run by their safety net)",
+        wakeError,
+      );
+    }
   }
 
   private endQuietHold(): void {

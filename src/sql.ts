@@ -227,6 +227,32 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
         where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)`,
     },
 
+    /**
+     * After a lock statement failed for want of resources (SQLSTATE class 53, `isOutOfResources`): releases the
+     * keys of $1 (the keys it was to lock or unlock) that the backend still holds, under `onOwnBackend(2)`.
+     * Session locks outlive the failed statement's transaction, so what it took before it failed, and what it
+     * had not yet released, is still held: after this, none of $1 is. It needs no entry of the full lock table:
+     * pg_locks is read under a fast-path relation lock, and an unlock frees an entry. Also answers the
+     * backend's pid and mark (`checkBackend`) and the settings that size the lock table, for the warning.
+     */
+    reconcileLocks: {
+      name: `gwl_lock_reconcile`,
+      text: `select pg_catalog.pg_backend_pid() as pid, ${MARK} is not distinct from $3::text as marked,
+        (select count(*)::int from unnest($1::bigint[]) as u(k)
+          where ${onOwnBackend(2)} and case when exists (
+              select 1 from pg_catalog.pg_locks l
+              where l.pid = pg_catalog.pg_backend_pid() and l.locktype = 'advisory' and l.objsubid = 1
+                and l.granted and l.classid = ((u.k >> 32) & 4294967295)::oid
+                and l.objid = (u.k & 4294967295)::oid
+            ) then pg_catalog.pg_advisory_unlock(u.k) else false end) as released,
+        pg_catalog.current_setting('max_locks_per_transaction')::int as max_locks_per_transaction,
+        pg_catalog.current_setting('max_connections')::int as max_connections,
+        pg_catalog.current_setting('max_prepared_transactions')::int as max_prepared_transactions`,
+    },
+
+    /** Wakes the lines of released keys ($1, released by the jobs $2), as `lockBatch` does after its unlocks. */
+    releaseWaiters: `select ${s}.release_waiters($1::bigint[], $2::bigint[]) as woken`,
+
     /** The channel on which a release tells the session of a job woken early that its key is free. */
     releaseChannel: "gwl_release",
 

@@ -4,6 +4,7 @@
  */
 import { describe, expect, it } from "vitest";
 import { lockKey, type Locks } from "../../src/index.js";
+import { LOCK_AHEAD_MARGIN } from "../../src/prefetch.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent, startRunner, Timeline } from "../support/runner.js";
@@ -34,15 +35,18 @@ describe("lock-ahead with graphile-worker's local queue", () => {
       Array.from({ length: 10 }, (_, k) => ({ identifier: "ahead", payload: { k } })),
     );
     await waitFor(async () => started.length === 1, { message: "a job to start" });
-    // The other nine wait in the local queue behind the running one, with their locks already taken.
+    // The other nine wait in the local queue behind the running one: the next LOCK_AHEAD_MARGIN (eight) of
+    // them with their locks already taken, the last without (it takes its own when it starts).
     const waiting = Array.from({ length: 10 }, (_, k) => k).filter((k) => String(k) !== started[0]);
-    await waitFor(
+    const free = await waitFor(
       async () => {
         const free = await Promise.all(waiting.map((k) => task.lockAvailable({ k })));
-        return free.every((f) => !f);
+        return free.filter((f) => !f).length >= LOCK_AHEAD_MARGIN && free;
       },
       { message: "lock-ahead of the queued jobs" },
     );
+    expect(free.filter((f) => f)).toHaveLength(1);
+    expect(locks.status().held).toHaveLength(1 + LOCK_AHEAD_MARGIN);
     expect(started).toHaveLength(1);
     gate.resolve();
     await waitFor(async () => started.length === 10, { message: "every job to run" });
@@ -51,6 +55,47 @@ describe("lock-ahead with graphile-worker's local queue", () => {
     await waitFor(async () => locks.status().held.length === 0, {
       message: "every lock to be released",
     });
+  });
+
+  it("holds locks for the jobs it can start soon, not for its whole local queue", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve()); // (runs before the runner's stop, should the test fail)
+    let running = 0;
+    const task = locks.exclusive("soon", async (_payload: { k: number }) => {
+      running++;
+      await gate.promise;
+    });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { soon: task },
+      preset: { worker: { localQueue: { size: 40 }, completeJobBatchDelay: 0 } },
+    });
+    locks.attach(r);
+    // One batch of thirty: two start, the rest wait in the local queue.
+    await h.utils.addJobs(
+      Array.from({ length: 30 }, (_, k) => ({ identifier: "soon", payload: { k } })),
+    );
+    const held = () => locks.status().held.length;
+    await waitFor(async () => running === 2 && held() >= 2 + LOCK_AHEAD_MARGIN, {
+      message: "two jobs to run and the next ones to lock ahead",
+    });
+    // The two running jobs' keys and the next LOCK_AHEAD_MARGIN jobs' keys, and no others.
+    expect(held()).toBe(2 + LOCK_AHEAD_MARGIN);
+    const free = await Promise.all(Array.from({ length: 30 }, (_, k) => task.lockAvailable({ k })));
+    expect(free.filter((f) => !f)).toHaveLength(2 + LOCK_AHEAD_MARGIN);
+    // Draining, the runner never holds more than that.
+    let most = 0;
+    gate.resolve();
+    await waitFor(
+      async () => {
+        most = Math.max(most, held());
+        return (await h.jobRows()).length === 0 && held() === 0;
+      },
+      { intervalMs: 5, message: "every job to run and release its key" },
+    );
+    expect(most).toBeLessThanOrEqual(2 + LOCK_AHEAD_MARGIN);
   });
 
   /**
