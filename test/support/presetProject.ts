@@ -86,16 +86,38 @@ export interface CliWorker {
 
 /** Runs the real `graphile-worker` CLI with the project's config (TypeScript files loaded through tsx's ESM loader). */
 export function startCliWorker(project: Project, url: string, name: string): CliWorker {
-  const child = spawn(GRAPHILE_WORKER_BIN, ["-C", project.configPath], {
-    cwd: ROOT,
-    env: {
-      ...process.env,
-      DATABASE_URL: url,
-      WORKER_NAME: name,
-      NODE_OPTIONS: "--import tsx/esm",
-    },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
+  return watch(
+    spawn(GRAPHILE_WORKER_BIN, ["-C", project.configPath], {
+      cwd: ROOT,
+      env: {
+        ...process.env,
+        DATABASE_URL: url,
+        WORKER_NAME: name,
+        NODE_OPTIONS: "--import tsx/esm",
+      },
+      stdio: ["ignore", "pipe", "pipe"],
+    }),
+  );
+}
+
+const PRESET_WORKER = fileURLToPath(new URL("../fixtures/preset-worker.ts", import.meta.url));
+/** Gives the process the graphile-worker TEST_GRAPHILE_WORKER selects, as vitest does here. */
+const GRAPHILE_WORKER_HOOK = fileURLToPath(new URL("./graphile-worker-hook.mjs", import.meta.url));
+/** What test/fixtures/preset-worker.ts prints once `run({ preset })` has resolved. */
+export const PRESET_WORKER_READY = "preset worker ready";
+
+/** Runs test/fixtures/preset-worker.ts (`run({ preset })` in a process of its own). */
+export function startPresetWorker(url: string, name: string): CliWorker {
+  return watch(
+    spawn(process.execPath, ["--import", "tsx", "--import", GRAPHILE_WORKER_HOOK, PRESET_WORKER], {
+      cwd: ROOT,
+      env: { ...process.env, DATABASE_URL: url, WORKER_NAME: name },
+      stdio: ["ignore", "pipe", "pipe"],
+    }),
+  );
+}
+
+function watch(child: ChildProcess): CliWorker {
   let output = "";
   child.stdout!.on("data", (d: Buffer) => (output += d.toString()));
   child.stderr!.on("data", (d: Buffer) => (output += d.toString()));
