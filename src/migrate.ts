@@ -7,9 +7,9 @@
  * an advisory lock it waited for is granted. So nothing looks the library's schema up by name before the
  * lock: the fast path reads the catalogs with a plain query, and the migrating transaction takes the lock
  * as its first statement. A session whose cache is stale all the same (it looked the schema up earlier
- * for other reasons) meets the objects another session committed meanwhile as a duplicate (or, racing
- * graphile-worker's own migrations, as a deadlock): it rolls back and tries again in a new transaction,
- * as graphile-worker's migrations do.
+ * for other reasons) meets the objects another session committed meanwhile as a duplicate: it rolls back
+ * and tries again in a new transaction, as graphile-worker's migrations do; so does a transaction chosen
+ * to fail a deadlock.
  *
  * Before anything else it checks graphile-worker's schema: that it is installed, and that its migration
  * level is one this library was tested with. The library reads and writes graphile-worker's private job
@@ -174,8 +174,9 @@ async function runMigrations(
       if (typeof code !== "string" || !RACE_CODES.includes(code) || attempt >= MIGRATE_ATTEMPTS) {
         throw error;
       }
-      // The other session has committed (a duplicate) or rolled back (a deadlock): go again, after a
-      // random pause that keeps the next attempts of several sessions apart.
+      // A duplicate: another session committed it, which a new transaction sees. A deadlock: this
+      // transaction was the one chosen to fail. Go again, after a random pause that keeps the next
+      // attempts of several sessions apart.
       await new Promise((resolve) => setTimeout(resolve, 20 + Math.random() * 100 * attempt));
     }
   }
