@@ -2,6 +2,15 @@
  * The library's own schema: numbered files in `sql/` (000001.sql, ...), applied in order, each once, in
  * one transaction under a transaction-level advisory lock, so concurrent starts of many workers are safe.
  *
+ * Concurrent starts. A session caches the catalog entries it looks up, including the absence of a name,
+ * and sees other sessions' catalog changes only when a transaction starts (or it locks a table), not when
+ * an advisory lock it waited for is granted. So nothing looks the library's schema up by name before the
+ * lock: the fast path reads the catalogs with a plain query, and the migrating transaction takes the lock
+ * as its first statement. A session whose cache is stale all the same (it looked the schema up earlier
+ * for other reasons) meets the objects another session committed meanwhile as a duplicate: it rolls back
+ * and tries again in a new transaction, as graphile-worker's migrations do; so does a transaction chosen
+ * to fail a deadlock.
+ *
  * Before anything else it checks graphile-worker's schema: that it is installed, and that its migration
  * level is one this library was tested with. The library reads and writes graphile-worker's private job
  * table (`_private_jobs`, not public API) in its enqueue functions (`enqueue_job` and `enqueue_jobs`) and
@@ -52,8 +61,13 @@ interface Migration {
   text: string;
 }
 
-const UNDEFINED_TABLE = "42P01";
-const INVALID_SCHEMA_NAME = "3F000";
+/**
+ * SQLSTATEs of a migration racing another one: `unique_violation`, `duplicate_schema`, `duplicate_table`,
+ * `duplicate_object` (another session created it first) and `deadlock_detected`.
+ */
+const RACE_CODES: readonly string[] = ["23505", "42P06", "42P07", "42710", "40P01"];
+/** How many transactions a migration tries before it gives up on a race. */
+const MIGRATE_ATTEMPTS = 8;
 
 let cachedMigrations: Promise<Migration[]> | undefined;
 
@@ -148,18 +162,53 @@ async function runMigrations(
   schema: string,
   workerSchema: string,
 ): Promise<void> {
-  const s = escapeIdentifier(schema);
   // Fast path: everything applied already (the common case on every worker start).
-  const latest = await client
-    .query<{ latest: number | null }>(`select max(id) as latest from ${s}.migrations`)
-    .then((r) => r.rows[0]?.latest ?? 0)
-    .catch((error: { code?: string }) => {
-      if (error.code === UNDEFINED_TABLE || error.code === INVALID_SCHEMA_NAME) return 0;
-      throw error;
-    });
   const lastAvailable = migrations.at(-1)?.id ?? 0;
-  if (latest >= lastAvailable) return;
+  if ((await appliedLevel(client, schema)) >= lastAvailable) return;
+  for (let attempt = 1; ; attempt++) {
+    try {
+      await applyPending(client, migrations, schema, workerSchema);
+      return;
+    } catch (error) {
+      const code = (error as { code?: unknown }).code;
+      if (typeof code !== "string" || !RACE_CODES.includes(code) || attempt >= MIGRATE_ATTEMPTS) {
+        throw error;
+      }
+      // A duplicate: another session committed it, which a new transaction sees. A deadlock: this
+      // transaction was the one chosen to fail. Go again, after a random pause that keeps the next
+      // attempts of several sessions apart.
+      await new Promise((resolve) => setTimeout(resolve, 20 + Math.random() * 100 * attempt));
+    }
+  }
+}
 
+/**
+ * The highest migration applied (0: none, or no schema). The catalogs are read with a plain query: looking
+ * the schema up by name while it is missing would leave its absence in this session's cache.
+ */
+async function appliedLevel(client: PoolClient, schema: string): Promise<number> {
+  const { rows } = await client.query<{ installed: boolean }>(
+    `select exists (
+       select from pg_catalog.pg_class c join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+       where n.nspname = $1 and c.relname = 'migrations' and c.relkind = 'r'
+     ) as installed`,
+    [schema],
+  );
+  if (!rows[0]?.installed) return 0;
+  const found = await client.query<{ latest: number | null }>(
+    `select max(id) as latest from ${escapeIdentifier(schema)}.migrations`,
+  );
+  return found.rows[0]?.latest ?? 0;
+}
+
+/** One transaction: the lock first, then every migration this database has not had yet. */
+async function applyPending(
+  client: PoolClient,
+  migrations: Migration[],
+  schema: string,
+  workerSchema: string,
+): Promise<void> {
+  const s = escapeIdentifier(schema);
   await client.query("begin");
   try {
     await client.query("select pg_advisory_xact_lock($1)", [

@@ -1,9 +1,11 @@
 /**
- * `LocksPreset` for real: the `graphile-worker` CLI in separate processes with a `graphile.config.ts`, a
- * `tasks/` folder (TypeScript and JavaScript) and a crontab; and `run({ preset })` in this process.
+ * `LocksPreset` for real: the `graphile-worker` CLI in separate processes with a `graphile.config.mjs`, a
+ * `tasks/` folder (TypeScript and JavaScript) and a crontab; the README's commands that start the CLI with
+ * a TypeScript config, as written; and `run({ preset })` in this process.
  */
 import { execFile } from "node:child_process";
-import { writeFile } from "node:fs/promises";
+import { readFile, writeFile } from "node:fs/promises";
+import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import { resolvePreset } from "graphile-config";
 import { register } from "tsx/esm/api";
@@ -23,10 +25,13 @@ import { useTestDatabase } from "./support/db.js";
 import { quietLogger } from "./support/runner.js";
 import { useScratchDatabases } from "./support/scratch.js";
 import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
+import { graphileWorkerPackage, requestedGraphileWorker } from "./support/graphile-worker.js";
 import {
   recordingTask,
+  startCliCommand,
   startCliWorker,
   writeProject,
+  writeTypeScriptProject,
   type Project,
 } from "./support/presetProject.js";
 
@@ -232,6 +237,98 @@ describe("LocksPreset through the graphile-worker CLI", () => {
       await cleanUp();
     }
   }, 180_000);
+});
+
+/** The README's commands that start the CLI with a TypeScript config, with the Node version each names. */
+const configCommands = [
+  ...(await readFile(new URL("../README.md", import.meta.url), "utf8")).matchAll(
+    /^(?:NODE_OPTIONS="([^"]*)" )?npx graphile-worker -C (graphile\.config\.\w+) +# Node (\d+)(?:\.(\d+))? and later$/gm,
+  ),
+].map((m) => ({
+  line: m[0].replace(/ +#/, " #"),
+  nodeOptions: m[1] ?? "",
+  config: m[2]!,
+  since: [Number(m[3]), Number(m[4] ?? 0)] as const,
+}));
+const [nodeMajor = 0, nodeMinor = 0] = process.versions.node.split(".").map(Number);
+const runsOnThisNode = ([major, minor]: readonly [number, number]) =>
+  nodeMajor > major || (nodeMajor === major && nodeMinor >= minor);
+
+describe(`The README's TypeScript-config commands, as written, on this Node (${process.version})`, () => {
+  const graphileWorkerDir = fileURLToPath(
+    new URL(
+      `../node_modules/${graphileWorkerPackage(requestedGraphileWorker())}/`,
+      import.meta.url,
+    ),
+  );
+  let project: Project;
+  beforeAll(async () => {
+    project = await writeTypeScriptProject({
+      packageDir: built.dir,
+      graphileWorkerDir,
+      worker: `pollInterval: 200,
+    locks: { tasks: { ts_hello: { onConflict: "drop", key: (p: { n: number }) => ({ n: p.n }) } } },`,
+      tasks: {
+        "ts_hello.ts": `import type { Task } from "graphile-worker";
+const task: Task = async (payload: any, helpers) => {${recordingTask("ts_hello", "p.n")}};
+export default task;
+`,
+      },
+    });
+    projects.push(project);
+  });
+
+  it("the README gives a command for Node 20, the oldest Node this library supports", () => {
+    expect(configCommands.filter((c) => c.since[0] <= 20)).not.toEqual([]);
+  });
+
+  it.runIf(!runsOnThisNode([22, 18]))(
+    "a graphile.config.ts does not start here, as the README says, even through tsx's ESM loader",
+    async () => {
+      const worker = startCliCommand(project, db.url, {
+        cli: `${graphileWorkerDir}dist/cli.js`,
+        config: "graphile.config.ts",
+        nodeOptions: "--import tsx/esm",
+      });
+      expect(await worker.exited).toBe(1);
+      expect(worker.output()).toMatch(/SyntaxError/);
+    },
+    120_000,
+  );
+
+  configCommands.forEach((command, index) => {
+    it.runIf(runsOnThisNode(command.since))(
+      `${command.line}: starts, loads the TypeScript task and runs its job`,
+      async () => {
+        const worker = startCliCommand(project, db.url, {
+          cli: `${graphileWorkerDir}dist/cli.js`,
+          config: command.config,
+          nodeOptions: command.nodeOptions,
+        });
+        try {
+          await waitFor("the worker to start", async () => {
+            if (worker.child.exitCode !== null) {
+              throw new Error(`exited with ${worker.child.exitCode}:\n${worker.output()}`);
+            }
+            return /looking for jobs.*ts_hello/.test(worker.output());
+          });
+          await db
+            .pool()
+            .query("select graphile_worker.add_job('ts_hello', json_build_object('n', $1::int))", [
+              index,
+            ]);
+          await waitFor("the job to run", async () => (await jobsLeft("ts_hello")) === 0);
+          const executions = await readExecutions(db.pool(), "ts_hello");
+          expect(executions.map((e) => e.lockKey)).toEqual([String(index)]);
+        } finally {
+          await worker.stop();
+          await cleanUp();
+        }
+        expect([0, "SIGINT"], worker.output()).toContain(await worker.exited);
+      },
+      120_000,
+    );
+  });
 });
 
 describe("LocksPreset through run({ preset }) in this process", () => {

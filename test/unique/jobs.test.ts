@@ -4,6 +4,7 @@
  */
 import { createHash } from "node:crypto";
 import { type Job, type Runner } from "graphile-worker";
+import type pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   InvalidArgumentError,
@@ -259,6 +260,52 @@ describe("race-free", () => {
     const { rows } = await db.pool().query("select * from graphile_worker_locks.unique_windows");
     expect(rows).toEqual([]);
     expect((await h.locks.addJob("t2", { k: 1 }, { uniqueFor: 60 })).outcome).toBe("added");
+  });
+  it("every kind of addJob with the caller's pgClient, rolled back, leaves no advisory lock and no row", async () => {
+    h.locks.exclusive("rb_drop", async () => undefined);
+    h.locks.exclusive("rb_line", async () => undefined, { onConflict: "reschedule" });
+    const a = await client();
+    const tables = ["unique_windows", "waiters", "wakes", "prewakes", "parked_originals"];
+    /** Advisory locks held in this database (by any session), and the rows of every table written. */
+    const leftovers = async (on: { query: pg.Client["query"] }) => {
+      const { rows } = await on.query<Record<string, number>>(
+        `select
+           (select count(*)::int from pg_locks where locktype = 'advisory'
+              and database = (select oid from pg_database where datname = current_database())) as advisory,
+           (select count(*)::int from graphile_worker._private_jobs) as jobs,
+           ${tables.map((t) => `(select count(*)::int from graphile_worker_locks.${t}) as ${t}`).join(",\n")}`,
+      );
+      return rows[0]!;
+    };
+    const none = { advisory: 0, jobs: 0, ...Object.fromEntries(tables.map((t) => [t, 0])) };
+    expect(await leftovers(a)).toEqual(none);
+
+    await a.query("begin");
+    const results = [
+      // the preemptive check of a `drop` task
+      await h.locks.addJob("rb_drop", { k: 1 }, { pgClient: a }),
+      // a `reschedule` task's job, in its key's line
+      await h.locks.addJob("rb_line", { k: 1 }, { pgClient: a }),
+      await h.locks.addJob("rb_unique", { k: 1 }, { unique: "queued", uniqueFor: 60, pgClient: a }),
+      // a job key of the caller's (graphile-worker's add_job), with the preemptive check
+      await h.locks.addJob("rb_drop", { k: 2 }, { jobKey: "rb-k", preemptive: true, pgClient: a }),
+      // bulk: two of one `reschedule` key (the second waits in line) and a unique job
+      ...(await h.locks.addJobs(
+        [
+          { identifier: "rb_line", payload: { k: 2 } },
+          { identifier: "rb_line", payload: { k: 2 } },
+          { identifier: "rb_unique", payload: { k: 2 }, unique: "queued" },
+        ],
+        { pgClient: a },
+      )),
+    ];
+    expect(results.map((r) => r.outcome)).toEqual(Array(7).fill("added"));
+    // Written, in the caller's transaction: its own session sees them.
+    expect((await leftovers(a)).jobs).toBe(7);
+    await a.query("rollback");
+
+    expect(await leftovers(a)).toEqual(none);
+    expect(await leftovers(db.pool())).toEqual(none);
   });
 });
 
