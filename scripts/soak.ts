@@ -1019,6 +1019,7 @@ async function analyse(
       p50: quantile(0.5),
       p99: quantile(0.99),
       max: detection.at(-1) ?? null,
+      each: detection.join(" "),
     },
     jobsLost: lost.length,
     repeatedWithoutCause: repeated.length,
