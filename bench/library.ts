@@ -43,4 +43,4 @@ async function load<T>(module: string): Promise<T> {
 export const library = await load<typeof Library>("index");
 
 /** The lock session's module, for its timing probe (`setSessionProbe`), from the same build. */
-export const sessionModule = await load<typeof import("../src/session.js")>("session");
+export const sessionModule = await load<typeof import("../src/session/session.js")>("session");

@@ -2,8 +2,8 @@
 import type { LocksEvents } from "./events.js";
 import type { AddJobResult } from "./types.js";
 import type { AddJobSpec } from "./options.js";
-import type { LockSession } from "./session.js";
-import type { Prefetch } from "./prefetch.js";
+import type { LockSession } from "./session/session.js";
+import type { Prefetch } from "./session/lock-ahead.js";
 import type { Sql } from "./sql.js";
 
 export interface LocksContext {

@@ -10,10 +10,10 @@ import type { ClientConfig, Pool } from "pg";
 import type { JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
-import { makeEnqueuer, type TaskRules } from "./enqueue.js";
+import { makeEnqueuer, type TaskRules } from "./enqueue/enqueue.js";
 import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
 import { makeEmitter, type LocksEvents } from "./events.js";
-import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive.js";
+import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive/exclusive.js";
 import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
 import {
@@ -25,13 +25,13 @@ import {
   type LocksOptions,
   type ResolvedExclusiveOptions,
 } from "./options.js";
-import { readHeldLocks } from "./held.js";
-import { IdleWorkers } from "./idle.js";
-import { Prefetcher } from "./prefetch.js";
-import { LockSession } from "./session.js";
+import { readHeldLocks } from "./held-locks.js";
+import { IdleWorkers } from "./session/idle.js";
+import { Prefetcher } from "./session/lock-ahead.js";
+import { LockSession } from "./session/session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
 import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
-import { validateUniqueOptions, type UniqueOptions } from "./unique.js";
+import { validateUniqueOptions, type UniqueOptions } from "./enqueue/unique.js";
 
 /** How often rows of given-back jobs whose completion was lost are looked for, besides each connection. */
 const CLEAN_PARKED_INTERVAL_MS = 60_000;

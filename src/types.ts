@@ -8,14 +8,14 @@ import "graphile-worker";
 import type { Client, PoolClient } from "pg";
 import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import type { LocksEventEmitter } from "./events.js";
-import type { HandoffCounts } from "./handoff.js";
+import type { HandoffCounts } from "./session/handoff.js";
 import type {
   AddJobSpec,
   DefineOptions,
   ExclusiveOptions,
   ResolvedExclusiveOptions,
 } from "./options.js";
-import type { UniqueOptions } from "./unique.js";
+import type { UniqueOptions } from "./enqueue/unique.js";
 
 /** The payload type of `taskIdentifier`: from `GraphileWorker.Tasks` if declared there, else `unknown`. */
 export type TaskPayload<TIdentifier extends string> = TIdentifier extends keyof GraphileWorker.Tasks

@@ -7,7 +7,7 @@ import { InvalidArgumentError } from "../errors.js";
 import { slotKeys } from "../key.js";
 import type { Locks } from "../types.js";
 import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
-import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
+import { validateUniqueOptions, type UniqueOptions } from "../enqueue/unique.js";
 
 /**
  * The rules of one task in `worker.locks.tasks` (or a task file's `locks` export): every option of

@@ -9,17 +9,17 @@ import { pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
 import { loadConfig } from "graphile-config/load";
 import pg from "pg";
-import { InvalidArgumentError } from "./errors.js";
-import { lockKey } from "./key.js";
-import { migrate } from "./migrate.js";
-import { payloadWithoutCron, resolveWorkerOptions, validateLocksPresetOptions } from "./preset.js";
-import { findTaskFiles, pickTaskFile, readFileRules } from "./preset/files.js";
+import { InvalidArgumentError } from "../errors.js";
+import { lockKey } from "../key.js";
+import { migrate } from "../migrate.js";
+import { payloadWithoutCron, resolveWorkerOptions, validateLocksPresetOptions } from "../preset/preset.js";
+import { findTaskFiles, pickTaskFile, readFileRules } from "../preset/files.js";
 import {
   jobLockKeys,
   mergeRules,
   validateTaskRules,
   type TaskLocksOptions,
-} from "./preset/rules.js";
+} from "../preset/rules.js";
 import {
   readOnlyClient,
   readStatus,
@@ -27,7 +27,7 @@ import {
   schemaLevel,
   type Status,
   type Target,
-} from "./cli/inspect.js";
+} from "./inspect.js";
 
 const USAGE = `Usage: graphile-worker-locks <command> [options]
 

@@ -4,8 +4,8 @@
  */
 import pg from "pg";
 import { describe, expect, it } from "vitest";
-import { UniqueConflictError } from "../../src/index.js";
-import { useUniqueHarness } from "../support/unique.js";
+import { UniqueConflictError } from "../../../src/index.js";
+import { useUniqueHarness } from "../../support/unique.js";
 
 const h = useUniqueHarness();
 const { db, client, jobCount } = h;

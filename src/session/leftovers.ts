@@ -18,7 +18,7 @@
 import pg from "pg";
 import type { ClientConfig } from "pg";
 import { destroySocket, discard } from "./pgclient.js";
-import type { Sql } from "./sql.js";
+import type { Sql } from "../sql.js";
 
 const LEFTOVERS_TRY_MS = 60_000;
 const LEFTOVERS_RETRY_MS = 200;

@@ -6,10 +6,10 @@ import { randomBytes } from "node:crypto";
 import * as gw17 from "graphile-worker-0.17";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
-import { makeLocks, type Locks } from "../src/index.js";
-import { databaseUrl } from "../scripts/postgres.js";
-import { dropDatabase, withAdmin } from "./support/admin.js";
-import { waitFor } from "./support/db.js";
+import { makeLocks, type Locks } from "../../src/index.js";
+import { databaseUrl } from "../../scripts/postgres.js";
+import { dropDatabase, withAdmin } from "../support/admin.js";
+import { waitFor } from "../support/db.js";
 
 const name = `gwl_c17_${randomBytes(5).toString("hex")}`;
 let url: string;

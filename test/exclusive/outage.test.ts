@@ -5,14 +5,14 @@
  */
 import pg from "pg";
 import { describe, expect, inject, it } from "vitest";
-import { InvalidArgumentError, lockKey, makeLocks } from "../src/index.js";
-import { withAdmin } from "./support/admin.js";
-import { deferred, waitFor } from "./support/db.js";
-import { useExclusiveHarness } from "./support/exclusive.js";
-import { readExecutions } from "./support/executions.js";
-import { startWorkerProcess, type WorkerProcess } from "./support/processes.js";
-import { nextEvent, Timeline } from "./support/runner.js";
-import { startProxy } from "./support/proxy.js";
+import { InvalidArgumentError, lockKey, makeLocks } from "../../src/index.js";
+import { withAdmin } from "../support/admin.js";
+import { deferred, waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { readExecutions } from "../support/executions.js";
+import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
+import { nextEvent, Timeline } from "../support/runner.js";
+import { startProxy } from "../support/proxy.js";
 
 const h = useExclusiveHarness("truncate test_executions, test_events");
 const { db, cleanups, newLocks, runner, holdExternally } = h;

@@ -6,13 +6,13 @@
 import { rm } from "node:fs/promises";
 import { runMigrations } from "graphile-worker";
 import { afterAll, describe, expect, it } from "vitest";
-import { ErrorCodes, makeLocks, type Locks } from "../src/index.js";
-import { expectedOutput, readmeSnippets, runSnippet } from "./support/readme.js";
-import { quietLogger } from "./support/runner.js";
-import { LATEST_MIGRATION, useScratchDatabases } from "./support/scratch.js";
+import { ErrorCodes, makeLocks, type Locks } from "../../src/index.js";
+import { expectedOutput, readmeSnippets, runSnippet } from "../support/readme.js";
+import { quietLogger } from "../support/runner.js";
+import { LATEST_MIGRATION, useScratchDatabases } from "../support/scratch.js";
 
 const scratch = useScratchDatabases();
-const dir = new URL("./.readme-fresh/", import.meta.url);
+const dir = new URL("../.readme-fresh/", import.meta.url);
 const instances: Locks[] = [];
 afterAll(async () => {
   for (const locks of instances) await locks.release();

@@ -7,9 +7,9 @@
 import fc from "fast-check";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { makeLocks, type AddJobResult, type Locks } from "../src/index.js";
-import { useTestDatabase } from "./support/db.js";
-import { quietLogger } from "./support/runner.js";
+import { makeLocks, type AddJobResult, type Locks } from "../../src/index.js";
+import { useTestDatabase } from "../support/db.js";
+import { quietLogger } from "../support/runner.js";
 
 const db = useTestDatabase();
 const ROUNDS = 25;

@@ -7,7 +7,7 @@
  * a statement's round trip is long enough to see what is sent during it.
  */
 import { afterEach, describe, expect, it } from "vitest";
-import { setSessionProbe } from "../../src/session.js";
+import { setSessionProbe } from "../../src/session/session.js";
 import { deferred } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";

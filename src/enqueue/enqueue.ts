@@ -20,19 +20,13 @@
  */
 import type { Job } from "graphile-worker";
 import type { Pool, PoolClient, Client } from "pg";
-import type { LocksContext } from "./context.js";
-import { InvalidArgumentError, UniqueConflictError } from "./errors.js";
-import { assertIdentifier, assertJsonSafe, callKeyFunction, lockFlag, slotKeys } from "./key.js";
-import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
-import type { Sql } from "./sql.js";
-import {
-  addJob,
-  addJobs,
-  lockAvailable,
-  type EnqueuePlan,
-  type Queryable,
-} from "./enqueue/statements.js";
-import type { AddJobResult, AddJobsItem } from "./types.js";
+import type { LocksContext } from "../context.js";
+import { InvalidArgumentError, UniqueConflictError } from "../errors.js";
+import { assertIdentifier, assertJsonSafe, callKeyFunction, lockFlag, slotKeys } from "../key.js";
+import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
+import type { Sql } from "../sql.js";
+import { addJob, addJobs, lockAvailable, type EnqueuePlan, type Queryable } from "./statements.js";
+import type { AddJobResult, AddJobsItem } from "../types.js";
 import { resolveUnique, type UniqueOptions } from "./unique.js";
 
 /** What is known about a task identifier on a `Locks` instance. */

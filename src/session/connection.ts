@@ -35,12 +35,12 @@ import {
   lockSessionPooled,
   lockSessionUnavailable,
   type LocksError,
-} from "./errors.js";
+} from "../errors.js";
 import type { HoldImpl } from "./holds.js";
 import { SET_SESSION_SETTINGS, sessionSettings } from "./keepalive.js";
 import { LeftoverRelease } from "./leftovers.js";
 import { destroySocket, discard } from "./pgclient.js";
-import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "./sql.js";
+import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "../sql.js";
 
 export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
 

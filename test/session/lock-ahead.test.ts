@@ -4,7 +4,7 @@
  */
 import { describe, expect, it } from "vitest";
 import { lockKey, type Locks } from "../../src/index.js";
-import { LOCK_AHEAD_MARGIN } from "../../src/prefetch.js";
+import { LOCK_AHEAD_MARGIN } from "../../src/session/lock-ahead.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent, startRunner, Timeline } from "../support/runner.js";

@@ -8,7 +8,7 @@ import { randomBytes } from "node:crypto";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
 import { InvalidArgumentError, makeLocks } from "../../src/index.js";
-import { sessionSettings } from "../../src/keepalive.js";
+import { sessionSettings } from "../../src/session/keepalive.js";
 import { withAdmin } from "../support/admin.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";

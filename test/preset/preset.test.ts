@@ -8,7 +8,7 @@ import { promisify } from "node:util";
 import { resolvePreset } from "graphile-config";
 import { register } from "tsx/esm/api";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { buildPackage, type BuiltPackage } from "./support/build.js";
+import { buildPackage, type BuiltPackage } from "../support/build.js";
 import { run, runMigrations, WorkerPreset, makeWorkerUtils, type Task } from "graphile-worker";
 import {
   LocksPreset,
@@ -18,17 +18,17 @@ import {
   TESTED_WORKER_SCHEMAS,
   UntestedWorkerSchemaError,
   type LocksOptions,
-} from "../src/index.js";
-import { useTestDatabase } from "./support/db.js";
-import { quietLogger } from "./support/runner.js";
-import { useScratchDatabases } from "./support/scratch.js";
-import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
+} from "../../src/index.js";
+import { useTestDatabase } from "../support/db.js";
+import { quietLogger } from "../support/runner.js";
+import { useScratchDatabases } from "../support/scratch.js";
+import { maxConcurrencyPerKey, readExecutions } from "../support/executions.js";
 import {
   recordingTask,
   startCliWorker,
   writeProject,
   type Project,
-} from "./support/presetProject.js";
+} from "../support/presetProject.js";
 
 const db = useTestDatabase();
 const scratch = useScratchDatabases();
@@ -427,7 +427,7 @@ export default { extends: [base], worker: { pollInterval: 100, locks: { tasks: {
 
     // The CLI: the key `status` computes for the job.
     const cli: Record<string, boolean> = {};
-    const bin = `${built.dir}dist/cli.js`;
+    const bin = `${built.dir}dist/cli/cli.js`;
     for (const task of tasks) {
       const { stdout } = await promisify(execFile)(
         process.execPath,

@@ -3,12 +3,12 @@
  * and applies the conflict strategy when the key is held.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
-import { ErrorCodes, LockConflictError } from "./errors.js";
-import type { LocksContext } from "./context.js";
-import type { AcquireResult, Hold, HoldInfo } from "./holds.js";
-import { callKeyFunction, slotKeys } from "./key.js";
-import type { AddJobSpec, ResolvedExclusiveOptions } from "./options.js";
-import type { ExclusiveTask } from "./types.js";
+import { ErrorCodes, LockConflictError } from "../errors.js";
+import type { LocksContext } from "../context.js";
+import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
+import { callKeyFunction, slotKeys } from "../key.js";
+import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
+import type { ExclusiveTask } from "../types.js";
 
 /** An exclusive task as this library sees it: the public task, and how lock-ahead locks its jobs. */
 export interface ExclusiveTaskImpl<TPayload = unknown> extends ExclusiveTask<TPayload> {

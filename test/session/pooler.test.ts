@@ -8,9 +8,9 @@
 import { makeWorkerUtils, type Runner, type Task, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
-import { makeLocks, type Locks, type LocksError } from "../src/index.js";
-import { useTestDatabase, waitFor } from "./support/db.js";
-import { maxConcurrencyPerKey, readExecutions } from "./support/executions.js";
+import { makeLocks, type Locks, type LocksError } from "../../src/index.js";
+import { useTestDatabase, waitFor } from "../support/db.js";
+import { maxConcurrencyPerKey, readExecutions } from "../support/executions.js";
 import {
   carriesPreparedStatements,
   compareVersions,
@@ -19,8 +19,8 @@ import {
   type PgBouncer,
   type PgBouncerBinary,
   type PgBouncerOptions,
-} from "./support/pgbouncer.js";
-import { nextEvent, quietLogger, startRunner, warningsLogger } from "./support/runner.js";
+} from "../support/pgbouncer.js";
+import { nextEvent, quietLogger, startRunner, warningsLogger } from "../support/runner.js";
 
 const candidates = pgbouncers();
 for (const { missing } of candidates) if (missing) console.warn(missing);

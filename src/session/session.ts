@@ -44,7 +44,7 @@ import {
   lockSessionUnavailable,
   lockTableFull,
   type LocksError,
-} from "./errors.js";
+} from "../errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
   Acquisition,
@@ -59,9 +59,9 @@ import {
   type LockRequest,
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
-import { lockFlag } from "./key.js";
-import { probeAnswered, probeQueued } from "./probe.js";
-import { BatchOp, type Sql } from "./sql.js";
+import { lockFlag } from "../key.js";
+import { probeAnswered, probeQueued } from "./timing-probe.js";
+import { BatchOp, type Sql } from "../sql.js";
 
 export type { SessionState } from "./connection.js";
 
@@ -75,7 +75,7 @@ interface ReconcileRow {
   max_prepared_transactions: number;
 }
 
-export { setSessionProbe, type SessionProbe } from "./probe.js";
+export { setSessionProbe, type SessionProbe } from "./timing-probe.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
   sql: Sql;

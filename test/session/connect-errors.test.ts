@@ -2,9 +2,9 @@
  * `locks.connect()` says what failed when the lock session cannot connect, with the driver's error as `cause`.
  */
 import { afterEach, describe, expect, it } from "vitest";
-import { makeLocks, type Locks } from "../src/index.js";
-import { useTestDatabase } from "./support/db.js";
-import { quietLogger } from "./support/runner.js";
+import { makeLocks, type Locks } from "../../src/index.js";
+import { useTestDatabase } from "../support/db.js";
+import { quietLogger } from "../support/runner.js";
 
 const db = useTestDatabase();
 let locks: Locks | undefined;

@@ -5,7 +5,7 @@
  */
 import type { QueryConfig } from "pg";
 import type { HoldImpl, LockRequest } from "./holds.js";
-import { BatchOp, type Sql } from "./sql.js";
+import { BatchOp, type Sql } from "../sql.js";
 
 export interface Batch {
   unlocks: HoldImpl[];

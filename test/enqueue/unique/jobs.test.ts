@@ -13,10 +13,10 @@ import {
   uniqueKeyMaterial,
   type Locks,
   type UniqueScope,
-} from "../../src/index.js";
-import { deferred, waitFor, type Deferred } from "../support/db.js";
-import { useUniqueHarness } from "../support/unique.js";
-import { countEvents, nextEvent, quietLogger, startRunner } from "../support/runner.js";
+} from "../../../src/index.js";
+import { deferred, waitFor, type Deferred } from "../../support/db.js";
+import { useUniqueHarness } from "../../support/unique.js";
+import { countEvents, nextEvent, quietLogger, startRunner } from "../../support/runner.js";
 
 const h = useUniqueHarness();
 const { db, cleanups, client, jobCount, blocked, pidOf } = h;

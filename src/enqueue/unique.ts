@@ -9,8 +9,8 @@
  * index then decides every race. The group is the task identifier unless `uniqueGroup` shares keys across
  * tasks; the queue name is part of the key only with `uniqueByQueue` (as Faktory does).
  */
-import { InvalidArgumentError } from "./errors.js";
-import { KEY_VERSION, callKeyFunction, canonicalJson, sha256Hex } from "./key.js";
+import { InvalidArgumentError } from "../errors.js";
+import { KEY_VERSION, callKeyFunction, canonicalJson, sha256Hex } from "../key.js";
 
 export const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
 /**

@@ -3,14 +3,14 @@
  */
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { lockKey, makeLocks, type HandoffCounts, type Locks } from "../src/index.js";
-import { useTestDatabase, waitFor } from "./support/db.js";
-import { maxConcurrencyPerKey, readEvents, readExecutions } from "./support/executions.js";
+import { lockKey, makeLocks, type HandoffCounts, type Locks } from "../../src/index.js";
+import { useTestDatabase, waitFor } from "../support/db.js";
+import { maxConcurrencyPerKey, readEvents, readExecutions } from "../support/executions.js";
 import {
   startWorkerProcess,
   type WorkerProcess,
   type WorkerProcessOptions,
-} from "./support/processes.js";
+} from "../support/processes.js";
 
 const db = useTestDatabase();
 let utils: WorkerUtils;

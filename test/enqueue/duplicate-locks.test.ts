@@ -4,9 +4,9 @@
  */
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { makeLocks, type AddJobSpec, type Locks } from "../src/index.js";
-import { deferred, useTestDatabase, waitFor } from "./support/db.js";
-import { quietLogger, startRunner } from "./support/runner.js";
+import { makeLocks, type AddJobSpec, type Locks } from "../../src/index.js";
+import { deferred, useTestDatabase, waitFor } from "../support/db.js";
+import { quietLogger, startRunner } from "../support/runner.js";
 
 const db = useTestDatabase();
 const closers: Array<() => Promise<unknown>> = [];

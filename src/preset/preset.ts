@@ -17,13 +17,13 @@ import type { Pool } from "pg";
 import { resolvePreset } from "graphile-config";
 import { WorkerPreset } from "graphile-worker";
 import type { Task, TaskList, WorkerPool, WorkerEvents } from "graphile-worker";
-import { InvalidArgumentError } from "./errors.js";
-import { makeLocks } from "./locks.js";
-import type { Locks } from "./types.js";
-import { migrate } from "./migrate.js";
-import { validateLocksTimings, type LocksOptions } from "./options.js";
-import { pickTaskFile, readFileRules } from "./preset/files.js";
-import { migrateOptionsOf, PRESET_OPTION_NAMES, type PresetOptionName } from "./preset/options.js";
+import { InvalidArgumentError } from "../errors.js";
+import { makeLocks } from "../locks.js";
+import type { Locks } from "../types.js";
+import { migrate } from "../migrate.js";
+import { validateLocksTimings, type LocksOptions } from "../options.js";
+import { pickTaskFile, readFileRules } from "./files.js";
+import { migrateOptionsOf, PRESET_OPTION_NAMES, type PresetOptionName } from "./options.js";
 import {
   defineTask,
   mergeRules,
@@ -31,10 +31,10 @@ import {
   wrapTask,
   type TaskLocksOptions,
   type TaskLocksOptionsMap,
-} from "./preset/rules.js";
+} from "./rules.js";
 
-export type { TaskLocksOptions, TaskLocksOptionsMap } from "./preset/rules.js";
-export { payloadWithoutCron } from "./preset/rules.js";
+export type { TaskLocksOptions, TaskLocksOptionsMap } from "./rules.js";
+export { payloadWithoutCron } from "./rules.js";
 
 /** `worker.locks` of a graphile-worker preset. */
 export interface LocksPresetOptions extends Pick<
