@@ -6,7 +6,7 @@ import { randomInt, randomUUID } from "node:crypto";
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
-import { backendPid, isDirect, probeTransactionPooling } from "../session/connection.js";
+import { backendPid, isDirect, probeTransactionPooling } from "../session/backend.js";
 import { readHeldLocks } from "../held-locks.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
 

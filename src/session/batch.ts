@@ -33,8 +33,8 @@ export function makeBatch(
 
 /**
  * A PostgreSQL array literal of integers (keys, job ids; null as NULL). node-postgres would quote every
- * element and run two regular expressions over it: measured alone, with batches of 126 locks and 126 unlocks,
- * this saves about 0.3 µs of Node.js CPU per key. Every element is an integer by construction (a bigint, or
+ * element and run two regular expressions over it, which costs Node.js CPU per key (see bench/README.md,
+ * section "Integer array literals"). Every element is an integer by construction (a bigint, or
  * the decimal text of one: graphile-worker's job ids, a key's text).
  */
 function integerArray(values: ReadonlyArray<bigint | string | null>): string {

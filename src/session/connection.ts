@@ -1,8 +1,8 @@
 /**
  * The lock session's connection: one PostgreSQL client, and everything about keeping it. It connects (after
- * the library's schema is ready), probes a proxy in front of it for transaction pooling, sends a heartbeat
- * while something is held, writes the holder registry, sweeps waiters, reconnects with backoff after a
- * loss, tells `whenReady` callers, and closes the client. Which keys are held is the session's
+ * the library's schema is ready), probes a proxy in front of it for transaction pooling (backend.ts), keeps
+ * a heartbeat, the holder registry and a sweep of waiters running (upkeep.ts), reconnects with backoff after
+ * a loss, tells `whenReady` callers, and closes the client. Which keys are held is the session's
  * (session.ts), told through `ConnectionHost`.
  *
  * State machine:
@@ -37,12 +37,14 @@ import {
   type LocksError,
 } from "../errors.js";
 import type { HoldImpl } from "./holds.js";
+import { backendPid, claimBackend, probeTransactionPooling, target } from "./backend.js";
 import { SET_SESSION_SETTINGS, sessionSettings } from "./keepalive.js";
 import { LeftoverRelease } from "./leftovers.js";
+import { Upkeep } from "./upkeep.js";
 import { destroySocket, discard } from "./pgclient.js";
-import { CLAIM_BACKEND, CLAIM_SETTING, type Sql } from "../sql.js";
+import { CLAIM_SETTING, type Sql } from "../sql.js";
 
-export type SessionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
+export type ConnectionState = "idle" | "connecting" | "ready" | "broken" | "refused" | "closed";
 
 /** What the connection asks of the session that uses it. */
 export interface ConnectionHost {
@@ -75,80 +77,8 @@ export interface LockConnectionOptions {
   reconnectDelayMs: { min: number; max: number };
 }
 
-/** Waiters whose job ran on its safety-net delay instead of being woken are swept this often. */
-const SWEEP_WAITERS_INTERVAL_MS = 60_000;
-
-/** The backend's pid, as PostgreSQL itself reports it. */
-export async function backendPid(client: pg.Client): Promise<number> {
-  const { rows } = await client.query<{ pid: number }>("select pg_catalog.pg_backend_pid() as pid");
-  return rows[0]!.pid;
-}
-
-/**
- * Marks the backend of `client` as the lock session's, with `token` (new for each connection), unless a
- * mark is there already: reading and setting are one statement, which runs on one backend, so of two
- * sessions that a pooler put on one backend, exactly one claims it. A session's lock statements run only
- * on the backend it claimed (`onOwnBackend`, sql.ts), so no two sessions ever take locks on one backend.
- * A mark already there means the backend serves, or served, another client without being reset: a pooler
- * in transaction mode, or a session pooler that does not reset backends between clients, where a crashed
- * client's locks would stay held too (PgBouncer resets with `server_reset_query`, by default DISCARD ALL).
- */
-export async function claimBackend(
-  client: pg.Client,
-  token: string,
-): Promise<{ pid: number; claimed: boolean }> {
-  const { rows } = await client.query<{ pid: number; claimed: boolean }>(CLAIM_BACKEND, [token]);
-  return rows[0]!;
-}
-
-/**
- * Whether `client` reaches PostgreSQL directly: PostgreSQL's BackendKeyData names the backend (`pid`, as
- * `pg_backend_pid()` reports it), and a proxy sends its own (PgBouncer: a random key).
- */
-export function isDirect(client: pg.Client, pid: number): boolean {
-  return pid === (client as unknown as { processID?: number }).processID;
-}
-
-/**
- * Whether `client`, on backend `pid`, reaches PostgreSQL through a pooler that pools by transaction.
- * A direct connection (`isDirect`) needs no probe. Behind a proxy, a second client (`config`) opens a
- * transaction, which pins a backend (a pooler hands out the backend released last first: this client's),
- * and this client asks for its backend again. A session pool gives each client its own backend throughout;
- * a transaction pool shows this client's backend to the other client, or another backend to this one.
- * Returns what was seen when it pools by transaction, else null; throws when the probe cannot run. The
- * lock session and the CLI's `check` share it.
- */
-export async function probeTransactionPooling(
-  client: pg.Client,
-  pid: number,
-  config: ClientConfig,
-): Promise<string | null> {
-  if (isDirect(client, pid)) return null;
-  const other = new pg.Client(config);
-  other.on("error", () => undefined);
-  try {
-    await other.connect();
-    await other.query("begin");
-    const otherPid = await backendPid(other);
-    const again = await backendPid(client);
-    await other.query("rollback");
-    if (otherPid === pid)
-      return `a second client through it was given the session's backend (pid ${pid})`;
-    if (again !== pid) return `the session's statements reached backends ${pid} and ${again}`;
-    return null;
-  } finally {
-    await other.end().catch(() => undefined);
-  }
-}
-
-/** Where a client connects to, for error messages: host and port, or the socket directory. */
-function target(client: pg.Client): string {
-  const { host, port } = client as unknown as { host?: string; port?: number };
-  return host?.startsWith("/") ? `${host}/.s.PGSQL.${port}` : `${host}:${port}`;
-}
-
 export class LockConnection {
-  state: SessionState = "idle";
+  state: ConnectionState = "idle";
   client: pg.Client | null = null;
   /** Changes whenever a connection is lost or closed. */
   generation = 0;
@@ -163,10 +93,8 @@ export class LockConnection {
   private connecting: Promise<void> | null = null;
   private reconnectAttempt = 0;
   private reconnectTimer: NodeJS.Timeout | null = null;
-  private heartbeatPending = false;
-  private readonly timers: NodeJS.Timeout[] = [];
-  /** Heartbeats, registry writes and sweeps in flight, so that close() can wait for them. */
-  private readonly sideQueries = new Set<Promise<unknown>>();
+  /** Heartbeat, registry and sweep (upkeep.ts). */
+  private readonly upkeep: Upkeep;
   /** `pg_backend_pid()` of the current connection, as seen at connect. */
   backendPid: number | null = null;
   /** The mark this connection claimed its backend with (`claimBackend`). */
@@ -181,7 +109,9 @@ export class LockConnection {
   constructor(
     private readonly options: LockConnectionOptions,
     private readonly host: ConnectionHost,
-  ) {}
+  ) {
+    this.upkeep = new Upkeep(options, this, host);
+  }
 
   /**
    * The backend pid of the current connection, if connected: as PostgreSQL reports it (through a proxy,
@@ -234,7 +164,7 @@ export class LockConnection {
       case "idle":
       case "connecting":
         await this.connect();
-        if ((this.state as SessionState) !== "ready") throw this.unavailable();
+        if ((this.state as ConnectionState) !== "ready") throw this.unavailable();
     }
   }
 
@@ -294,7 +224,7 @@ export class LockConnection {
       // parked job's safety net. So its hand-offs do not pay a disk flush.
       // Its statements are the lock batch, prepared once, whose branches are switched on and off by their
       // parameters: a generic plan skips the unused ones at run time, while PostgreSQL's default would keep
-      // re-planning it for each call (measured: 3× the cost of a lock and unlock).
+      // re-planning it for each call (see bench/README.md, section "Generic plans").
       await client.query("set synchronous_commit = off; set plan_cache_mode = force_generic_plan");
       await client.query(this.options.sql.registerSession, [process.pid, hostname()]);
       client.on("notification", (message) => {
@@ -336,7 +266,7 @@ export class LockConnection {
     this.connectError = null;
     this.reconnectAttempt = 0;
     this.registryDirty = this.host.holds().length > 0;
-    if (this.timers.length === 0) this.startTimers();
+    this.upkeep.start();
     this.host.onReady();
     this.tellReadyWaiters();
   }
@@ -357,90 +287,6 @@ export class LockConnection {
   /** State changes while awaiting; TypeScript's narrowing does not know that. */
   private isClosed(): boolean {
     return this.state === "closed";
-  }
-
-  private startTimers(): void {
-    const heartbeat = setInterval(() => this.heartbeat(), this.options.heartbeatIntervalMs);
-    const registry = setInterval(
-      () => this.side(this.writeRegistry()),
-      this.options.registryIntervalMs,
-    );
-    const sweep = setInterval(() => {
-      if (this.state !== "ready" || !this.client) return;
-      this.side(
-        this.client.query(this.options.sql.sweepWaiters).catch((error: unknown) => {
-          this.options.onWarning("Could not sweep waiters", error);
-        }),
-      );
-    }, SWEEP_WAITERS_INTERVAL_MS);
-    for (const timer of [heartbeat, registry, sweep]) timer.unref();
-    this.timers.push(heartbeat, registry, sweep);
-  }
-
-  /**
-   * Checks the connection while something is held: that is when a silently dead connection matters (a
-   * network that drops packets without a reset leaves a query waiting for many minutes). A heartbeat, or a
-   * lock statement, unanswered for `heartbeatTimeoutMs` counts as a lost connection: the holders' signals
-   * abort, as they would if the connection had failed outright.
-   */
-  private heartbeat(): void {
-    const client = this.client;
-    if (this.state !== "ready" || !client) return;
-    const timeout = this.options.heartbeatTimeoutMs;
-    const inFlightSince = this.host.inFlightSince();
-    if (inFlightSince !== null) {
-      if (performance.now() - inFlightSince > timeout) {
-        this.lost(client, new Error(`A lock statement went unanswered for ${timeout} ms`));
-      }
-      return;
-    }
-    if (this.host.holds().length === 0 || this.heartbeatPending) return;
-    this.heartbeatPending = true;
-    const timer = setTimeout(() => {
-      this.lost(client, new Error(`The lock session did not answer a heartbeat in ${timeout} ms`));
-    }, timeout);
-    this.side(
-      client
-        .query<{ pid: number; marked: boolean }>(this.options.sql.heartbeat, [this.claimToken])
-        .then(
-          ({ rows }) => {
-            clearTimeout(timer);
-            this.heartbeatPending = false;
-            this.checkBackend(client, rows[0]?.pid, "a heartbeat", rows[0]?.marked);
-          },
-          (error: Error) => {
-            clearTimeout(timer);
-            this.heartbeatPending = false;
-            this.lost(client, error);
-          },
-        ),
-    );
-  }
-
-  /** Runs a statement beside the lock batches (heartbeat, registry, sweep), counted and awaited by close(). */
-  private side(promise: Promise<unknown> | undefined): void {
-    if (!promise) return;
-    this.statements++;
-    this.sideQueries.add(promise);
-    void promise.finally(() => this.sideQueries.delete(promise));
-  }
-
-  private async writeRegistry(): Promise<void> {
-    if (!this.registryDirty || this.state !== "ready" || !this.client) return;
-    this.registryDirty = false;
-    const holds = this.host.holds();
-    try {
-      await this.client.query(this.options.sql.writeHolders, [
-        holds.map((h) => h.keyText),
-        holds.map((h) => h.info.taskIdentifier),
-        holds.map((h) => h.info.jobId),
-        holds.map((h) => h.since.toISOString()),
-      ]);
-    } catch (error) {
-      this.registryDirty = true;
-      if (this.state === "ready")
-        this.options.onWarning("Could not update the lock holder registry", error);
-    }
   }
 
   private scheduleReconnect(): void {
@@ -497,7 +343,7 @@ export class LockConnection {
       this.claimToken,
     ]);
     // (counted and awaited by close() as a side statement; its failure is handled below)
-    this.side(query.catch(() => undefined));
+    this.upkeep.side(query.catch(() => undefined));
     try {
       const { rows } = await query;
       return (
@@ -548,7 +394,7 @@ export class LockConnection {
     // end() waits for the server's goodbye, which a dead network never sends: cut the socket, so that what
     // is still waiting on it fails now.
     destroySocket(client);
-    this.heartbeatPending = false;
+    this.upkeep.connectionLost();
     this.host.onLost(error, this.refusal);
     if (!this.refusal) this.scheduleReconnect();
   }
@@ -561,11 +407,11 @@ export class LockConnection {
   async close(drain: () => Promise<unknown>, drop: () => void): Promise<void> {
     if (this.state === "closed") return;
     this.state = "closed";
-    for (const timer of this.timers.splice(0)) clearInterval(timer);
+    this.upkeep.stop();
     if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
     await this.connecting?.catch(() => undefined);
     await drain();
-    await Promise.allSettled([...this.sideQueries]);
+    await this.upkeep.settled();
     await this.leftovers?.stop();
     this.generation++;
     drop();

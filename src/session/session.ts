@@ -35,47 +35,25 @@
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
  */
-import type pg from "pg";
-import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "./batch.js";
-import { LockConnection, type LockConnectionOptions } from "./connection.js";
-import {
-  isOutOfResources,
-  lockLost,
-  lockSessionUnavailable,
-  lockTableFull,
-  type LocksError,
-} from "../errors.js";
+import { batchQuery, makeBatch, type BatchRow } from "./batch.js";
+import { SessionBook } from "./book.js";
+import { LockConnection, type ConnectionState, type LockConnectionOptions } from "./connection.js";
+import { lockLost, lockSessionUnavailable, type LocksError } from "../errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
   Acquisition,
   HoldImpl,
   LOST,
   RELEASED,
-  UNVERIFIED,
   type AcquireReceiver,
   type AcquireResult,
   type HoldInfo,
-  type HoldOwner,
   type LockRequest,
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
-import { lockFlag } from "../key.js";
-import { probeAnswered, probeQueued } from "./timing-probe.js";
-import { BatchOp, type Sql } from "../sql.js";
-
-export type { SessionState } from "./connection.js";
-
-/** The answer of `reconcileLocks` (sql.ts). */
-interface ReconcileRow {
-  pid: number;
-  marked: boolean;
-  released: number;
-  max_locks_per_transaction: number;
-  max_connections: number;
-  max_prepared_transactions: number;
-}
-
-export { setSessionProbe, type SessionProbe } from "./timing-probe.js";
+import { QuietUnlocks } from "./quiet-unlocks.js";
+import { probeQueued } from "./timing-probe.js";
+import type { Sql } from "../sql.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
   sql: Sql;
@@ -88,27 +66,11 @@ export interface LockSessionOptions extends LockConnectionOptions {
 /**
  * Lock statements in flight at once on a connection in node-postgres's `pipeline` mode (connection.ts opens
  * it so): a lock request made while fewer are unanswered leaves at once in a statement of its own; beyond
- * that, requests queue up for the next statement. Measured with the latency section at concurrency 10
- * (tasks waiting 5-100 ms): four in flight rather than two take 0.1-0.2 ms off the time a job waits for its
- * lock (p50), most of it the wait for a place in the pipeline, whose p99 falls from 2-4 ms to under 1 ms,
- * and still send at most about one statement per job; eight made each statement wait behind the others on
- * the server, and added time overall.
+ * that, requests queue up for the next statement. Four rather than two shorten the wait for a place in the
+ * pipeline and still send about one statement per job; eight make each statement wait behind the others on
+ * the server (figures: bench/README.md, section "Pipeline depth").
  */
 const PIPELINE_DEPTH = 4;
-
-/**
- * While lock-ahead is in use (a lock-ahead request in the last LOCK_AHEAD_RECENT_MS), an unlock nobody waits
- * for may wait up to QUIET_UNLOCK_HOLD_MS on an idle connection for a lock statement to ride. Lock-ahead
- * statements carry a fetched batch's locks, ahead of its jobs, so no job waits on what rides them; sent alone,
- * the unlock is a socket write in the finishing job's path and a wake of the server for one key. Measured
- * with the latency section's local-queue rows (concurrency 24, tasks waiting 5 and 20 ms, 1 and 3
- * processes), against leaving at once: half the lock statements per job (0.05-0.10 instead of 0.10-0.25),
- * 0.1-0.4 ms less from a job's start to its success (p50), and throughput higher by up to 0.08 of plain
- * graphile-worker's, in 7 of 8 rows. Without lock-ahead every lock statement is some job's wait, and an
- * unlock riding it measured slower (see `onlyQuietUnlocks`), so there it leaves at once.
- */
-const QUIET_UNLOCK_HOLD_MS = 2;
-const LOCK_AHEAD_RECENT_MS = 1000;
 
 /**
  * The slots of semaphore request `request` that its statement found held by other sessions: all it tried
@@ -120,15 +82,12 @@ function slotsHeldElsewhere(request: LockRequest, answer: AcquireResult): readon
   return taken < 0 ? [] : request.slots.slice(0, taken);
 }
 
-export class LockSession implements HoldOwner {
+export class LockSession extends SessionBook {
   /**
    * The connection: its state, backend pid, generation, `whenReady` and `warmUp` (connection.ts). Others
    * read it; only the session sends lock statements on it.
    */
-  readonly connection: LockConnection;
-  private readonly holds = new Map<string, HoldImpl>();
-  /** Keys being acquired, with the acquisition (settles when its statement answered). */
-  private readonly pending = new Map<string, Acquisition>();
+  override readonly connection: LockConnection;
   private lockQueue: LockRequest[] = [];
   private unlockQueue: HoldImpl[] = [];
   /** The lock statements in flight, oldest first, each with when it was sent (`performance.now()`). */
@@ -136,19 +95,16 @@ export class LockSession implements HoldOwner {
   /** PIPELINE_DEPTH on a pipelining connection; 1 with a node-postgres that has no pipeline mode. */
   private maxInFlight = 1;
   private flushScheduled = false;
-  /** When the oldest unlock of `unlockQueue` was queued (`performance.now()`). */
-  private unlocksSince = 0;
-  /** When lock-ahead last asked for a lock (`acquireInto`). */
-  private lockAheadAt = -Infinity;
-  /** The end of a hold of quiet unlocks (QUIET_UNLOCK_HOLD_MS), while one runs. */
-  private quietHold: NodeJS.Timeout | null = null;
+  /** When unlocks nobody waits for leave (quiet-unlocks.ts). */
+  private readonly quiet = new QuietUnlocks(() => this.flush());
   /** Set by close(): queued unlocks leave at once, and nothing else is sent (see flush). */
   private closing = false;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
-  private readonly handoff: Handoff;
+  protected override readonly handoff: Handoff;
 
-  constructor(private readonly options: LockSessionOptions) {
+  constructor(protected override readonly options: LockSessionOptions) {
+    super(options);
     this.connection = new LockConnection(options, {
       holds: () => [...this.holds.values()],
       inFlightSince: () => this.inFlight[0]?.sentAt ?? null,
@@ -197,31 +153,6 @@ export class LockSession implements HoldOwner {
     return this.connection.lossSignal();
   }
 
-  /** Keys this process holds right now. */
-  heldKeys(): Array<{ key: bigint; info: HoldInfo; since: Date }> {
-    return [...this.holds.values()].map((h) => ({ key: h.key, info: h.info, since: h.since }));
-  }
-
-  /**
-   * The job flags (`lockFlag`) of the keys this process holds for jobs that wait their turn (`reschedule`)
-   * and has not begun to release: graphile-worker need not fetch more jobs of those keys for now. A key being
-   * released, or whose next job was woken early, is left out: its next job may be fetched (and then waits for
-   * the key, in this process).
-   */
-  heldFlags(): string[] {
-    const flags: string[] = [];
-    for (const hold of this.holds.values()) {
-      if (hold.info.reschedule && !hold.releaseRequested && !this.handoff.isPrewoken(hold.keyText))
-        flags.push(lockFlag(hold.keyText));
-    }
-    return flags;
-  }
-
-  /** Whether no job of this process holds, acquires or releases `key`. */
-  private isFree(key: string): boolean {
-    return !this.holds.has(key) && !this.pending.has(key);
-  }
-
   /**
    * Tries the slots in order and takes the first that is free. Resolves `{ acquired: false }` on a
    * conflict (`local: true` when this process itself holds every slot), throws GWL_LOCK_SESSION_UNAVAILABLE
@@ -233,7 +164,7 @@ export class LockSession implements HoldOwner {
 
   /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
   acquireInto(slots: readonly bigint[], info: HoldInfo, receiver: AcquireReceiver): void {
-    this.lockAheadAt = performance.now();
+    this.quiet.lockAheadAt = performance.now();
     if (this.queueIfFree(slots, info, receiver)) return;
     this.acquireSlowly(slots, info).then(
       (result) => receiver.settle(result),
@@ -337,7 +268,7 @@ export class LockSession implements HoldOwner {
     }
     if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
     probeQueued(hold);
-    if (this.unlockQueue.length === 0) this.unlocksSince = performance.now();
+    if (this.unlockQueue.length === 0) this.quiet.since = performance.now();
     this.unlockQueue.push(hold);
     this.scheduleFlush();
   }
@@ -362,12 +293,9 @@ export class LockSession implements HoldOwner {
    * request, or goes when the last statement in flight answers: every statement costs both sides a round of
    * socket I/O, and the keys stay held meanwhile, which is never looser. On an idle connection it goes at
    * once, so that a lock request made a moment later does not queue behind it on the server, unless
-   * lock-ahead is in use (`holdQuietUnlocks`). Measured with the latency section at concurrency 10 without a
-   * local queue (tasks waiting 5 and 20 ms), against holding such unlocks up to 2 ms for a lock request to
-   * ride with: throughput higher by 0.01-0.03 of plain graphile-worker's in each of four alternated
-   * comparisons (A1:5 once, A1:20 three times), for 1.3-1.5 statements per job instead of 0.9-1.0; against
-   * sending them after graphile-worker's completion and next fetch (`setImmediate`), higher by 0.02-0.04 in
-   * two.
+   * lock-ahead is in use (quiet-unlocks.ts). Leaving at once beats holding them for a lock request to ride
+   * with, and beats sending them after graphile-worker's completion and next fetch (figures: bench/README.md,
+   * section "Quiet unlocks").
    */
   private onlyQuietUnlocks(): boolean {
     return (
@@ -378,25 +306,6 @@ export class LockSession implements HoldOwner {
     );
   }
 
-  /**
-   * Whether quiet unlocks on an idle connection wait for a lock statement to ride (QUIET_UNLOCK_HOLD_MS):
-   * only while lock-ahead is in use, and for at most that long after the oldest was queued; a timer sends
-   * them when the time is up.
-   */
-  private holdQuietUnlocks(): boolean {
-    if (this.unlockQueue.length === 0) return false;
-    const now = performance.now();
-    if (now - this.lockAheadAt > LOCK_AHEAD_RECENT_MS) return false;
-    const left = this.unlocksSince + QUIET_UNLOCK_HOLD_MS - now;
-    if (left <= 0) return false;
-    this.quietHold ??= setTimeout(() => {
-      this.quietHold = null;
-      this.unlocksSince = -Infinity;
-      this.flush();
-    }, left);
-    return true;
-  }
-
   private flush(): void {
     const { client, generation } = this.connection;
     if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
@@ -404,13 +313,13 @@ export class LockSession implements HoldOwner {
     if (
       !this.closing &&
       this.onlyQuietUnlocks() &&
-      (this.inFlight.length > 0 || this.holdQuietUnlocks())
+      (this.inFlight.length > 0 || this.quiet.hold(this.unlockQueue.length))
     )
       return;
     if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
       return;
     if (this.closing && this.unlockQueue.length === 0) return;
-    this.endQuietHold();
+    this.quiet.end();
     const noticesAtSend = this.handoff.notices;
     // While closing, only unlocks leave: a lock taken now would be lost with the connection at once, its job
     // running unlocked until it saw its signal; queued lock requests fail when the connection goes instead.
@@ -443,53 +352,19 @@ export class LockSession implements HoldOwner {
         ),
       )
       .then(
-        ({ rows }) => {
-          if (generation !== this.connection.generation) {
-            // The connection died after answering: whatever this statement took died with it.
-            const unavailable = lockSessionUnavailable("the connection was lost");
-            return this.fail(locks, unlocks, unavailable, false);
-          }
-          probeAnswered(sentAt, locks, unlocks);
-          const answer = decodeBatch(rows);
-          if (
-            !this.connection.checkBackend(
-              client,
-              answer.backendPid,
-              "a lock statement",
-              answer.marked,
-            )
-          ) {
-            // It ran on another backend, or found its own reset: it took nothing (onOwnBackend), and none of it
-            // is granted.
-            return this.fail(locks, unlocks, this.connection.refusal!, true);
-          }
-          for (const [i, key] of answer.slots)
-            this.settleLock(multis[i - 1]!, key, generation, false);
-          for (const [i, jobId] of answer.prewoken)
-            this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
-          unlocks.forEach((hold, index) =>
-            this.settleUnlock(hold, !answer.failedUnlocks.has(index + 1)),
-          );
-          singles.forEach((r, index) => {
-            const op = answer.singles.get(index + 1);
-            if (op === undefined || op === BatchOp.LOCKED_WITH_LINE) {
-              if (r.waits) this.handoff.counts.afterRelease++;
-              this.settleLock(r, r.slots[0]!, generation, op === BatchOp.LOCKED_WITH_LINE);
-            } else if (op === BatchOp.WAIT_FOR_RELEASE && (r.waits ?? 0) < 2)
-              this.handoff.awaitRelease(r, noticesAtSend);
-            else this.settleLock(r, null, generation, false);
-          });
-        },
-        (error: Error) => {
-          if (generation === this.connection.generation && isOutOfResources(error))
-            return this.recover(client, generation, locks, unlocks, error);
-          const unavailable = lockSessionUnavailable("a lock statement failed", error);
-          this.fail(locks, unlocks, unavailable, true);
-          if (generation === this.connection.generation) {
-            this.options.onWarning("A lock statement failed; dropping the lock session", error);
-            this.connection.lost(client, error);
-          }
-        },
+        ({ rows }) =>
+          this.settleAnswer(
+            rows,
+            client,
+            generation,
+            batch,
+            locks,
+            prewakes,
+            wakeHere,
+            noticesAtSend,
+            sentAt,
+          ),
+        (error: Error) => this.settleFailure(client, generation, locks, unlocks, error),
       )
       .finally(() => {
         for (const hold of prewakes) hold.prewaking = null;
@@ -504,149 +379,6 @@ export class LockSession implements HoldOwner {
   }
 
   /**
-   * A lock statement failed for want of resources (`error`, SQLSTATE class 53: PostgreSQL's lock table is
-   * full): the connection is sound, but the statement may have taken some of its keys, and released some,
-   * before it failed (session locks ignore its rollback). One statement releases those of its keys the backend
-   * still holds; then its lock requests fail with GWL_LOCK_TABLE_FULL (their jobs go back to the queue) and its
-   * unlocks count as done, their lines woken. Should that statement fail too, the session's state is unknown
-   * and the connection goes, as for any other failed statement.
-   */
-  private async recover(
-    client: pg.Client,
-    generation: number,
-    locks: LockRequest[],
-    unlocks: HoldImpl[],
-    error: Error,
-  ): Promise<void> {
-    const keys = [...locks.flatMap((r) => r.slots), ...unlocks.map((hold) => hold.keyText)];
-    let row: ReconcileRow | undefined;
-    try {
-      const { name, text } = this.options.sql.reconcileLocks;
-      const values = [keys, this.connection.backendPid, this.connection.claimToken];
-      ({
-        rows: [row],
-      } = await client.query<ReconcileRow>({ name, text, values }));
-    } catch (reconcileError) {
-      this.fail(locks, unlocks, lockSessionUnavailable("a lock statement failed", error), true);
-      if (generation === this.connection.generation) {
-        this.options.onWarning(
-          "A lock statement failed for want of resources, and so did the release of what it took; dropping the lock session",
-          reconcileError,
-        );
-        this.connection.lost(client, error);
-      }
-      return;
-    }
-    if (generation !== this.connection.generation) {
-      return this.fail(locks, unlocks, lockSessionUnavailable("the connection was lost"), false);
-    }
-    if (!this.connection.checkBackend(client, row?.pid, "a lock statement's recovery", row?.marked))
-      return this.fail(locks, unlocks, this.connection.refusal!, true);
-    const full = lockTableFull(
-      error,
-      row
-        ? {
-            maxLocksPerTransaction: row.max_locks_per_transaction,
-            maxConnections: row.max_connections,
-            maxPreparedTransactions: row.max_prepared_transactions,
-          }
-        : null,
-    );
-    this.options.onWarning(
-      `A lock statement failed: ${full.message}. The lock session stays connected; ${locks.length} lock request(s) failed, ${unlocks.length} unlock(s) done, ${row?.released ?? 0} key(s) the statement left held released`,
-    );
-    for (const request of locks) {
-      for (const k of request.slots) {
-        this.pending.delete(k);
-        this.handoff.answered(k);
-      }
-      request.reject(full);
-    }
-    for (const hold of unlocks) this.settleUnlock(hold, true);
-    // The wakes of the failed statement rolled back with it: the lines of released `reschedule` keys are woken
-    // now (should this fail, their jobs' safety net runs them).
-    const waking = unlocks.filter((hold) => hold.info.reschedule);
-    if (waking.length === 0) return;
-    try {
-      await client.query(this.options.sql.releaseWaiters, [
-        waking.map((hold) => (hold.info.reschedule ? hold.info.wakeKey.toString() : null)),
-        waking.map((hold) => hold.info.jobId),
-      ]);
-    } catch (wakeError) {
-      this.options.onWarning(
-        "Could not wake the lines of keys released after a failed lock statement (their parked jobs run by their safety net)",
-        wakeError,
-      );
-    }
-  }
-
-  private endQuietHold(): void {
-    if (this.quietHold === null) return;
-    clearTimeout(this.quietHold);
-    this.quietHold = null;
-  }
-
-  /**
-   * Fails a statement's lock requests with `error` and settles its unlocks as lost. `forget`: their keys stop
-   * counting as pending (not after the connection changed, when a new request may own them).
-   */
-  private fail(locks: LockRequest[], unlocks: HoldImpl[], error: Error, forget: boolean): void {
-    for (const request of locks) {
-      if (forget) for (const k of request.slots) this.pending.delete(k);
-      request.reject(error);
-    }
-    for (const hold of unlocks) hold.settle(LOST);
-  }
-
-  /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
-  private settleLock(
-    request: LockRequest,
-    key: string | null,
-    generation: number,
-    line: boolean,
-  ): void {
-    for (const k of request.slots) {
-      this.pending.delete(k);
-      this.handoff.answered(k);
-    }
-    if (key === null) {
-      request.resolve({ acquired: false, local: false });
-      return;
-    }
-    request.resolve({ acquired: true, hold: this.grant(request, key, generation, line) });
-  }
-
-  /** Makes the hold of `key` for `request` (whose key it is now) and plans its early wake if it has a line. */
-  private grant(request: LockRequest, key: string, generation: number, line: boolean): HoldImpl {
-    const index = request.slots.length === 1 ? 0 : request.slots.indexOf(key);
-    const hold = new HoldImpl(
-      this,
-      request.keys[index] ?? BigInt(key),
-      key,
-      generation,
-      request.info,
-    );
-    this.holds.set(key, hold);
-    this.connection.registryDirty = true;
-    if (line) this.handoff.planPrewake(hold);
-    return hold;
-  }
-
-  private settleUnlock(hold: HoldImpl, ok: boolean): void {
-    if (this.holds.get(hold.keyText) === hold) {
-      this.holds.delete(hold.keyText);
-      this.handoff.released(hold.keyText);
-    }
-    this.connection.registryDirty = true;
-    if (!ok) {
-      this.options.onWarning(
-        `pg_advisory_unlock(${hold.keyText}) returned false: the lock session did not hold the key it was releasing`,
-      );
-    }
-    hold.settle(ok ? RELEASED : UNVERIFIED);
-  }
-
-  /**
    * Everything the connection held is gone (it was lost, or closed): lock requests fail with `unavailable`,
    * unlocks settle as lost, and every hold is marked lost with `reason` and its signal aborts. Returns the
    * holds that were open.
@@ -658,7 +390,7 @@ export class LockSession implements HoldOwner {
     this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
-    this.endQuietHold();
+    this.quiet.end();
     for (const hold of open) hold.markLost(reason);
     this.connection.abortLossSignal(reason);
     return open;

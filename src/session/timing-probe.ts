@@ -1,19 +1,20 @@
 /**
- * The lock session's timing probe, for the benchmark's latency section: when each lock and unlock request
- * was queued, when its statement was sent, and when the answer arrived (`performance.now()` values). Off
- * unless `setSessionProbe` set one; then each request costs a map entry and a few clock reads.
+ * The bench's timing probe of the lock session, for the benchmark's latency section: when each lock and
+ * unlock request was queued, when its statement was sent, and when the answer arrived (`performance.now()`
+ * values). Off unless `setTimingProbe` set one; then each request costs a map entry and a few clock reads.
+ * Not in the package's entry point: the bench imports this module from the build.
  */
 
-export interface SessionProbe {
+export interface TimingProbe {
   lock(queuedAt: number, sentAt: number, answeredAt: number): void;
   unlock(queuedAt: number, sentAt: number, answeredAt: number): void;
 }
 
-let probe: SessionProbe | null = null;
+let probe: TimingProbe | null = null;
 const queuedAt = new WeakMap<object, number>();
 
 /** Sets (or, with null, removes) the probe of every lock session of this process. Not part of the API. */
-export function setSessionProbe(next: SessionProbe | null): void {
+export function setTimingProbe(next: TimingProbe | null): void {
   probe = next;
 }
 

@@ -7,7 +7,7 @@
  * a statement's round trip is long enough to see what is sent during it.
  */
 import { afterEach, describe, expect, it } from "vitest";
-import { setSessionProbe } from "../../src/session/session.js";
+import { setTimingProbe } from "../../src/session/timing-probe.js";
 import { deferred } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";
@@ -39,7 +39,7 @@ async function slowProxy(delayMs: number): Promise<string> {
   return url;
 }
 
-afterEach(() => setSessionProbe(null));
+afterEach(() => setTimingProbe(null));
 
 /** When a probed request was queued, its statement sent, and the answer read (`performance.now()`). */
 interface Timing {
@@ -65,7 +65,7 @@ async function pipelinedTask(
   await locks.connect();
   const requests: Timing[] = [];
   const unlocks: Timing[] = [];
-  setSessionProbe({
+  setTimingProbe({
     lock: (queuedAt, sentAt, answeredAt) => requests.push({ queuedAt, sentAt, answeredAt }),
     unlock: (queuedAt, sentAt, answeredAt) => unlocks.push({ queuedAt, sentAt, answeredAt }),
   });
