@@ -191,6 +191,50 @@ export function slotKeys(
   return keys;
 }
 
+/** What derives a task's lock keys: its resolved `exclusive` options (`key`, `keyPath`, `limit`). */
+export interface KeyRules {
+  key(payload: never): unknown;
+  /** `"payload"` when the key is the payload itself, else `"key(payload)"`. */
+  keyPath: string;
+  limit: number;
+}
+
+/**
+ * What a job's lock keys are derived from under `rules`: the payload itself, or what the task's `key`
+ * returns, called through {@link callKeyFunction} (a failure names the task, after `job <jobId>: ` when
+ * `jobId` is given). The payload is checked as JSON-safe unless `trusted` (already checked, or read back
+ * from PostgreSQL's JSON).
+ */
+export function lockKeyValue(
+  taskIdentifier: string,
+  rules: KeyRules,
+  payload: unknown,
+  jobId?: string,
+  trusted = false,
+): unknown {
+  if (rules.keyPath !== "payload") {
+    const context = jobId === undefined ? "" : `job ${jobId}: `;
+    return callKeyFunction(rules.key, "key", taskIdentifier, payload, context);
+  }
+  if (!trusted) assertJsonSafe(payload);
+  return payload;
+}
+
+/**
+ * The lock keys (semaphore slots, {@link slotKeys}) of a job of `taskIdentifier` with `payload` under
+ * `rules`: the one derivation the task wrapper, the enqueuer and the CLI share. See {@link lockKeyValue}.
+ */
+export function jobLockKeys(
+  taskIdentifier: string,
+  rules: KeyRules,
+  payload: unknown,
+  jobId?: string,
+  trusted = false,
+): bigint[] {
+  const value = lockKeyValue(taskIdentifier, rules, payload, jobId, trusted);
+  return slotKeys(taskIdentifier, value, rules.limit, null);
+}
+
 /**
  * The graphile-worker job flag naming a job's lock key. Jobs of a `reschedule` task enqueued through the
  * library carry it, so that a runner given `forbiddenFlags: locks.forbiddenFlags` skips them while their key

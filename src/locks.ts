@@ -27,7 +27,7 @@ import {
 } from "./options.js";
 import { readHeldLocks } from "./held-locks.js";
 import { IdleWorkers } from "./session/idle.js";
-import { Prefetcher } from "./session/lock-ahead.js";
+import { LockAhead } from "./session/lock-ahead.js";
 import { LockSession } from "./session/session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
 import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
@@ -200,7 +200,7 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
-  const prefetcher = new Prefetcher(
+  const lockAhead = new LockAhead(
     session,
     (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
   );
@@ -211,7 +211,7 @@ export function makeLocks(options: LocksOptions): Locks {
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
     outage: { waitingForSession: 0, givingBack: 0 },
     emit,
-    prefetched: (jobId) => prefetcher.take(jobId),
+    lockedAhead: (jobId) => lockAhead.take(jobId),
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();
@@ -313,7 +313,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     attach(runner) {
       assertOpen();
-      const detachPrefetcher = prefetcher.attach(runner.events);
+      const detachLockAhead = lockAhead.attach(runner.events);
       const detachIdle = idleWorkers.attach(runner.events);
       let attached = true;
       const detach = () => {
@@ -321,7 +321,7 @@ export function makeLocks(options: LocksOptions): Locks {
         attached = false;
         runner.events.off("stop", detach);
         detachIdle();
-        detachPrefetcher();
+        detachLockAhead();
       };
       runner.events.once("stop", detach);
       return detach;

@@ -12,10 +12,14 @@ import pg from "pg";
 import { InvalidArgumentError } from "../errors.js";
 import { lockKey } from "../key.js";
 import { migrate } from "../migrate.js";
-import { payloadWithoutCron, resolveWorkerOptions, validateLocksPresetOptions } from "../preset/preset.js";
+import {
+  payloadWithoutCron,
+  resolveWorkerOptions,
+  validateLocksPresetOptions,
+} from "../preset/preset.js";
 import { findTaskFiles, pickTaskFile, readFileRules } from "../preset/files.js";
 import {
-  jobLockKeys,
+  ruledLockKeys,
   mergeRules,
   validateTaskRules,
   type TaskLocksOptions,
@@ -212,7 +216,7 @@ export async function main(argv: string[]): Promise<number> {
           throw new UsageError(`the payload must be JSON: ${(error as Error).message}`);
         }
         const { rules, from } = await rulesOf(worker, task);
-        const ruled = rules && jobLockKeys(task, rules, payload, worker.locks?.defaults);
+        const ruled = rules && ruledLockKeys(task, rules, payload, worker.locks?.defaults);
         // Without rules (or with unique-only rules) its jobs take no lock: the key shown is the one an
         // empty entry would give them.
         keys = ruled ?? [lockKey(task, payloadWithoutCron(payload))];

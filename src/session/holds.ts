@@ -153,7 +153,7 @@ export interface LockRequest {
 
 /**
  * A queued lock request and its outcome, which goes to its receiver, if any, and to a promise made only when
- * someone awaits it. Lock-ahead takes it by receiver: per prefetched job, two promises, two closures and a
+ * someone awaits it. Lock-ahead takes it by receiver: per job locked ahead, two promises, two closures and a
  * microtask fewer than a promise and its `then`, which allocates less per key (see bench/README.md, section
  * "Lock-ahead receivers"). Settles once; later calls are ignored, as a promise's would be.
  */

@@ -2,8 +2,8 @@
  * Lock-ahead for graphile-worker's local queue. When a runner fetches a batch of jobs into its local queue
  * (`localQueue.size`), the locks of the first of the batch's exclusive jobs are requested at once, in the
  * lock session's next statement, so that each job finds its lock already taken when it starts instead of
- * waiting a round trip. A job keeps a prefetched lock until it runs and finishes; a job handed back by the
- * local queue (shutdown, ttl) gives it back. A prefetch that met a held key is not final: the job tries
+ * waiting a round trip. A job keeps a lock taken ahead until it runs and finishes; a job handed back by the
+ * local queue (shutdown, ttl) gives it back. A lock-ahead request that met a held key is not final: the job tries
  * again when it starts, so lock-ahead never turns a key that frees in time into a conflict.
  *
  * Lock-ahead takes only what the runner can start soon: the jobs of a fetched batch that go straight to
@@ -32,7 +32,7 @@ export const LOCK_AHEAD_MARGIN = 8;
  * A lock-ahead acquisition: its result once settled (null if it failed), and a promise of it, made only for a
  * job that starts before its lock statement has answered.
  */
-export class Prefetch implements AcquireReceiver {
+export class AheadAcquisition implements AcquireReceiver {
   settled = false;
   result: AcquireResult | null = null;
   private made: Promise<AcquireResult | null> | undefined;
@@ -66,8 +66,11 @@ interface QueueAhead {
   ahead: number;
 }
 
-export class Prefetcher {
-  private readonly pending = new Map<string, { prefetch: Prefetch; queue: QueueAhead }>();
+export class LockAhead {
+  private readonly pending = new Map<
+    string,
+    { acquisition: AheadAcquisition; queue: QueueAhead }
+  >();
   private readonly queues = new WeakMap<object, QueueAhead>();
 
   constructor(
@@ -102,26 +105,26 @@ export class Prefetcher {
         continue; // the job itself will report the bad key when it runs
       }
       if (!plan) continue;
-      const prefetch = new Prefetch();
-      this.pending.set(job.id, { prefetch, queue: state });
+      const acquisition = new AheadAcquisition();
+      this.pending.set(job.id, { acquisition, queue: state });
       state.ahead++;
-      this.session.acquireInto(plan.slots, plan.info, prefetch);
+      this.session.acquireInto(plan.slots, plan.info, acquisition);
     }
   }
 
   /**
-   * The prefetched acquisition of a job that is starting, if any (and forgets it); the jobs waiting in its
+   * The lock-ahead acquisition of a job that is starting, if any (and forgets it); the jobs waiting in its
    * local queue then take locks ahead in its place.
    */
-  take(jobId: string): Prefetch | undefined {
+  take(jobId: string): AheadAcquisition | undefined {
     const entry = this.forget(jobId);
     if (!entry) return undefined;
     const waiting = entry.queue.queue.jobQueue;
     if (Array.isArray(waiting)) this.fill(entry.queue, waiting);
-    return entry.prefetch;
+    return entry.acquisition;
   }
 
-  private forget(jobId: string): { prefetch: Prefetch; queue: QueueAhead } | undefined {
+  private forget(jobId: string): { acquisition: AheadAcquisition; queue: QueueAhead } | undefined {
     const entry = this.pending.get(jobId);
     if (!entry) return undefined;
     this.pending.delete(jobId);
@@ -129,7 +132,7 @@ export class Prefetcher {
     return entry;
   }
 
-  /** Jobs handed back by the local queue: their prefetched locks are released. */
+  /** Jobs handed back by the local queue: their locks taken ahead are released. */
   returned(jobs: readonly Job[]): void {
     for (const job of jobs) this.giveBack(job.id);
   }
@@ -139,7 +142,7 @@ export class Prefetcher {
   }
 
   private giveBack(jobId: string): void {
-    void this.forget(jobId)?.prefetch.promise.then((result) => {
+    void this.forget(jobId)?.acquisition.promise.then((result) => {
       if (result?.acquired) result.hold.releaseQuietly();
     });
   }

@@ -143,6 +143,21 @@ export class LockSession extends SessionBook {
     );
   }
 
+  /** The connection's state. */
+  get state(): ConnectionState {
+    return this.connection.state;
+  }
+
+  /** The backend pid of the connection, if connected. */
+  get pid(): number | null {
+    return this.connection.pid;
+  }
+
+  /** Resolves true as soon as the connection is ready, false when it is still not after `timeoutMs`. */
+  whenReady(timeoutMs: number): Promise<boolean> {
+    return this.connection.whenReady(timeoutMs);
+  }
+
   /** What the session has done about hand-offs, for `locks.status()`. */
   get handoffs(): HandoffCounts {
     return this.handoff.counts;
