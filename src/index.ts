@@ -16,17 +16,9 @@ export type {
   RescheduleOptions,
   ResolvedExclusiveOptions,
 } from "./options.js";
-export { CONFLICT_STRATEGIES } from "./options.js";
-export {
-  UNIQUE_SCOPES,
-  DUPLICATE_STRATEGIES,
-  uniqueJobKey,
-  uniqueKeyMaterial,
-} from "./enqueue/unique.js";
+export { uniqueJobKey } from "./enqueue/unique.js";
 export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
-export { lockKey, lockKeyMaterial, slotKeys, canonicalJson, assertJsonSafe } from "./key.js";
-export { advisoryParts, lockFlag, KEY_VERSION } from "./key.js";
+export { lockKey, lockFlag } from "./key.js";
 export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
 export { UniqueConflictError, UntestedWorkerSchemaError } from "./errors.js";
-export { LocksPreset, LocksPlugin, makeLocksFromPreset } from "./preset/preset.js";
-export { validateLocksPresetOptions, payloadWithoutCron } from "./preset/preset.js";
+export { LocksPreset, makeLocksFromPreset } from "./preset/preset.js";

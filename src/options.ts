@@ -7,7 +7,7 @@ import type { Logger, TaskSpec } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
 import { validateUniqueOptions, type UniqueOptions } from "./enqueue/unique.js";
 
-export const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
+const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
 export type ConflictStrategy = (typeof CONFLICT_STRATEGIES)[number];
 

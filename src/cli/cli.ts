@@ -12,15 +12,12 @@ import pg from "pg";
 import { InvalidArgumentError } from "../errors.js";
 import { lockKey } from "../key.js";
 import { migrate } from "../migrate.js";
-import {
-  payloadWithoutCron,
-  resolveWorkerOptions,
-  validateLocksPresetOptions,
-} from "../preset/preset.js";
+import { resolveWorkerOptions, validateLocksPresetOptions } from "../preset/preset.js";
 import { findTaskFiles, pickTaskFile, readFileRules } from "../preset/files.js";
 import {
-  ruledLockKeys,
   mergeRules,
+  payloadWithoutCron,
+  ruledLockKeys,
   validateTaskRules,
   type TaskLocksOptions,
 } from "../preset/rules.js";

@@ -12,7 +12,7 @@
 import { InvalidArgumentError } from "../errors.js";
 import { KEY_VERSION, callKeyFunction, canonicalJson, sha256Hex } from "../key.js";
 
-export const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
+const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
 /**
  * How long an existing job refuses a duplicate:
  * - `queued`: until it starts running.
@@ -21,7 +21,7 @@ export const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
  */
 export type UniqueScope = (typeof UNIQUE_SCOPES)[number];
 
-export const DUPLICATE_STRATEGIES = ["reject", "raise", "replace"] as const;
+const DUPLICATE_STRATEGIES = ["reject", "raise", "replace"] as const;
 /**
  * What an enqueue does when a job with its unique key already refuses it:
  * - `reject`: add nothing; the result carries the existing job and `outcome: "duplicate"`.

@@ -34,7 +34,6 @@ import {
 } from "./rules.js";
 
 export type { TaskLocksOptions, TaskLocksOptionsMap } from "./rules.js";
-export { payloadWithoutCron } from "./rules.js";
 
 /** `worker.locks` of a graphile-worker preset. */
 export interface LocksPresetOptions extends Pick<
@@ -228,7 +227,7 @@ function poolOver(client: { query: Pool["query"] }): Pool {
 }
 
 /** The plugin of `LocksPreset`; see the module comment. */
-export const LocksPlugin: GraphileConfig.Plugin = {
+const LocksPlugin: GraphileConfig.Plugin = {
   name: "LocksPlugin",
   version: VERSION,
   description: "graphile-worker-locks: exclusive execution and unique jobs",

@@ -10,10 +10,10 @@ import {
   UniqueConflictError,
   makeLocks,
   uniqueJobKey,
-  uniqueKeyMaterial,
   type Locks,
   type UniqueScope,
 } from "../../../src/index.js";
+import { uniqueKeyMaterial } from "../../../src/enqueue/unique.js";
 import { deferred, waitFor, type Deferred } from "../../support/db.js";
 import { useUniqueHarness } from "../../support/unique.js";
 import { countEvents, nextEvent, quietLogger, startRunner } from "../../support/runner.js";
