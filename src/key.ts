@@ -150,7 +150,7 @@ export function lockKeyMaterial(
   return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value, path)}`;
 }
 
-/** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, about twice as fast. */
+/** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, faster (see bench/README.md, section "Key digest"). */
 const oneShotHash = (
   crypto as { hash?: (algorithm: string, data: string, encoding: "binary" | "hex") => string }
 ).hash;
@@ -158,7 +158,8 @@ const oneShotHash = (
 /**
  * SHA-256 of `material` (as UTF-8), as a string: hex, or "binary" (latin1: one character per byte).
  * Strings, not a Buffer: a Buffer's memory is allocated outside the JavaScript heap, which made the digest
- * cost three times as much and gave the garbage collector more to do, on every job.
+ * cost more and gave the garbage collector more to do, on every job (see bench/README.md, section "Key
+ * digest").
  */
 function sha256(material: string, encoding: "binary" | "hex"): string {
   return oneShotHash
