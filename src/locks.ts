@@ -34,7 +34,7 @@ import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
 import { validateUniqueOptions, type UniqueOptions } from "./enqueue/unique.js";
 
 /** How often rows of given-back jobs whose completion was lost are looked for, besides each connection. */
-const CLEAN_PARKED_INTERVAL_MS = 60_000;
+const CLEAN_GIVEN_BACK_INTERVAL_MS = 60_000;
 
 export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
@@ -145,7 +145,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     onConnected() {
       emit("session:connected", { pid: session.connection.pid });
-      cleanParked();
+      cleanGivenBack();
     },
     onWarning(message, error) {
       logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, {
@@ -155,7 +155,7 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   /** Deletes rows of given-back jobs whose completion was lost (clean_parked); on each (re)connection. */
-  const cleanParked = () => {
+  const cleanGivenBack = () => {
     // (an instance that never needed the schema does not look for it)
     if (released || !migrated) return;
     migrated
@@ -167,11 +167,11 @@ export function makeLocks(options: LocksOptions): Locks {
           logger.info(
             `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
           );
-          emit("parked:cleaned", { jobIds });
+          emit("givenBack:cleaned", { jobIds });
         },
         (error: unknown) =>
           logger.warn(
-            `graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`,
+            `graphile-worker-locks: cleaning the rows of given-back jobs failed: ${String(error)}`,
             {
               error,
             },
@@ -180,7 +180,7 @@ export function makeLocks(options: LocksOptions): Locks {
   };
 
   // (and every minute: a job can also fail after it was given back, its process alive)
-  const cleanTimer = setInterval(cleanParked, CLEAN_PARKED_INTERVAL_MS);
+  const cleanTimer = setInterval(cleanGivenBack, CLEAN_GIVEN_BACK_INTERVAL_MS);
   cleanTimer.unref();
 
   const assertOpen = () => {

@@ -85,7 +85,10 @@ export interface LocksOptions {
    * @defaultValue `false`
    */
   allowUntestedWorkerSchema?: boolean;
-  /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<host>/<pid>"` */
+  /**
+   * `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`.
+   * @defaultValue `"graphile-worker-locks/<host>/<pid>"` (cut to PostgreSQL's 63 characters)
+   */
   applicationName?: string;
   /** Where warnings go. @defaultValue graphile-worker's console logger */
   logger?: Logger;

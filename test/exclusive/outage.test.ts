@@ -413,7 +413,7 @@ describe("a parked job leaves no row behind", () => {
     expect(original.rows[0]!.locked_by).not.toBeNull();
 
     const locks = newLocks();
-    const cleaned = nextEvent(locks, "parked:cleaned");
+    const cleaned = nextEvent(locks, "givenBack:cleaned");
     await locks.connect();
     expect((await cleaned).jobIds).toEqual([job.id]);
     await held.release();
