@@ -6,7 +6,6 @@ export type { HandoffCounts } from "./session/handoff.js";
 export type { MigrateOptions } from "./migrate.js";
 export type { ErrorCode } from "./errors.js";
 export type { LocksPresetOptions, TaskLocksOptions, TaskLocksOptionsMap } from "./preset/preset.js";
-export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./enqueue/unique.js";
 export type {
   AddJobSpec,
   ConflictStrategy,
@@ -15,6 +14,9 @@ export type {
   LocksOptions,
   RescheduleOptions,
   ResolvedExclusiveOptions,
+  UniqueOptions,
+  UniqueScope,
+  DuplicateStrategy,
 } from "./options.js";
 export { uniqueJobKey } from "./enqueue/unique.js";
 export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";

@@ -24,6 +24,8 @@ import {
   type ExclusiveOptions,
   type LocksOptions,
   type ResolvedExclusiveOptions,
+  type UniqueOptions,
+  validateUniqueOptions,
 } from "./options.js";
 import { readHeldLocks } from "./held-locks.js";
 import { IdleWorkers } from "./session/idle.js";
@@ -31,7 +33,6 @@ import { LockAhead } from "./session/lock-ahead.js";
 import { LockSession } from "./session/session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
 import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
-import { validateUniqueOptions, type UniqueOptions } from "./enqueue/unique.js";
 
 /** How often rows of given-back jobs whose completion was lost are looked for, besides each connection. */
 const CLEAN_GIVEN_BACK_INTERVAL_MS = 60_000;

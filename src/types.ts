@@ -14,8 +14,8 @@ import type {
   DefineOptions,
   ExclusiveOptions,
   ResolvedExclusiveOptions,
+  UniqueOptions,
 } from "./options.js";
-import type { UniqueOptions } from "./enqueue/unique.js";
 
 /** The payload type of `taskIdentifier`: from `GraphileWorker.Tasks` if declared there, else `unknown`. */
 export type TaskPayload<TIdentifier extends string> = TIdentifier extends keyof GraphileWorker.Tasks

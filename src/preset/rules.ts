@@ -6,8 +6,12 @@ import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
 import { jobLockKeys } from "../key.js";
 import type { Locks } from "../types.js";
-import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
-import { validateUniqueOptions, type UniqueOptions } from "../enqueue/unique.js";
+import {
+  resolveExclusiveOptions,
+  validateUniqueOptions,
+  type ExclusiveOptions,
+  type UniqueOptions,
+} from "../options.js";
 
 /**
  * The rules of one task in `worker.locks.tasks` (or a task file's `locks` export): every option of
