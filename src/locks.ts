@@ -1,7 +1,7 @@
 /**
  * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
- * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
- * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
+ * own), the schema check that runs before the first statement, the lock session (session/), the enqueuer
+ * (enqueue/), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
  * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";

@@ -2,7 +2,7 @@
  * The public types of the library in one place: the `Locks` interface and what its methods take and
  * answer, and payload types from graphile-worker's `GraphileWorker.Tasks` declaration merging (a task
  * declared there has its payload type checked by this library's API; any other task takes `unknown`).
- * Options, with their defaults, are in options.ts and unique.ts; events in events.ts; errors in errors.ts.
+ * Options, with their defaults, are in options.ts; events in events.ts; errors in errors.ts.
  */
 import "graphile-worker";
 import type { Client, PoolClient } from "pg";

@@ -37,7 +37,7 @@ export function isSessionUnavailable(error: unknown): error is Error {
   );
 }
 
-/** PostgreSQL could not take the job's lock for want of resources (its lock table is full): session.ts. */
+/** PostgreSQL could not take the job's lock for want of resources (its lock table is full): session/book.ts. */
 export function isLockTableFull(error: unknown): error is Error {
   return (
     error instanceof Error && (error as { code?: unknown }).code === ErrorCodes.LOCK_TABLE_FULL
