@@ -2,9 +2,9 @@
  * The lock session: which advisory keys this process holds, takes and releases, on the one PostgreSQL
  * connection of a `Locks` instance (connection.ts). That connection is separate from graphile-worker's pool
  * (holding a pool client per running job deadlocks the pool) and shared by every job of every runner in the
- * process. This module owns the holds, the keys being acquired, the lock and unlock queues and the lock
- * statement (batch.ts); the connection's state machine, heartbeat, registry and reconnection are
- * connection.ts's.
+ * process. This module owns the lock and unlock queues and sends the lock statement (batch.ts); the holds,
+ * the keys being acquired and the settling of a statement's answer are book.ts's (its base class); the
+ * connection's state machine and reconnection are connection.ts's, its heartbeat and registry upkeep.ts's.
  *
  * Invariants:
  * - Session advisory locks are re-entrant, so PostgreSQL cannot tell two jobs of this process apart. This
