@@ -22,7 +22,7 @@ import pg from "pg";
 import type { Runner, Task, WorkerEvents } from "graphile-worker";
 import { machineClock, quietLogger, sleep, startRunner, workerMain } from "./lib.js";
 import type { RunStart } from "./lib.js";
-import { library, sessionModule } from "./library.js";
+import { library, timingProbe } from "./library.js";
 
 export const LATENCY_TASK = "io";
 export type LatencyVariant = "plain" | "wrapped" | "queLocks" | "roundTrip";
@@ -138,7 +138,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
         jobStart.clear();
         workerSuccess.clear();
         taskMs = request.taskMs;
-        sessionModule.setSessionProbe(request.variant === "wrapped" ? probe : null);
+        timingProbe.setTimingProbe(request.variant === "wrapped" ? probe : null);
         report.lockStatements = -locks.status().statements;
         const events = new EventEmitter() as WorkerEvents;
         events.on("job:start", ({ job, worker }) => {
@@ -190,7 +190,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
         await runner?.stop();
         runner = undefined;
         report.lockStatements += locks.status().statements;
-        sessionModule.setSessionProbe(null);
+        timingProbe.setTimingProbe(null);
         return report;
       },
     },

@@ -42,5 +42,6 @@ async function load<T>(module: string): Promise<T> {
 
 export const library = await load<typeof Library>("index");
 
-/** The lock session's module, for its timing probe (`setSessionProbe`), from the same build. */
-export const sessionModule = await load<typeof import("../src/session.js")>("session");
+/** The lock session's timing probe (`setTimingProbe`), from the same build. */
+export const timingProbe =
+  await load<typeof import("../src/session/timing-probe.js")>("session/timing-probe");

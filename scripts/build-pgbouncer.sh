@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds a PgBouncer with prepared-statement support (1.21+) for test/pooler.test.ts, from Debian's source
+# Builds a PgBouncer with prepared-statement support (1.21+) for test/session/pooler.test.ts, from Debian's source
 # package of a newer suite (upstream's release tarball plus Debian's patches), into
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/gwl-pgbouncer/VERSION/bin/pgbouncer
 # where test/support/pgbouncer.ts finds it (PGBOUNCER_BUILT=<binary> points it at another one).

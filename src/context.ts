@@ -2,12 +2,27 @@
 import type { LocksEvents } from "./events.js";
 import type { AddJobResult } from "./types.js";
 import type { AddJobSpec } from "./options.js";
-import type { LockSession } from "./session.js";
-import type { Prefetch } from "./prefetch.js";
+import type { ConnectionState } from "./session/connection.js";
+import type { AcquireResult, HoldInfo } from "./session/holds.js";
+import type { AheadAcquisition } from "./session/lock-ahead.js";
 import type { Sql } from "./sql.js";
 
+/** What the task wrapper asks of the lock session (session/session.ts). */
+export interface LockService {
+  /**
+   * Tries the slots in order and takes the first that is free; `{ acquired: false }` on a conflict, throws
+   * GWL_LOCK_SESSION_UNAVAILABLE when there is no session.
+   */
+  acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult>;
+  /** True as soon as the session is ready, false when it is still not after `timeoutMs` or is closed. */
+  whenReady(timeoutMs: number): Promise<boolean>;
+  /** The backend pid of the session's connection, if connected. */
+  readonly pid: number | null;
+  readonly state: ConnectionState;
+}
+
 export interface LocksContext {
-  readonly session: LockSession;
+  readonly session: LockService;
   readonly sql: Sql;
   /** How long a job waits for an unavailable lock session before it goes back to the queue (ms). */
   readonly lockSessionWaitMs: number;
@@ -17,8 +32,8 @@ export interface LocksContext {
   /** Whether anyone listens to `event` (to skip building its payload). */
   listening(event: keyof LocksEvents): boolean;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
-  /** The lock-ahead acquisition of a starting job, if its batch was prefetched (see prefetch.ts). */
-  prefetched(jobId: string): Prefetch | undefined;
+  /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
+  lockedAhead(jobId: string): AheadAcquisition | undefined;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

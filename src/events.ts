@@ -72,7 +72,7 @@ export interface LocksEvents {
    * Rows of jobs that parked or were deferred and whose completion graphile-worker lost (a process died, or
    * the job failed after it was given back) were deleted: their copies carry on.
    */
-  "parked:cleaned": { jobIds: string[] };
+  "givenBack:cleaned": { jobIds: string[] };
   /** `addJob` did not add a job because its key was held (the preemptive check). */
   "enqueue:dropped": {
     taskIdentifier: string;

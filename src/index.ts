@@ -2,11 +2,10 @@
 export { makeLocks } from "./locks.js";
 export type * from "./types.js";
 export type { LocksEvents, LocksEventName, LocksEventEmitter } from "./events.js";
-export type { HandoffCounts } from "./handoff.js";
+export type { HandoffCounts } from "./session/handoff.js";
 export type { MigrateOptions } from "./migrate.js";
 export type { ErrorCode } from "./errors.js";
-export type { LocksPresetOptions, TaskLocksOptions, TaskLocksOptionsMap } from "./preset.js";
-export type { UniqueOptions, UniqueScope, DuplicateStrategy } from "./unique.js";
+export type { LocksPresetOptions, TaskLocksOptions, TaskLocksOptionsMap } from "./preset/preset.js";
 export type {
   AddJobSpec,
   ConflictStrategy,
@@ -15,13 +14,13 @@ export type {
   LocksOptions,
   RescheduleOptions,
   ResolvedExclusiveOptions,
+  UniqueOptions,
+  UniqueScope,
+  DuplicateStrategy,
 } from "./options.js";
-export { CONFLICT_STRATEGIES } from "./options.js";
-export { UNIQUE_SCOPES, DUPLICATE_STRATEGIES, uniqueJobKey, uniqueKeyMaterial } from "./unique.js";
+export { uniqueJobKey } from "./enqueue/unique.js";
 export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
-export { lockKey, lockKeyMaterial, slotKeys, canonicalJson, assertJsonSafe } from "./key.js";
-export { advisoryParts, lockFlag, KEY_VERSION } from "./key.js";
+export { lockKey, lockFlag } from "./key.js";
 export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
 export { UniqueConflictError, UntestedWorkerSchemaError } from "./errors.js";
-export { LocksPreset, LocksPlugin, makeLocksFromPreset } from "./preset.js";
-export { validateLocksPresetOptions, payloadWithoutCron } from "./preset.js";
+export { LocksPreset, makeLocksFromPreset } from "./preset/preset.js";

@@ -150,7 +150,7 @@ export function lockKeyMaterial(
   return `gwl:${KEY_VERSION}:lock:${taskIdentifier}:${canonicalJson(value, path)}`;
 }
 
-/** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, about twice as fast. */
+/** `crypto.hash` (Node.js 20.12 and later): the same digest without a Hash object, faster (see bench/README.md, section "Key digest"). */
 const oneShotHash = (
   crypto as { hash?: (algorithm: string, data: string, encoding: "binary" | "hex") => string }
 ).hash;
@@ -158,7 +158,8 @@ const oneShotHash = (
 /**
  * SHA-256 of `material` (as UTF-8), as a string: hex, or "binary" (latin1: one character per byte).
  * Strings, not a Buffer: a Buffer's memory is allocated outside the JavaScript heap, which made the digest
- * cost three times as much and gave the garbage collector more to do, on every job.
+ * cost more and gave the garbage collector more to do, on every job (see bench/README.md, section "Key
+ * digest").
  */
 function sha256(material: string, encoding: "binary" | "hex"): string {
   return oneShotHash
@@ -189,6 +190,50 @@ export function slotKeys(
   const keys = [hashKey(material)];
   for (let slot = 1; slot < limit; slot++) keys.push(hashKey(`${material}#slot:${slot}`));
   return keys;
+}
+
+/** What derives a task's lock keys: its resolved `exclusive` options (`key`, `keyPath`, `limit`). */
+export interface KeyRules {
+  key(payload: never): unknown;
+  /** `"payload"` when the key is the payload itself, else `"key(payload)"`. */
+  keyPath: string;
+  limit: number;
+}
+
+/**
+ * What a job's lock keys are derived from under `rules`: the payload itself, or what the task's `key`
+ * returns, called through {@link callKeyFunction} (a failure names the task, after `job <jobId>: ` when
+ * `jobId` is given). The payload is checked as JSON-safe unless `trusted` (already checked, or read back
+ * from PostgreSQL's JSON).
+ */
+export function lockKeyValue(
+  taskIdentifier: string,
+  rules: KeyRules,
+  payload: unknown,
+  jobId?: string,
+  trusted = false,
+): unknown {
+  if (rules.keyPath !== "payload") {
+    const context = jobId === undefined ? "" : `job ${jobId}: `;
+    return callKeyFunction(rules.key, "key", taskIdentifier, payload, context);
+  }
+  if (!trusted) assertJsonSafe(payload);
+  return payload;
+}
+
+/**
+ * The lock keys (semaphore slots, {@link slotKeys}) of a job of `taskIdentifier` with `payload` under
+ * `rules`: the one derivation the task wrapper, the enqueuer and the CLI share. See {@link lockKeyValue}.
+ */
+export function jobLockKeys(
+  taskIdentifier: string,
+  rules: KeyRules,
+  payload: unknown,
+  jobId?: string,
+  trusted = false,
+): bigint[] {
+  const value = lockKeyValue(taskIdentifier, rules, payload, jobId, trusted);
+  return slotKeys(taskIdentifier, value, rules.limit, null);
 }
 
 /**

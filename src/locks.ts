@@ -1,7 +1,7 @@
 /**
  * `makeLocks`: the factory that wires one `Locks` instance together. It owns the pool (the caller's or its
- * own), the schema check that runs before the first statement, the lock session (session.ts), the enqueuer
- * (enqueue.ts), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
+ * own), the schema check that runs before the first statement, the lock session (session/), the enqueuer
+ * (enqueue/), the events, lock-ahead and idle workers of attached runners, and the rules of the tasks
  * defined on it; `release()` closes what it owns.
  */
 import { hostname } from "node:os";
@@ -10,10 +10,10 @@ import type { ClientConfig, Pool } from "pg";
 import type { JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
 import type { LocksContext } from "./context.js";
-import { makeEnqueuer, type TaskRules } from "./enqueue.js";
+import { makeEnqueuer, type TaskRules } from "./enqueue/enqueue.js";
 import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
 import { makeEmitter, type LocksEvents } from "./events.js";
-import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive.js";
+import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive/exclusive.js";
 import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
 import {
@@ -24,17 +24,18 @@ import {
   type ExclusiveOptions,
   type LocksOptions,
   type ResolvedExclusiveOptions,
+  type UniqueOptions,
+  validateUniqueOptions,
 } from "./options.js";
-import { readHeldLocks } from "./held.js";
-import { IdleWorkers } from "./idle.js";
-import { Prefetcher } from "./prefetch.js";
-import { LockSession } from "./session.js";
+import { readHeldLocks } from "./held-locks.js";
+import { IdleWorkers } from "./session/idle.js";
+import { LockAhead } from "./session/lock-ahead.js";
+import { LockSession } from "./session/session.js";
 import { assertSchemaName, makeSql } from "./sql.js";
 import type { ExclusiveTask, Locks, UniqueTask } from "./types.js";
-import { validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
 /** How often rows of given-back jobs whose completion was lost are looked for, besides each connection. */
-const CLEAN_PARKED_INTERVAL_MS = 60_000;
+const CLEAN_GIVEN_BACK_INTERVAL_MS = 60_000;
 
 export function makeLocks(options: LocksOptions): Locks {
   if (!options || (!options.connectionString && !options.pgPool)) {
@@ -145,7 +146,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     onConnected() {
       emit("session:connected", { pid: session.connection.pid });
-      cleanParked();
+      cleanGivenBack();
     },
     onWarning(message, error) {
       logger.warn(`graphile-worker-locks: ${message}${error ? `: ${String(error)}` : ""}`, {
@@ -155,7 +156,7 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   /** Deletes rows of given-back jobs whose completion was lost (clean_parked); on each (re)connection. */
-  const cleanParked = () => {
+  const cleanGivenBack = () => {
     // (an instance that never needed the schema does not look for it)
     if (released || !migrated) return;
     migrated
@@ -167,11 +168,11 @@ export function makeLocks(options: LocksOptions): Locks {
           logger.info(
             `graphile-worker-locks: deleted ${jobIds.length} row(s) of parked or deferred jobs whose completion was lost (their copies carry on): ${jobIds.join(", ")}`,
           );
-          emit("parked:cleaned", { jobIds });
+          emit("givenBack:cleaned", { jobIds });
         },
         (error: unknown) =>
           logger.warn(
-            `graphile-worker-locks: cleaning parked jobs' rows failed: ${String(error)}`,
+            `graphile-worker-locks: cleaning the rows of given-back jobs failed: ${String(error)}`,
             {
               error,
             },
@@ -180,7 +181,7 @@ export function makeLocks(options: LocksOptions): Locks {
   };
 
   // (and every minute: a job can also fail after it was given back, its process alive)
-  const cleanTimer = setInterval(cleanParked, CLEAN_PARKED_INTERVAL_MS);
+  const cleanTimer = setInterval(cleanGivenBack, CLEAN_GIVEN_BACK_INTERVAL_MS);
   cleanTimer.unref();
 
   const assertOpen = () => {
@@ -200,7 +201,7 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
-  const prefetcher = new Prefetcher(
+  const lockAhead = new LockAhead(
     session,
     (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
   );
@@ -211,7 +212,7 @@ export function makeLocks(options: LocksOptions): Locks {
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
     outage: { waitingForSession: 0, givingBack: 0 },
     emit,
-    prefetched: (jobId) => prefetcher.take(jobId),
+    lockedAhead: (jobId) => lockAhead.take(jobId),
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();
@@ -313,7 +314,7 @@ export function makeLocks(options: LocksOptions): Locks {
     },
     attach(runner) {
       assertOpen();
-      const detachPrefetcher = prefetcher.attach(runner.events);
+      const detachLockAhead = lockAhead.attach(runner.events);
       const detachIdle = idleWorkers.attach(runner.events);
       let attached = true;
       const detach = () => {
@@ -321,7 +322,7 @@ export function makeLocks(options: LocksOptions): Locks {
         attached = false;
         runner.events.off("stop", detach);
         detachIdle();
-        detachPrefetcher();
+        detachLockAhead();
       };
       runner.events.once("stop", detach);
       return detach;

@@ -5,9 +5,8 @@
 import type { Pool, PoolClient, Client } from "pg";
 import type { Logger, TaskSpec } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
-import { validateUniqueOptions, type UniqueOptions } from "./unique.js";
 
-export const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
+const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
 export type ConflictStrategy = (typeof CONFLICT_STRATEGIES)[number];
 
@@ -85,7 +84,10 @@ export interface LocksOptions {
    * @defaultValue `false`
    */
   allowUntestedWorkerSchema?: boolean;
-  /** `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`. @defaultValue `"graphile-worker-locks/<host>/<pid>"` */
+  /**
+   * `application_name` of the lock session, shown by `heldLocks()` and `pg_stat_activity`.
+   * @defaultValue `"graphile-worker-locks/<host>/<pid>"` (cut to PostgreSQL's 63 characters)
+   */
   applicationName?: string;
   /** Where warnings go. @defaultValue graphile-worker's console logger */
   logger?: Logger;
@@ -245,4 +247,81 @@ export function resolveExclusiveOptions<TPayload>(
     preemptive,
     reschedule,
   };
+}
+
+const UNIQUE_SCOPES = ["queued", "active", "exists"] as const;
+/**
+ * How long an existing job refuses a duplicate:
+ * - `queued`: until it starts running.
+ * - `active`: until it succeeds or fails for good (refused while queued, running, or waiting to retry).
+ * - `exists`: while graphile-worker has its row, permanently failed included.
+ */
+export type UniqueScope = (typeof UNIQUE_SCOPES)[number];
+
+const DUPLICATE_STRATEGIES = ["reject", "raise", "replace"] as const;
+/**
+ * What an enqueue does when a job with its unique key already refuses it:
+ * - `reject`: add nothing; the result carries the existing job and `outcome: "duplicate"`.
+ * - `raise`: throw a `UniqueConflictError` carrying the existing job.
+ * - `replace`: update the existing job's payload, `runAt` and `priority` if it has not started
+ *   (`outcome: "replaced"`); if it has, behave as `reject`.
+ */
+export type DuplicateStrategy = (typeof DUPLICATE_STRATEGIES)[number];
+
+export interface UniqueOptions<TPayload = unknown> {
+  /** The uniqueness scope, or `false` for none (per enqueue: bypasses the task's uniqueness). @defaultValue none */
+  unique?: UniqueScope | false;
+  /**
+   * A window in seconds, counted from the job's `runAt` (so a scheduled delay counts). With a scope it bounds
+   * the scope; alone, duplicates are refused until it expires, whatever became of the job. @defaultValue none
+   */
+  uniqueFor?: number | null;
+  /** What identifies a duplicate. @defaultValue the task's `key` option if it is exclusive, else the whole payload */
+  uniqueKey?: (payload: TPayload) => unknown;
+  /** Shares unique keys across tasks that name the same group. @defaultValue the task identifier */
+  uniqueGroup?: string;
+  /** Whether the queue name is part of the unique key. @defaultValue `false` */
+  uniqueByQueue?: boolean;
+  /** @defaultValue `"reject"` */
+  onDuplicate?: DuplicateStrategy;
+}
+
+export function validateUniqueOptions(
+  options: UniqueOptions<never> | undefined,
+  where: string,
+): void {
+  if (!options) return;
+  const { unique, uniqueFor, uniqueKey, uniqueGroup, uniqueByQueue, onDuplicate } = options;
+  if (unique !== undefined && unique !== false && !UNIQUE_SCOPES.includes(unique)) {
+    throw new InvalidArgumentError(
+      `${where}: \`unique\` must be one of ${UNIQUE_SCOPES.map((s) => `"${s}"`).join(", ")} or false, got ${JSON.stringify(unique)}`,
+    );
+  }
+  if (uniqueFor !== undefined && uniqueFor !== null) {
+    if (typeof uniqueFor !== "number" || !Number.isFinite(uniqueFor) || uniqueFor <= 0) {
+      throw new InvalidArgumentError(
+        `${where}: \`uniqueFor\` must be a positive number of seconds, got ${String(uniqueFor)}`,
+      );
+    }
+  }
+  if (uniqueKey !== undefined && typeof uniqueKey !== "function") {
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueKey\` must be a function of the payload, got ${typeof uniqueKey}`,
+    );
+  }
+  if (uniqueGroup !== undefined && (typeof uniqueGroup !== "string" || uniqueGroup.length === 0)) {
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueGroup\` must be a non-empty string, got ${String(uniqueGroup)}`,
+    );
+  }
+  if (uniqueByQueue !== undefined && typeof uniqueByQueue !== "boolean") {
+    throw new InvalidArgumentError(
+      `${where}: \`uniqueByQueue\` must be a boolean, got ${typeof uniqueByQueue}`,
+    );
+  }
+  if (onDuplicate !== undefined && !DUPLICATE_STRATEGIES.includes(onDuplicate)) {
+    throw new InvalidArgumentError(
+      `${where}: \`onDuplicate\` must be one of ${DUPLICATE_STRATEGIES.map((s) => `"${s}"`).join(", ")}, got ${JSON.stringify(onDuplicate)}`,
+    );
+  }
 }

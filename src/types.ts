@@ -2,20 +2,20 @@
  * The public types of the library in one place: the `Locks` interface and what its methods take and
  * answer, and payload types from graphile-worker's `GraphileWorker.Tasks` declaration merging (a task
  * declared there has its payload type checked by this library's API; any other task takes `unknown`).
- * Options, with their defaults, are in options.ts and unique.ts; events in events.ts; errors in errors.ts.
+ * Options, with their defaults, are in options.ts; events in events.ts; errors in errors.ts.
  */
 import "graphile-worker";
 import type { Client, PoolClient } from "pg";
 import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import type { LocksEventEmitter } from "./events.js";
-import type { HandoffCounts } from "./handoff.js";
+import type { HandoffCounts } from "./session/handoff.js";
 import type {
   AddJobSpec,
   DefineOptions,
   ExclusiveOptions,
   ResolvedExclusiveOptions,
+  UniqueOptions,
 } from "./options.js";
-import type { UniqueOptions } from "./unique.js";
 
 /** The payload type of `taskIdentifier`: from `GraphileWorker.Tasks` if declared there, else `unknown`. */
 export type TaskPayload<TIdentifier extends string> = TIdentifier extends keyof GraphileWorker.Tasks

@@ -5,18 +5,15 @@ import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import {
-  InvalidArgumentError,
-  advisoryParts,
-  lockKey,
-  lockKeyMaterial,
-  slotKeys,
-  uniqueJobKey,
-} from "../src/index.js";
+import { InvalidArgumentError, lockKey, makeLocks, uniqueJobKey } from "../src/index.js";
+import { advisoryParts, jobLockKeys, lockKeyMaterial, slotKeys } from "../src/key.js";
+import { resolveExclusiveOptions } from "../src/options.js";
+import { ruledLockKeys } from "../src/preset/rules.js";
 
 /** Keys of many payloads (non-ASCII ones among them): lock keys with a second slot, and unique job keys. */
 const KEYS_SCRIPT = `
-  const { slotKeys, uniqueJobKey } = await import(process.env.GWL_INDEX);
+  const { slotKeys } = await import(process.env.GWL_KEY);
+  const { uniqueJobKey } = await import(process.env.GWL_INDEX);
   const keys = [];
   for (let i = 0; i < 500; i++) {
     const payload = { i, s: ["plain", "é", "名前", "🙂", "\\u0000"][i % 5].repeat(i % 7) };
@@ -139,6 +136,7 @@ describe("lockKey without crypto.hash", () => {
         env: {
           ...process.env,
           GWL_INDEX: fileURLToPath(new URL("../src/index.ts", import.meta.url)),
+          GWL_KEY: fileURLToPath(new URL("../src/key.ts", import.meta.url)),
         },
       },
     );
@@ -205,5 +203,69 @@ describe("lockKey properties", () => {
       ),
       { numRuns: 100 },
     );
+  });
+});
+
+describe("jobLockKeys: one derivation for the wrapper, the enqueuer and the CLI", () => {
+  const payload = { userId: 7, note: "é" };
+
+  it("is the payload's key, or the key of what `key` returns, with the task's slots", () => {
+    expect(jobLockKeys("t", resolveExclusiveOptions({ limit: 3 }, undefined), payload)).toEqual(
+      slotKeys("t", payload, 3),
+    );
+    const byUser = resolveExclusiveOptions({ key: (p: typeof payload) => p.userId }, undefined);
+    expect(jobLockKeys("t", byUser as never, payload)).toEqual([lockKey("t", 7)]);
+    // A job's payload read back from PostgreSQL derives the same keys as the caller's.
+    expect(jobLockKeys("t", byUser as never, payload, "42", true)).toEqual([lockKey("t", 7)]);
+  });
+
+  it("gives the CLI the keys the wrapped task takes", () => {
+    const task = makeLocks({ connectionString: "postgres://unused" });
+    try {
+      const rules = { key: (p: { userId: number }) => ({ user: p.userId }), limit: 2 };
+      const wrapped = task.exclusive("t", () => undefined, rules);
+      const cli = ruledLockKeys("t", rules as never, payload, undefined);
+      expect(cli).toEqual(
+        jobLockKeys("t", resolveExclusiveOptions(rules, undefined) as never, payload),
+      );
+      expect(cli![0]).toBe(wrapped.lockKey(payload));
+    } finally {
+      void task.release();
+    }
+  });
+
+  it("names the task (and the job) when `key` fails, in the CLI too", () => {
+    const throwing = resolveExclusiveOptions(
+      {
+        key: () => {
+          throw new Error("no user");
+        },
+      },
+      undefined,
+    );
+    expect(() => jobLockKeys("t", throwing as never, payload, "42", true)).toThrow(
+      "job 42: `key` of task 't' threw: no user",
+    );
+    const rules = {
+      key: () => {
+        throw new Error("no user");
+      },
+    };
+    let error: unknown;
+    try {
+      ruledLockKeys("t", rules as never, payload, undefined);
+    } catch (caught) {
+      error = caught;
+    }
+    expect(error).toBeInstanceOf(InvalidArgumentError);
+    expect((error as Error).message).toBe("`key` of task 't' threw: no user");
+  });
+
+  it("checks a caller's payload, and trusts one read back from PostgreSQL", () => {
+    const rules = resolveExclusiveOptions(undefined, undefined);
+    const bad = { n: 1n };
+    expect(() => jobLockKeys("t", rules as never, bad)).toThrow(InvalidArgumentError);
+    expect(() => jobLockKeys("t", rules as never, bad)).toThrow("payload.n is a BigInt");
+    expect(() => jobLockKeys("t", rules as never, payload, "42", true)).not.toThrow();
   });
 });

@@ -6,8 +6,8 @@ import { randomInt, randomUUID } from "node:crypto";
 import { readdir } from "node:fs/promises";
 import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
-import { backendPid, isDirect, probeTransactionPooling } from "../connection.js";
-import { readHeldLocks } from "../held.js";
+import { backendPid, isDirect, probeTransactionPooling } from "../session/backend.js";
+import { readHeldLocks } from "../held-locks.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
 
 const UNDEFINED_TABLE = "42P01";

@@ -12,7 +12,7 @@ import { advisoryParts } from "../key.js";
 import type { AddJobSpec } from "../options.js";
 import type { Sql } from "../sql.js";
 import type { AddJobResult } from "../types.js";
-import type { ResolvedUnique, UniqueScope } from "../unique.js";
+import type { ResolvedUnique, UniqueScope } from "./unique.js";
 
 export interface Queryable {
   query<R extends object>(config: {

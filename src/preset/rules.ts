@@ -4,10 +4,14 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
-import { slotKeys } from "../key.js";
+import { jobLockKeys } from "../key.js";
 import type { Locks } from "../types.js";
-import { resolveExclusiveOptions, type ExclusiveOptions } from "../options.js";
-import { validateUniqueOptions, type UniqueOptions } from "../unique.js";
+import {
+  resolveExclusiveOptions,
+  validateUniqueOptions,
+  type ExclusiveOptions,
+  type UniqueOptions,
+} from "../options.js";
 
 /**
  * The rules of one task in `worker.locks.tasks` (or a task file's `locks` export): every option of
@@ -149,7 +153,7 @@ export function defineTask(locks: Locks, taskIdentifier: string, rules: TaskLock
  * The advisory keys a job of this task with this payload takes under `rules` (and `worker.locks.defaults`),
  * as the wrapped task computes them; null when the rules are unique only (its jobs take no lock).
  */
-export function jobLockKeys(
+export function ruledLockKeys(
   taskIdentifier: string,
   rules: TaskLocksOptions,
   payload: unknown,
@@ -157,5 +161,5 @@ export function jobLockKeys(
 ): bigint[] | null {
   if (!isExclusive(rules)) return null;
   const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
-  return slotKeys(taskIdentifier, resolved.key(payload), resolved.limit, resolved.keyPath);
+  return jobLockKeys(taskIdentifier, resolved, payload);
 }

@@ -1,0 +1,188 @@
+/**
+ * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
+ * and applies the conflict strategy when the key is held.
+ */
+import type { Job, JobHelpers, Task } from "graphile-worker";
+import { LockConflictError } from "../errors.js";
+import type { LocksContext } from "../context.js";
+import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
+import { jobLockKeys } from "../key.js";
+import { LockedAborts } from "./aborts.js";
+import { GiveBack } from "./give-back.js";
+import { ConflictCounter, HoldTime } from "./hold-time.js";
+import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
+import type { ExclusiveTask } from "../types.js";
+
+/** An exclusive task as this library sees it: the public task, and how lock-ahead locks its jobs. */
+export interface ExclusiveTaskImpl<TPayload = unknown> extends ExclusiveTask<TPayload> {
+  /** How lock-ahead locks a fetched job of this task. */
+  readonly lockPlan: (job: Job) => { slots: bigint[]; info: HoldInfo };
+}
+
+export function makeExclusiveTask<TPayload>(
+  ctx: LocksContext,
+  taskIdentifier: string,
+  task: (payload: TPayload, helpers: JobHelpers) => unknown,
+  options: ResolvedExclusiveOptions<TPayload>,
+): ExclusiveTask<TPayload> {
+  const conflicts = new ConflictCounter();
+  // A payload from the caller is checked; a payload read back from PostgreSQL's JSON is JSON-safe by
+  // construction (trusted). A key function that throws on it fails the job (graphile-worker retries it) with
+  // an error naming the job, task and function.
+  const keysOf = (payload: TPayload) => jobLockKeys(taskIdentifier, options, payload);
+  const keysOfJob = (job: Job) => jobLockKeys(taskIdentifier, options, job.payload, job.id, true);
+  const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo =>
+    options.onConflict !== "reschedule"
+      ? { taskIdentifier, jobId: job.id, reschedule: false }
+      : {
+          taskIdentifier,
+          jobId: job.id,
+          reschedule: true,
+          wakeKey: slots[0]!,
+          // Early wakes for single keys (a semaphore's next job may find any of its slots free).
+          prewakeAfterMs: slots.length === 1 ? holdTime.prewakeAfterMs() : null,
+          releaseWaitMs: holdTime.releaseWaitMs(),
+        };
+
+  const onConflict = async (
+    job: Job,
+    helpers: JobHelpers,
+    slots: readonly bigint[],
+    local: boolean,
+  ) => {
+    const lockKey = slots[0]!;
+    const strategy = options.onConflict;
+    ctx.emit("lock:conflict", { taskIdentifier, lockKey, job, strategy, local });
+    switch (strategy) {
+      case "drop":
+        helpers.logger.info(`Dropped job ${job.id}: lock ${lockKey} is held by another job`);
+        ctx.emit("job:dropped", { taskIdentifier, lockKey, job });
+        return;
+      case "raise":
+        throw new LockConflictError(taskIdentifier, lockKey);
+      case "reschedule": {
+        const { minDelay, maxDelay, jitter } = options.reschedule;
+        const n = conflicts.next(lockKey.toString());
+        const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
+        const now = Date.now();
+        const earliest = new Date(now + Math.round(base * (1 - jitter * Math.random())));
+        // The safety net is later for a job further back in line (see park_job in sql/000001.sql).
+        const latest = new Date(now + maxDelay);
+        const parked = await helpers.withPgClient(async (client) => {
+          const { rows } = await client.query<{ id: string; run_at: Date }>(ctx.sql.parkJob, [
+            job.id,
+            earliest.toISOString(),
+            lockKey.toString(),
+            holdTime.estimateMs(),
+            latest.toISOString(),
+            ctx.session.pid,
+          ]);
+          const row = rows[0];
+          // The holder may have released between our attempt and the park's commit: then wake it now. The
+          // park has committed, so this is best effort: should it fail, the copy's safety net still runs it,
+          // and the job must not fail (its row gave up its retries, and would stay behind as a failed job).
+          if (row) {
+            try {
+              await client.query(ctx.sql.wakeIfFree, [
+                slots.map(String),
+                lockKey.toString(),
+                job.id,
+              ]);
+            } catch (error) {
+              helpers.logger.warn(
+                `Could not wake the line of lock ${lockKey} after parking job ${job.id} (its copy runs by its safety net): ${String(error)}`,
+                { error },
+              );
+              // The connection's state is uncertain: it goes, rather than back to the pool for the completion.
+              await (client as { end(): Promise<void> }).end().catch(() => undefined);
+            }
+          }
+          return row;
+        });
+        if (!parked) throw new Error(`Could not reschedule job ${job.id}: it no longer exists`);
+        const { id: newJobId, run_at: runAt } = parked;
+        const delayMs = runAt.getTime() - now;
+        helpers.logger.debug(
+          `Rescheduled job ${job.id} as ${newJobId} in ${delayMs}ms: lock ${lockKey} is held`,
+        );
+        ctx.emit("job:rescheduled", { taskIdentifier, lockKey, job, newJobId, runAt, delayMs });
+        return;
+      }
+    }
+  };
+
+  const giveBack = new GiveBack(ctx, taskIdentifier);
+  const aborts = new LockedAborts();
+  const holdTime = new HoldTime();
+  const timed = options.onConflict === "reschedule";
+  const listening = () => ctx.listening("lock:released");
+
+  /** Runs the task while `hold` is held, then releases it. */
+  const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
+    if (hold.info.reschedule) conflicts.clear(hold.info.wakeKey.toString());
+    if (ctx.listening("lock:acquired"))
+      ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
+    const measured = timed || listening();
+    const started = measured ? performance.now() : 0;
+    try {
+      const value = await task(payload as TPayload, aborts.helpers(helpers, hold));
+      // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
+      if (Array.isArray(value)) await Promise.allSettled(value);
+      return value as ReturnType<Task>;
+    } finally {
+      // The unlock goes in the lock session's next statement; the job need not wait for it. Until it lands,
+      // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
+      // can overlap; a late unlock of a lost session is a no-op. (Waiting for it before returning, as
+      // que-locks does, is no faster: see bench/README.md, section "Unlock without waiting".)
+      const heldMs = measured ? performance.now() - started : 0;
+      if (timed) holdTime.record(heldMs);
+      if (!listening()) hold.releaseQuietly();
+      else {
+        const job = helpers.job;
+        void hold
+          .release()
+          .then(({ outcome }) =>
+            ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
+          );
+      }
+    }
+  };
+
+  const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
+    const { job } = helpers;
+    const slots = keysOfJob(job);
+    const result = await giveBack.acquire(job, helpers, slots, holdInfo);
+    if (result === null) return;
+    if (!result.acquired) return onConflict(job, helpers, slots, result.local);
+    return runHeld(result.hold, payload, helpers);
+  };
+
+  /**
+   * Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then, or if
+   * the lock went with its connection while the job waited in the local queue (it never runs unlocked).
+   */
+  const runLockedAhead = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
+    result?.acquired && !result.hold.lost
+      ? runHeld(result.hold, payload, helpers)
+      : acquireAndRun(payload, helpers);
+
+  const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
+    const ahead = ctx.lockedAhead(helpers.job.id);
+    if (!ahead) return acquireAndRun(payload, helpers);
+    if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
+    return ahead.promise.then((result) => runLockedAhead(result, payload, helpers));
+  };
+
+  return Object.assign(wrapped as Task, {
+    taskIdentifier,
+    options,
+    lockKey: (payload: TPayload) => keysOf(payload)[0]!,
+    lockPlan: (job: Job) => {
+      const slots = keysOfJob(job);
+      return { slots, info: holdInfo(job, slots) };
+    },
+    lockAvailable: async (payload: TPayload) => ctx.lockAvailable(keysOf(payload)),
+    addJob: (payload: TPayload, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
+  }) as ExclusiveTask<TPayload>;
+}

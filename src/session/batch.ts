@@ -1,0 +1,143 @@
+/**
+ * One lock statement: the requests that queued up while the previous statement was in flight, the query
+ * that carries them (`lockBatch`, or `lockBatchPlain` when they are only plain locks and unlocks; see
+ * sql.ts), and the decoding of its answer rows (`BatchOp`).
+ */
+import type { QueryConfig } from "pg";
+import type { HoldImpl, LockRequest } from "./holds.js";
+import { BatchOp, type Sql } from "../sql.js";
+
+export interface Batch {
+  unlocks: HoldImpl[];
+  /** Requests for one key. */
+  singles: LockRequest[];
+  /** Semaphore requests (several slots, the first free one taken). */
+  multis: LockRequest[];
+  /** Early wakes of the next job in line of these holds' keys. */
+  prewakes: HoldImpl[];
+  /** Whether idle workers of this process fetch the jobs woken early (they are not announced). */
+  wakeHere: boolean;
+}
+
+export function makeBatch(
+  unlocks: HoldImpl[],
+  locks: LockRequest[],
+  prewakes: HoldImpl[],
+  wakeHere: boolean,
+): Batch {
+  const singles: LockRequest[] = [];
+  const multis: LockRequest[] = [];
+  for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
+  return { unlocks, singles, multis, prewakes, wakeHere };
+}
+
+/**
+ * A PostgreSQL array literal of integers (keys, job ids; null as NULL). node-postgres would quote every
+ * element and run two regular expressions over it, which costs Node.js CPU per key (see bench/README.md,
+ * section "Integer array literals"). Every element is an integer by construction (a bigint, or
+ * the decimal text of one: graphile-worker's job ids, a key's text).
+ */
+function integerArray(values: ReadonlyArray<bigint | string | null>): string {
+  let literal = "{";
+  for (let i = 0; i < values.length; i++) {
+    if (i > 0) literal += ",";
+    const value = values[i];
+    literal += value === null ? "NULL" : String(value);
+  }
+  return literal + "}";
+}
+
+/**
+ * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
+ * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
+ */
+export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
+  const { unlocks, singles, multis, prewakes, wakeHere } = batch;
+  const waking = unlocks.filter((hold) => hold.info.reschedule);
+  const plain =
+    multis.length === 0 &&
+    waking.length === 0 &&
+    prewakes.length === 0 &&
+    singles.every((r) => !r.info.reschedule);
+  // $1 and $2 of both statements (the pid and mark are $3 and $4 of the plain one, $9 and $10 of the other).
+  const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
+  const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
+  if (plain) {
+    const { name, text } = sql.lockBatchPlain;
+    return { name, text, values: [unlockKeys, singleKeys, pid, mark] };
+  }
+  const { name, text } = sql.lockBatch;
+  return {
+    name,
+    text,
+    values: [
+      unlockKeys,
+      singleKeys,
+      multis.map((r) => r.slots.join(",")),
+      integerArray(waking.map((hold) => (hold.info.reschedule ? hold.info.wakeKey : null))),
+      // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
+      integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))),
+      integerArray(prewakes.map((hold) => hold.keyText)),
+      integerArray(waking.map((hold) => hold.info.jobId)),
+      !wakeHere,
+      pid,
+      mark,
+    ],
+  };
+}
+
+export interface BatchRow {
+  op: number;
+  i: number;
+  key: string | null;
+}
+
+/** What a lock statement answered, by each request's place (from 1) in its list of the batch. */
+export interface BatchAnswer {
+  /** The pid of the backend that ran the statement. */
+  backendPid: number | undefined;
+  /** Whether that backend still carried the session's mark. */
+  marked: boolean;
+  /** Unlocks that PostgreSQL answered false. */
+  failedUnlocks: Set<number>;
+  /** Single keys with a row: LOCK_FAILED, WAIT_FOR_RELEASE or LOCKED_WITH_LINE (no row: taken). */
+  singles: Map<number, number>;
+  /** The slot each semaphore request took (null: none). */
+  slots: Map<number, string | null>;
+  /** The job each early wake woke. */
+  prewoken: Map<number, string>;
+}
+
+export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
+  const answer: BatchAnswer = {
+    backendPid: undefined,
+    marked: false,
+    failedUnlocks: new Set(),
+    singles: new Map(),
+    slots: new Map(),
+    prewoken: new Map(),
+  };
+  for (const row of rows) {
+    switch (row.op) {
+      case BatchOp.BACKEND:
+        answer.backendPid = row.i;
+        answer.marked = row.key === null;
+        break;
+      case BatchOp.UNLOCK_FAILED:
+        answer.failedUnlocks.add(row.i);
+        break;
+      case BatchOp.LOCK_FAILED:
+      case BatchOp.WAIT_FOR_RELEASE:
+      case BatchOp.LOCKED_WITH_LINE:
+        answer.singles.set(row.i, row.op);
+        break;
+      case BatchOp.SLOT:
+        answer.slots.set(row.i, row.key);
+        break;
+      case BatchOp.PREWOKEN:
+        answer.prewoken.set(row.i, row.key!);
+        break;
+    }
+  }
+  return answer;
+}

@@ -1,0 +1,201 @@
+/**
+ * The lock session's values: what a hold is for (`HoldInfo`), a key held by this process (`HoldImpl`), and a
+ * lock request on its way to PostgreSQL (`Acquisition`). They keep their own state and settle their own
+ * promises; the session (session.ts) decides when.
+ */
+
+/** What a hold is for, written to the holder registry for operators. */
+export type HoldInfo = PlainHoldInfo | RescheduleHoldInfo;
+
+interface HoldInfoBase {
+  taskIdentifier: string;
+  jobId: string | null;
+}
+
+/** The hold of a job that gives up on a conflict (`drop`, `raise`). */
+export interface PlainHoldInfo extends HoldInfoBase {
+  reschedule: false;
+}
+
+/** The hold of a `reschedule` job, which waits its turn in its key's line. */
+export interface RescheduleHoldInfo extends HoldInfoBase {
+  reschedule: true;
+  /** The key whose line (parked jobs) to wake on release: the task's lock key (slot 0). */
+  wakeKey: bigint;
+  /**
+   * When, counted from the start of the hold, to wake the first job in line early, so that it is fetched
+   * while this one still runs (null: only at the release).
+   */
+  prewakeAfterMs: number | null;
+  /** For a job woken early: how long it waits for its key's release before it parks again. */
+  releaseWaitMs: number;
+}
+
+export interface ReleaseResult {
+  /** True when PostgreSQL confirmed the unlock. */
+  released: boolean;
+  /** `ok`; `lost` when the session died first (the lock went with it); `unverified` when the unlock returned false. */
+  outcome: "ok" | "lost" | "unverified";
+}
+
+export const RELEASED: ReleaseResult = Object.freeze({ released: true, outcome: "ok" });
+export const LOST: ReleaseResult = Object.freeze({ released: false, outcome: "lost" });
+export const UNVERIFIED: ReleaseResult = Object.freeze({ released: false, outcome: "unverified" });
+
+/** A key held by this process on the lock session. */
+export interface Hold {
+  readonly key: bigint;
+  readonly info: HoldInfo;
+  readonly since: Date;
+  /** Whether the connection this hold was taken on is gone, and the key with it. */
+  readonly lost: boolean;
+  /** Aborts (with a GWL_LOCK_LOST error) if the session is lost while the key is held. */
+  readonly signal: AbortSignal;
+  /**
+   * Aborts (with a GWL_LOCK_LOST error) when the connection this hold was taken on is lost: one signal
+   * shared by every hold of that connection, so it may also abort after this hold was released.
+   */
+  readonly sessionSignal: AbortSignal;
+  /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
+  release(): Promise<ReleaseResult>;
+  /** Releases the key like `release()`, for a caller that does not wait for the answer (no promise made). */
+  releaseQuietly(): void;
+}
+
+export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; local: boolean };
+
+/** Who takes an acquisition's outcome without a promise: null when it failed (see `acquireInto`). */
+export interface AcquireReceiver {
+  settle(result: AcquireResult | null): void;
+}
+
+/** What a hold needs of its session. */
+export interface HoldOwner {
+  release(hold: HoldImpl): void;
+  lossSignal(): AbortSignal;
+}
+
+export class HoldImpl implements Hold {
+  private controller: AbortController | undefined;
+  /** The timer of this hold's early wake of the next job in line (see Handoff.planPrewake). */
+  prewakeTimer: NodeJS.Timeout | undefined;
+  /** The statement carrying this hold's early wake, until it answered. */
+  prewaking: Promise<void> | null = null;
+  private lostReason: Error | undefined;
+  private readonly sinceMs = Date.now();
+  lost = false;
+  /** The unlock was asked for (and until `result`, is on its way). */
+  releaseRequested = false;
+  private result: ReleaseResult | undefined;
+  private answered: Promise<ReleaseResult> | undefined;
+  private resolveAnswered: ((result: ReleaseResult) => void) | undefined;
+  constructor(
+    private readonly owner: HoldOwner,
+    readonly key: bigint,
+    readonly keyText: string,
+    readonly generation: number,
+    readonly info: HoldInfo,
+  ) {}
+  get since(): Date {
+    return new Date(this.sinceMs);
+  }
+  /** Made on first use: most jobs never look at it. */
+  get signal(): AbortSignal {
+    if (!this.controller) {
+      this.controller = new AbortController();
+      if (this.lostReason) this.controller.abort(this.lostReason);
+    }
+    return this.controller.signal;
+  }
+  get sessionSignal(): AbortSignal {
+    return this.lost ? this.signal : this.owner.lossSignal();
+  }
+  cancelPrewake(): void {
+    if (this.prewakeTimer) clearTimeout(this.prewakeTimer);
+    this.prewakeTimer = undefined;
+  }
+  markLost(reason: Error): void {
+    this.cancelPrewake();
+    this.lost = true;
+    this.lostReason = reason;
+    this.controller?.abort(reason);
+  }
+  release(): Promise<ReleaseResult> {
+    this.releaseQuietly();
+    this.answered ??= this.result
+      ? Promise.resolve(this.result)
+      : new Promise<ReleaseResult>((resolve) => (this.resolveAnswered = resolve));
+    return this.answered;
+  }
+  releaseQuietly(): void {
+    if (this.releaseRequested) return;
+    this.releaseRequested = true;
+    this.owner.release(this);
+  }
+  /** The unlock's answer (called once, by the session). */
+  settle(result: ReleaseResult): void {
+    this.result = result;
+    this.resolveAnswered?.(result);
+  }
+}
+
+/** A lock request waiting for, or carried by, a lock statement. */
+export interface LockRequest {
+  slots: string[];
+  /** The same keys as bigints, kept to avoid parsing them back. */
+  keys: bigint[];
+  info: HoldInfo;
+  resolve(result: AcquireResult): void;
+  reject(error: Error): void;
+  /** How many times this request, woken early, has waited for its key's release (see Handoff.awaitRelease). */
+  waits?: number;
+}
+
+/**
+ * A queued lock request and its outcome, which goes to its receiver, if any, and to a promise made only when
+ * someone awaits it. Lock-ahead takes it by receiver: per job locked ahead, two promises, two closures and a
+ * microtask fewer than a promise and its `then`, which allocates less per key (see bench/README.md, section
+ * "Lock-ahead receivers"). Settles once; later calls are ignored, as a promise's would be.
+ */
+export class Acquisition implements LockRequest {
+  waits?: number;
+  private done = false;
+  private value: AcquireResult | undefined;
+  private error: Error | undefined;
+  private made: Promise<AcquireResult> | undefined;
+  private resolveMade: ((result: AcquireResult) => void) | undefined;
+  private rejectMade: ((error: Error) => void) | undefined;
+  constructor(
+    readonly slots: string[],
+    readonly keys: bigint[],
+    readonly info: HoldInfo,
+    private readonly receiver: AcquireReceiver | undefined,
+  ) {}
+  resolve(result: AcquireResult): void {
+    this.settle(result, undefined);
+  }
+  reject(error: Error): void {
+    this.settle(undefined, error);
+  }
+  /** The first outcome counts: `value`, or `error` when set. */
+  private settle(value: AcquireResult | undefined, error: Error | undefined): void {
+    if (this.done) return;
+    this.done = true;
+    this.value = value;
+    this.error = error;
+    this.receiver?.settle(error ? null : value!);
+    if (error) this.rejectMade?.(error);
+    else this.resolveMade?.(value!);
+  }
+  promise(): Promise<AcquireResult> {
+    this.made ??= !this.done
+      ? new Promise<AcquireResult>((resolve, reject) => {
+          this.resolveMade = resolve;
+          this.rejectMade = reject;
+        })
+      : this.error
+        ? Promise.reject(this.error)
+        : Promise.resolve(this.value!);
+    return this.made;
+  }
+}

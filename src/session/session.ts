@@ -1,0 +1,445 @@
+/**
+ * The lock session: which advisory keys this process holds, takes and releases, on the one PostgreSQL
+ * connection of a `Locks` instance (connection.ts). That connection is separate from graphile-worker's pool
+ * (holding a pool client per running job deadlocks the pool) and shared by every job of every runner in the
+ * process. This module owns the lock and unlock queues and sends the lock statement (batch.ts); the holds,
+ * the keys being acquired and the settling of a statement's answer are book.ts's (its base class); the
+ * connection's state machine and reconnection are connection.ts's, its heartbeat and registry upkeep.ts's.
+ *
+ * Invariants:
+ * - Session advisory locks are re-entrant, so PostgreSQL cannot tell two jobs of this process apart. This
+ *   module does: a key is held by at most one `Hold` (`holds`), and a key that is being acquired or
+ *   released (`pending`) counts as held. A second job asking for such a key gets a conflict without a
+ *   round trip, never a re-entrant "success". A semaphore request (`limit` > 1) counts every slot it tries
+ *   as pending but takes at most one: a request that finds its slots pending for another job of this
+ *   process waits for that answer and tries the slots still free, so this process's own acquisitions never
+ *   turn a job away while a slot is free.
+ * - Requests are coalesced: the requests of one turn of the event loop share a statement (batch.ts). Up to
+ *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
+ *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
+ *   `holds`) settles from its own statement's answer, so no request depends on a statement still in flight.
+ * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
+ *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
+ *   it can never unlock a key that a hold of the new connection now owns.
+ * - A failed lock statement leaves the session's state uncertain, so the connection is destroyed (which
+ *   releases everything) rather than reused; except a statement PostgreSQL refused for want of resources
+ *   (SQLSTATE class 53, a full lock table), after which the connection is sound: the session releases
+ *   whatever of the statement's keys its backend still holds (`recover`), settles its unlocks as released
+ *   and fails its lock requests with GWL_LOCK_TABLE_FULL. Nobody else's hold is touched.
+ * - While the connection is not ready, acquisition fails at once with GWL_LOCK_SESSION_UNAVAILABLE (or,
+ *   behind a transaction pooler, GWL_LOCK_SESSION_POOLED): no job ever runs unlocked.
+ * - Every lock statement answers with `pg_backend_pid()`, checked against the connection's backend: what a
+ *   statement took on another backend is never granted.
+ * - A key passes without an unlock only from a finished hold to the job that hold woke early (handoff.ts):
+ *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
+ *   woken early by another session waits, its key still `pending`, for the release's notification or its
+ *   time limit, then tries the key again.
+ */
+import { batchQuery, makeBatch, type BatchRow } from "./batch.js";
+import { SessionBook } from "./book.js";
+import { LockConnection, type ConnectionState, type LockConnectionOptions } from "./connection.js";
+import { lockLost, lockSessionUnavailable, type LocksError } from "../errors.js";
+import { Handoff, type HandoffCounts } from "./handoff.js";
+import {
+  Acquisition,
+  HoldImpl,
+  LOST,
+  RELEASED,
+  type AcquireReceiver,
+  type AcquireResult,
+  type HoldInfo,
+  type LockRequest,
+} from "./holds.js";
+import type { IdleWorkers } from "./idle.js";
+import { QuietUnlocks } from "./quiet-unlocks.js";
+import { probeQueued } from "./timing-probe.js";
+import type { Sql } from "../sql.js";
+
+export interface LockSessionOptions extends LockConnectionOptions {
+  sql: Sql;
+  /** Idle workers of this process's attached runners, which fetch a job woken early here. */
+  idleWorkers?: IdleWorkers;
+  onLost(holds: HoldImpl[], error: Error): void;
+  onConnected(): void;
+}
+
+/**
+ * Lock statements in flight at once on a connection in node-postgres's `pipeline` mode (connection.ts opens
+ * it so): a lock request made while fewer are unanswered leaves at once in a statement of its own; beyond
+ * that, requests queue up for the next statement. Four rather than two shorten the wait for a place in the
+ * pipeline and still send about one statement per job; eight make each statement wait behind the others on
+ * the server (figures: bench/README.md, section "Pipeline depth").
+ */
+const PIPELINE_DEPTH = 4;
+
+/**
+ * The slots of semaphore request `request` that its statement found held by other sessions: all it tried
+ * when it took none, else those before the one it took (they are tried in order).
+ */
+function slotsHeldElsewhere(request: LockRequest, answer: AcquireResult): readonly string[] {
+  if (!answer.acquired) return answer.local ? [] : request.slots;
+  const taken = request.slots.indexOf(answer.hold.key.toString());
+  return taken < 0 ? [] : request.slots.slice(0, taken);
+}
+
+export class LockSession extends SessionBook {
+  /**
+   * The connection: its state, backend pid, generation, `whenReady` and `warmUp` (connection.ts). Others
+   * read it; only the session sends lock statements on it.
+   */
+  override readonly connection: LockConnection;
+  private lockQueue: LockRequest[] = [];
+  private unlockQueue: HoldImpl[] = [];
+  /** The lock statements in flight, oldest first, each with when it was sent (`performance.now()`). */
+  private readonly inFlight: Array<{ sentAt: number; done: Promise<void> }> = [];
+  /** PIPELINE_DEPTH on a pipelining connection; 1 with a node-postgres that has no pipeline mode. */
+  private maxInFlight = 1;
+  private flushScheduled = false;
+  /** When unlocks nobody waits for leave (quiet-unlocks.ts). */
+  private readonly quiet = new QuietUnlocks(() => this.flush());
+  /** Set by close(): queued unlocks leave at once, and nothing else is sent (see flush). */
+  private closing = false;
+  /** Acquisitions in this process waiting for a key this process is releasing. */
+  private successorsWaiting = 0;
+  protected override readonly handoff: Handoff;
+
+  constructor(protected override readonly options: LockSessionOptions) {
+    super(options);
+    this.connection = new LockConnection(options, {
+      holds: () => [...this.holds.values()],
+      inFlightSince: () => this.inFlight[0]?.sentAt ?? null,
+      onReady: () => {
+        const pipelining = (this.connection.client as { pipeline?: boolean } | null)?.pipeline;
+        this.maxInFlight = pipelining === true ? PIPELINE_DEPTH : 1;
+        this.options.onConnected();
+        this.scheduleFlush();
+      },
+      onLost: (error, refusal) => this.onLost(error, refusal),
+      onRefused: (refusal) => {
+        for (const request of this.lockQueue.splice(0)) request.reject(refusal);
+      },
+      onReleaseNotice: (payload) => this.handoff.onReleaseNotice(payload),
+    });
+    this.handoff = new Handoff(
+      {
+        holdOf: (key) => this.holds.get(key),
+        isPending: (key) => this.pending.has(key),
+        retryLock: (request) => {
+          this.lockQueue.push(request);
+          this.scheduleFlush();
+        },
+        scheduleFlush: () => this.scheduleFlush(),
+        passKey: (from, request) => {
+          this.holds.delete(from.keyText);
+          from.settle(RELEASED);
+          // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
+          return this.grant(request, from.keyText, from.generation, true);
+        },
+        confirm: () => this.connection.confirm("a hand-over's check"),
+        unavailable: () =>
+          this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
+      },
+      options.idleWorkers,
+    );
+  }
+
+  /** The connection's state. */
+  get state(): ConnectionState {
+    return this.connection.state;
+  }
+
+  /** The backend pid of the connection, if connected. */
+  get pid(): number | null {
+    return this.connection.pid;
+  }
+
+  /** Resolves true as soon as the connection is ready, false when it is still not after `timeoutMs`. */
+  whenReady(timeoutMs: number): Promise<boolean> {
+    return this.connection.whenReady(timeoutMs);
+  }
+
+  /** What the session has done about hand-offs, for `locks.status()`. */
+  get handoffs(): HandoffCounts {
+    return this.handoff.counts;
+  }
+
+  /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */
+  lossSignal(): AbortSignal {
+    return this.connection.lossSignal();
+  }
+
+  /**
+   * Tries the slots in order and takes the first that is free. Resolves `{ acquired: false }` on a
+   * conflict (`local: true` when this process itself holds every slot), throws GWL_LOCK_SESSION_UNAVAILABLE
+   * when there is no session.
+   */
+  acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+    return this.queueIfFree(slots, info, undefined)?.promise() ?? this.acquireSlowly(slots, info);
+  }
+
+  /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
+  acquireInto(slots: readonly bigint[], info: HoldInfo, receiver: AcquireReceiver): void {
+    this.quiet.lockAheadAt = performance.now();
+    if (this.queueIfFree(slots, info, receiver)) return;
+    this.acquireSlowly(slots, info).then(
+      (result) => receiver.settle(result),
+      () => receiver.settle(null),
+    );
+  }
+
+  /**
+   * The common case, a free single key on a ready session, queued without the general path's async frame;
+   * null otherwise (acquireSlowly).
+   */
+  private queueIfFree(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    receiver: AcquireReceiver | undefined,
+  ): Acquisition | null {
+    if (this.connection.state !== "ready" || slots.length !== 1) return null;
+    const key = slots[0]!.toString();
+    return this.isFree(key) ? this.queueLock([key], slots, info, receiver) : null;
+  }
+
+  private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+    const keys = slots.map(String);
+    const semaphore = keys.length > 1;
+    /** Slots that a statement this request waited for found held by other sessions (semaphores only). */
+    let heldElsewhere: Set<string> | undefined;
+    let free: string[];
+    for (;;) {
+      if (this.connection.state !== "ready") await this.connection.ensureReady();
+      free = keys.filter((k) => this.isFree(k) && !heldElsewhere?.has(k));
+      if (free.length > 0) break;
+      // Another job of this process is only trying to take these keys. A semaphore request takes one slot of
+      // all it tries, and a job that waits its turn (`reschedule`) may fail where this one would not (it may
+      // not be that job's turn): wait for that answer, then look again.
+      if (semaphore || info.reschedule) {
+        const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
+        if (acquiring) {
+          const answer = await acquiring.promise().catch(() => undefined);
+          if (semaphore && answer)
+            for (const k of slotsHeldElsewhere(acquiring, answer))
+              (heldElsewhere ??= new Set()).add(k);
+          continue;
+        }
+      }
+      // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
+      const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
+      if (!releasing) {
+        const handedOver =
+          keys.length === 1 ? this.handoff.onLocalConflict(keys[0]!, slots, info) : null;
+        if (!handedOver) return { acquired: false, local: heldElsewhere === undefined };
+        const result = await handedOver;
+        if (result === "retry") continue;
+        return result;
+      }
+      const turn = this.handoff.joinLine(releasing, keys[0]!, info);
+      this.successorsWaiting++;
+      this.scheduleFlush();
+      try {
+        await releasing.release();
+      } finally {
+        this.successorsWaiting--;
+      }
+      if (turn && !turn.first()) return { acquired: false, local: true };
+    }
+    return this.queueLock(
+      free,
+      free.length === slots.length ? slots : free.map((k) => BigInt(k)),
+      info,
+      undefined,
+    ).promise();
+  }
+
+  /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
+  private queueLock(
+    free: string[],
+    keys: readonly bigint[],
+    info: HoldInfo,
+    receiver: AcquireReceiver | undefined,
+  ): Acquisition {
+    const acquisition = new Acquisition(free, keys as bigint[], info, receiver);
+    probeQueued(acquisition);
+    this.lockQueue.push(acquisition);
+    this.scheduleFlush();
+    for (const k of free) this.pending.set(k, acquisition);
+    return acquisition;
+  }
+
+  /**
+   * Queues the unlock of `hold`; its answer goes to `hold.settle`. When the job its hold woke early waits in
+   * this process, the key passes to that job instead, without an unlock.
+   */
+  release(hold: HoldImpl): void {
+    hold.cancelPrewake();
+    if (
+      hold.lost ||
+      hold.generation !== this.connection.generation ||
+      this.connection.state !== "ready"
+    ) {
+      hold.settle(LOST);
+      return;
+    }
+    if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
+    probeQueued(hold);
+    if (this.unlockQueue.length === 0) this.quiet.since = performance.now();
+    this.unlockQueue.push(hold);
+    this.scheduleFlush();
+  }
+
+  /**
+   * Sends what is queued at the end of the current turn (a microtask), so that the requests a turn makes
+   * share one statement and the first request after a quiet spell leaves without waiting for the event loop.
+   * While `maxInFlight` statements are in flight, requests queue up for the one sent when the first answers.
+   */
+  private scheduleFlush(): void {
+    if (this.flushScheduled || this.inFlight.length >= this.maxInFlight) return;
+    this.flushScheduled = true;
+    queueMicrotask(() => {
+      this.flushScheduled = false;
+      this.flush();
+    });
+  }
+
+  /**
+   * Whether what is queued is only unlocks that nobody waits for: no lock request, no waiter to wake, no
+   * same-process successor. While a statement is in flight, such a batch waits to ride with the next lock
+   * request, or goes when the last statement in flight answers: every statement costs both sides a round of
+   * socket I/O, and the keys stay held meanwhile, which is never looser. On an idle connection it goes at
+   * once, so that a lock request made a moment later does not queue behind it on the server, unless
+   * lock-ahead is in use (quiet-unlocks.ts). Leaving at once beats holding them for a lock request to ride
+   * with, and beats sending them after graphile-worker's completion and next fetch (figures: bench/README.md,
+   * section "Quiet unlocks").
+   */
+  private onlyQuietUnlocks(): boolean {
+    return (
+      this.lockQueue.length === 0 &&
+      !this.handoff.hasPrewakes() &&
+      this.successorsWaiting === 0 &&
+      this.unlockQueue.every((hold) => !hold.info.reschedule)
+    );
+  }
+
+  private flush(): void {
+    const { client, generation } = this.connection;
+    if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
+      return;
+    if (
+      !this.closing &&
+      this.onlyQuietUnlocks() &&
+      (this.inFlight.length > 0 || this.quiet.hold(this.unlockQueue.length))
+    )
+      return;
+    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
+      return;
+    if (this.closing && this.unlockQueue.length === 0) return;
+    this.quiet.end();
+    const noticesAtSend = this.handoff.notices;
+    // While closing, only unlocks leave: a lock taken now would be lost with the connection at once, its job
+    // running unlocked until it saw its signal; queued lock requests fail when the connection goes instead.
+    const { prewakes, wakeHere } = this.closing
+      ? { prewakes: [], wakeHere: false }
+      : this.handoff.takePrewakes();
+    const batch = makeBatch(
+      this.unlockQueue.splice(0),
+      this.closing ? [] : this.lockQueue.splice(0),
+      prewakes,
+      wakeHere,
+    );
+    const { unlocks, singles, multis } = batch;
+    const locks = [...singles, ...multis];
+    let answered: () => void = () => undefined;
+    if (prewakes.length > 0) {
+      const prewaking = new Promise<void>((resolve) => (answered = resolve));
+      for (const hold of prewakes) hold.prewaking = prewaking;
+    }
+
+    this.connection.statements++;
+    const sentAt = performance.now();
+    const done: Promise<void> = client
+      .query<BatchRow>(
+        batchQuery(
+          this.options.sql,
+          batch,
+          this.connection.backendPid!,
+          this.connection.claimToken!,
+        ),
+      )
+      .then(
+        ({ rows }) =>
+          this.settleAnswer(
+            rows,
+            client,
+            generation,
+            batch,
+            locks,
+            prewakes,
+            wakeHere,
+            noticesAtSend,
+            sentAt,
+          ),
+        (error: Error) => this.settleFailure(client, generation, locks, unlocks, error),
+      )
+      .finally(() => {
+        for (const hold of prewakes) hold.prewaking = null;
+        answered();
+        this.inFlight.splice(
+          this.inFlight.findIndex((s) => s.done === done),
+          1,
+        );
+        this.flush();
+      });
+    this.inFlight.push({ sentAt, done });
+  }
+
+  /**
+   * Everything the connection held is gone (it was lost, or closed): lock requests fail with `unavailable`,
+   * unlocks settle as lost, and every hold is marked lost with `reason` and its signal aborts. Returns the
+   * holds that were open.
+   */
+  private dropAll(unavailable: LocksError, reason: LocksError): HoldImpl[] {
+    const open = [...this.holds.values()];
+    this.holds.clear();
+    this.pending.clear();
+    this.handoff.dropAll(unavailable);
+    for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
+    for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
+    this.quiet.end();
+    for (const hold of open) hold.markLost(reason);
+    this.connection.abortLossSignal(reason);
+    return open;
+  }
+
+  /** The connection of this generation failed (connection.ts told): every hold is lost. */
+  private onLost(error: Error, refusal: LocksError | null): void {
+    const unavailable = refusal ?? lockSessionUnavailable("the connection was lost", error);
+    const lost = this.dropAll(unavailable, lockLost(error));
+    this.options.onLost(lost, error);
+  }
+
+  /**
+   * Closes the connection, which releases every lock it holds. Holds still open are marked lost and their
+   * signals abort. Idempotent.
+   */
+  async close(): Promise<void> {
+    if (this.connection.state === "closed") return;
+    // Unlocks still queued (waiting for a statement to ride) leave first, so that they are answered as
+    // released rather than lost with the connection.
+    this.closing = true;
+    while (this.connection.state === "ready" && this.unlockQueue.length > 0) {
+      this.flush();
+      if (this.inFlight.length === 0) break;
+      await Promise.race(this.inFlight.map((s) => s.done));
+    }
+    await this.connection.close(
+      async () => Promise.allSettled(this.inFlight.map((s) => s.done)),
+      () => {
+        this.dropAll(
+          lockSessionUnavailable("the Locks instance was released"),
+          lockLost(new Error("The Locks instance was released")),
+        );
+      },
+    );
+  }
+}
