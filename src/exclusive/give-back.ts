@@ -66,7 +66,10 @@ class DeferredCopies {
         const ready = await this.ctx.session.whenReady(
           Math.max(DEFER_MIN_MS, this.ctx.lockSessionWaitMs),
         );
-        if (this.ctx.session.state === "closed") return;
+        // A session closed or refused for good does not come back: the copies run at their `runAt`. (Its
+        // `whenReady` answers at once then, so waiting again would never leave this loop.)
+        const { state } = this.ctx.session;
+        if (state === "closed" || state === "refused") return;
         if (!ready) continue;
         const ids = [...this.ids];
         this.ids.clear();

@@ -3,6 +3,8 @@
  * deferred) leaves no row behind, whatever dies when. Real PostgreSQL, real runners, a TCP proxy in front of
  * the lock session that can be cut, and a worker in a separate process that is killed.
  */
+import { spawn } from "node:child_process";
+import { fileURLToPath } from "node:url";
 import pg from "pg";
 import { describe, expect, inject, it } from "vitest";
 import { InvalidArgumentError, lockKey, makeLocks } from "../../src/index.js";
@@ -310,6 +312,30 @@ describe("an outage of the lock session", () => {
     expect(given).toEqual([{ jobId: job!.id, newJobId: ran[0] }]);
     expect(errors).toEqual([]);
   });
+
+  it("a job given back while the session reconnects, then the session refused for good: the process stays responsive", async () => {
+    // In a process of its own (test/fixtures/refused-after-give-back.ts): a process that stopped answering
+    // would stop this one's timers too.
+    const child = spawn(
+      process.execPath,
+      [
+        "--import",
+        "tsx",
+        fileURLToPath(new URL("../fixtures/refused-after-give-back.ts", import.meta.url)),
+      ],
+      { env: { ...process.env, DATABASE_URL: db.url }, stdio: ["ignore", "pipe", "pipe"] },
+    );
+    let output = "";
+    child.stdout.on("data", (chunk: Buffer) => (output += chunk.toString()));
+    child.stderr.on("data", (chunk: Buffer) => (output += chunk.toString()));
+    const exited = new Promise<number | null>((resolve) => child.once("exit", resolve));
+    const timer = setTimeout(() => child.kill("SIGKILL"), 30_000);
+    const code = await exited;
+    clearTimeout(timer);
+    const lines = output.split("\n").filter((line) => /^(deferred|refused|tick|done)$/.test(line));
+    expect(lines, output).toEqual(["deferred", "refused", ...Array(10).fill("tick"), "done"]);
+    expect(code).toBe(0);
+  }, 60_000);
 
   it("while the session is down no job runs unlocked: it waits for the reconnection and runs on its first attempt", async () => {
     const locks = newLocks({ reconnectDelay: { min: 1500, max: 1500 }, lockSessionWait: 10_000 });
