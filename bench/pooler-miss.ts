@@ -1,7 +1,7 @@
 /**
  * How often a lock session misconfigured through a transaction-mode PgBouncer takes a lock before it is
- * caught: the measurement behind src/leftovers.ts's design (figures in bench/README.md, "A lock session
- * through a transaction pooler").
+ * caught: the measurement behind the lock session's refusal (src/connection.ts; figures in bench/README.md,
+ * "A lock session through a transaction pooler").
  *
  *   node --import tsx bench/pooler-miss.ts [RUNS] [CLIENTS]      (default 300 runs, 6 traffic clients)
  *
@@ -13,14 +13,14 @@
  *
  * - refused at connect (by the probe, the backend claim, or the pid check at the end of connect);
  * - refused later, nothing held then (the first lock statement that reached another backend took nothing);
- * - refused later with locks held on the session's own backend (what leftovers.ts releases);
+ * - refused later with locks held on the session's own backend (held there until the
+ *   pooler closes that backend);
  * - not refused within RUN_MS (every statement so far reached the session's own backend).
  */
 import { makeWorkerUtils, run, type Task } from "graphile-worker";
 import pg from "pg";
 import { makeLocks, type Locks, type LocksError } from "../src/index.js";
 import { startPgBouncer, pgbouncerBinary, pgbouncerVersion } from "../test/support/pgbouncer.js";
-import { warningsLogger } from "../test/support/runner.js";
 import { startPostgres } from "../scripts/postgres.js";
 import { createBenchDatabase, quietLogger, resetJobs, sleep } from "./lib.js";
 
@@ -31,8 +31,9 @@ const RUN_MS = 5_000;
 const JOBS_PER_RUN = 40;
 const KEYS = 4;
 const JOB_MS = 20;
-/** How long a session refused with locks held is left to release them (leftovers.ts) before it is released. */
-const LEFTOVERS_WAIT_MS = 30_000;
+/** Enqueues $1 `exec` jobs over $2 keys. */
+const ADD_JOBS = `select graphile_worker.add_job('exec', json_build_object('k', 'k' || (i % $2)))
+  from generate_series(1, $1::int) i`;
 
 type Outcome =
   | "refused at connect: probe"
@@ -43,9 +44,6 @@ type Outcome =
   | "not refused";
 
 const log = (message: string) => process.stderr.write(`${message}\n`);
-
-/** For each run refused with locks held: how its leftovers went, and when (ms after the refusal). */
-const leftovers: Array<{ outcome: "released" | "backend ended" | "still held"; ms: number }> = [];
 
 async function main(): Promise<void> {
   const binary = pgbouncerBinary();
@@ -74,10 +72,6 @@ async function main(): Promise<void> {
     "not refused",
   ];
   for (const outcome of order) console.log(`${outcome}: ${counts.get(outcome) ?? 0}`);
-  for (const { outcome, ms } of leftovers)
-    console.log(
-      `  leftovers: ${outcome}${outcome === "still held" ? "" : ` after ${Math.round(ms)} ms`}`,
-    );
 }
 
 /** The runs, under traffic, through PgBouncer at `via` in front of the database at `url`. */
@@ -112,7 +106,7 @@ async function measure(url: string, via: string): Promise<Map<Outcome, number>> 
     await freshBackends(direct);
     const outcome = await oneRun(via, direct, (task) => (current = task));
     counts.set(outcome, (counts.get(outcome) ?? 0) + 1);
-    if ((i + 1) % 25 === 0) log(`${i + 1}/${RUNS}: ${JSON.stringify(Object.fromEntries(counts))}`);
+    if ((i + 1) % 10 === 0) log(`${i + 1}/${RUNS}: ${JSON.stringify(Object.fromEntries(counts))}`);
   }
 
   stopping = true;
@@ -129,18 +123,20 @@ async function measure(url: string, via: string): Promise<Map<Outcome, number>> 
  * starts on backends no lock session marked, and without an earlier run's locks.
  */
 async function freshBackends(direct: pg.Pool): Promise<void> {
-  const { rows } = await direct.query<{ pid: number }>(
-    `select pid from pg_catalog.pg_stat_activity
+  // (a backend is its pid and start: pids are reused)
+  const { rows } = await direct.query<{ pid: number; start: string }>(
+    `select pid, backend_start::text as start from pg_catalog.pg_stat_activity
      where datname = current_database() and pid <> pg_backend_pid() and backend_type = 'client backend'
        and application_name is distinct from 'direct'`,
   );
-  const before = rows.map((r) => r.pid);
   const deadline = performance.now() + 30_000;
   for (;;) {
     const { rows: left } = await direct.query<{ n: number }>(
       `select count(*)::int as n from pg_catalog.pg_stat_activity a
-       where a.pid = any($1::int[]) and (a.state <> 'idle' or not pg_catalog.pg_terminate_backend(a.pid))`,
-      [before],
+       join unnest($1::int[], $2::timestamptz[]) as b(pid, start)
+         on a.pid = b.pid and a.backend_start = b.start
+       where a.state <> 'idle' or not pg_catalog.pg_terminate_backend(a.pid)`,
+      [rows.map((r) => r.pid), rows.map((r) => r.start)],
     );
     if (left[0]!.n === 0) return;
     if (performance.now() > deadline) throw new Error("could not end PgBouncer's backends");
@@ -160,7 +156,7 @@ async function generateTraffic(via: string, i: number, stopped: () => boolean): 
         await client.end().catch(() => undefined);
         client = new pg.Client({ connectionString: via, application_name: `traffic-${i}` });
         client.on("error", () => undefined);
-        await client.connect();
+        await client.connect().catch(() => undefined);
       }
       await sleep(Math.random() * 5);
     }
@@ -192,21 +188,17 @@ async function oneRun(
   direct: pg.Pool,
   setTask: (task: Task) => void,
 ): Promise<Outcome> {
-  const { logger, warnings } = warningsLogger();
   const locks: Locks = makeLocks({
     connectionString: via,
     preparedStatements: false,
-    logger,
+    logger: quietLogger,
     // (a job that meets the session reconnecting waits for it rather than being deferred: a deferred copy's
-    // wait for the session spins once the session is refused, exclusive.ts)
+    // wait for the session spins once the session is refused, exclusive.ts's DeferredCopies)
     lockSessionWait: 60_000,
   });
   let heldAtLoss = 0;
-  let refusedAt = 0;
   locks.events.on("lock:lost", ({ holds, error }) => {
-    if ((error as LocksError).code !== "GWL_LOCK_SESSION_POOLED") return;
-    heldAtLoss += holds.length;
-    refusedAt = performance.now();
+    if ((error as LocksError).code === "GWL_LOCK_SESSION_POOLED") heldAtLoss += holds.length;
   });
   setTask(
     locks.exclusive<{ k: string }>("exec", () => sleep(JOB_MS), {
@@ -225,39 +217,17 @@ async function oneRun(
       if (refusal.message.includes("at connect reached")) return "refused at connect: pid check";
       return "refused at connect: probe";
     }
-    await direct.query(
-      `select graphile_worker.add_job('exec', json_build_object('k', 'k' || (i % $2)))
-       from generate_series(1, $1::int) i`,
-      [JOBS_PER_RUN, KEYS],
-    );
+    await direct.query(ADD_JOBS, [JOBS_PER_RUN, KEYS]);
     const deadline = performance.now() + RUN_MS;
     while (locks.status().state !== "refused" && performance.now() < deadline) {
       const { rows } = await direct.query<{ n: number }>(
         "select count(*)::int as n from graphile_worker._private_jobs",
       );
-      if (rows[0]!.n === 0)
-        await direct.query(
-          `select graphile_worker.add_job('exec', json_build_object('k', 'k' || (i % $2)))
-           from generate_series(1, $1::int) i`,
-          [JOBS_PER_RUN, KEYS],
-        );
+      if (rows[0]!.n === 0) await direct.query(ADD_JOBS, [JOBS_PER_RUN, KEYS]);
       await sleep(50);
     }
     if (locks.status().state !== "refused") return "not refused";
-    if (heldAtLoss === 0) return "refused later, nothing held";
-    const said = () =>
-      warnings.find((w) => /Released the locks|has ended|Could not reach/.test(w)) ?? null;
-    while (!said() && performance.now() < refusedAt + LEFTOVERS_WAIT_MS) await sleep(50);
-    const told = said();
-    leftovers.push({
-      outcome: told?.startsWith("Released")
-        ? "released"
-        : told?.includes("has ended")
-          ? "backend ended"
-          : "still held",
-      ms: performance.now() - refusedAt,
-    });
-    return "refused later, locks held";
+    return heldAtLoss > 0 ? "refused later, locks held" : "refused later, nothing held";
   } finally {
     await locks.release();
     await resetJobs(direct);
