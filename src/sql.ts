@@ -268,22 +268,6 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
         set task_identifier = excluded.task_identifier, job_id = excluded.job_id, since = excluded.since`,
 
     /**
-     * Releases every session lock of the backend $1, marked $2, and drops its registry rows, when the statement
-     * runs on that backend (`onOwnBackend`, a one-time filter); elsewhere it does nothing. For a session
-     * refused because a statement reached another backend: what it took on its own is left there
-     * (leftovers.ts). Answers `released`: whether it ran there; `ended`: whether that backend is gone (and its
-     * locks with it); `idle`: whether that backend is idle now, waiting in the pooler for a client.
-     */
-    releaseLeftovers: `with released as (
-        select pg_catalog.pg_advisory_unlock_all() where ${onOwnBackend(1)}
-      ), gone as (
-        delete from ${s}.lock_holders where pid = $1::int and exists (select 1 from released)
-      )
-      select exists (select 1 from released) as released,
-        not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = $1::int) as ended,
-        coalesce((select a.state = 'idle' from pg_catalog.pg_stat_activity a where a.pid = $1::int), false) as idle`,
-
-    /**
      * At connect: drops registry rows of this backend (a reused pid) and of sessions that no longer exist, and
      * registers this session's process ($1, its pid) and host ($2) in `lock_sessions`.
      */

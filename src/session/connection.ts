@@ -21,9 +21,16 @@
  * `pg_backend_pid()`, as every heartbeat does, which must be the pid seen at connect (`checkBackend`);
  * behind a proxy (whose BackendKeyData pid is not the backend's) the connection is also probed before any
  * lock is taken (`probePooler`). A second backend means a transaction-mode pooler, where session locks stay
- * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED,
- * and keeps trying for a while to reach its own backend again and release what it took there
- * (`LeftoverRelease`, leftovers.ts).
+ * on pooled backends other clients use: the connection is `refused`, for good, with GWL_LOCK_SESSION_POOLED.
+ *
+ * A refusal after connect (a statement that reached another backend) leaves the locks the session took on
+ * its own backend there, held until the pooler closes that backend; its message says so, naming PgBouncer's
+ * `server_idle_timeout` and `server_lifetime`. Nothing is unsafe meanwhile: every holder has aborted, the
+ * backend carries the session's mark (no other lock session takes locks there), and the locks only make
+ * their keys look taken. So no release is attempted: the connect-time checks leave that case rare under
+ * pooler traffic (measured by bench/pooler-miss.ts: bench/README.md, "A lock session through a transaction
+ * pooler"), and a release through the pooler would need a walk over its backends to reach the session's own
+ * again, for what only frees keys sooner.
  */
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
@@ -39,7 +46,6 @@ import {
 import type { HoldImpl } from "./holds.js";
 import { backendPid, claimBackend, probeTransactionPooling, target } from "./backend.js";
 import { SET_SESSION_SETTINGS, sessionSettings } from "./keepalive.js";
-import { LeftoverRelease } from "./leftovers.js";
 import { Upkeep } from "./upkeep.js";
 import { destroySocket, discard } from "./pgclient.js";
 import { CLAIM_SETTING, type Sql } from "../sql.js";
@@ -101,8 +107,6 @@ export class LockConnection {
   claimToken: string | null = null;
   /** Why the last connection attempt failed (null once one succeeds). */
   private connectError: LocksError | null = null;
-  /** The release of what a refused session left on its backend (leftovers.ts). */
-  private leftovers: LeftoverRelease | null = null;
   /** Callers of `whenReady` waiting for the connection, told when it becomes ready or closes. */
   private readonly readyWaiters = new Set<() => void>();
 
@@ -317,17 +321,11 @@ export class LockConnection {
         ? `${what} found the session's backend ${pid} reset, its mark (the setting ${CLAIM_SETTING}) gone: ` +
             "a reset (DISCARD ALL, as PgBouncer's `server_reset_query_always` runs between transactions) also " +
             "ends every session lock"
-        : `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}`,
+        : `${what} ran on backend ${pid ?? "(none)"}, not on the session's backend ${this.backendPid}; ` +
+            `any locks the session took on backend ${this.backendPid} stay held until the pooler closes that ` +
+            "backend (PgBouncer: once idle for `server_idle_timeout`, at the latest after `server_lifetime`)",
     );
     this.lost(client, this.refusal);
-    // A reset ended every lock on the backend; a statement elsewhere left what the session took on its own.
-    if (pid !== this.backendPid) {
-      this.leftovers = new LeftoverRelease(
-        { sql: this.options.sql, client: this.options.client, onWarning: this.options.onWarning },
-        this.backendPid!,
-        this.claimToken!,
-      );
-    }
     return false;
   }
 
@@ -412,7 +410,6 @@ export class LockConnection {
     await this.connecting?.catch(() => undefined);
     await drain();
     await this.upkeep.settled();
-    await this.leftovers?.stop();
     this.generation++;
     drop();
     this.tellReadyWaiters();

@@ -522,12 +522,10 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(first.status().state).toBe("ready");
     });
 
-    /**
-     * Two backends, two clients. The occupant keeps the probe's client out at connect, then pins the
-     * session's backend in a transaction while a job holds its key there: the session's next heartbeat runs
-     * on a second backend, and the session is refused with the key still held on its own.
-     */
-    const refusedWithKeyOnOwnBackend = async () => {
+    it("a session refused for reaching another backend names the pooler settings that free what it took on its own", async () => {
+      // Two backends, two clients. The occupant keeps the probe's client out at connect, then pins the
+      // session's backend in a transaction while a job holds its key there: the session's next heartbeat
+      // runs on a second backend, and the session is refused with the key still held on its own.
       const pool = await startForTest({ settings: { max_client_conn: 2, default_pool_size: 2 } });
       const { logger, warnings } = warningsLogger();
       const occupant = await occupy(pool.via(db.url));
@@ -552,68 +550,49 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       await waitFor(async () => (await advisoryLockHolders()).includes(own), {
         message: "the job's key held on the session's backend",
       });
-      const registryRows = async () =>
-        (
-          await db
-            .pool()
-            .query("select 1 from graphile_worker_locks.lock_holders where pid = $1", [own])
-        ).rowCount;
-      await waitFor(async () => (await registryRows()) === 1, {
-        message: "the holder registry lists the key",
-      });
 
       const lost = nextEvent(locks, "lock:lost");
       await occupant.query("begin");
       const { rows } = await occupant.query<{ pid: number }>("select pg_backend_pid() as pid");
       expect(rows[0]!.pid).toBe(own);
-      expect(((await lost).error as LocksError).code).toBe("GWL_LOCK_SESSION_POOLED");
+      const event = await lost;
+      const refusal = event.error as LocksError;
+      expect(refusal.code).toBe("GWL_LOCK_SESSION_POOLED");
+      expect(event.holds).toHaveLength(1);
+      // The refusal says where the locks it took stay, and which of the pooler's settings end them.
+      expect(refusal.message).toContain(`the session's backend ${own}`);
+      expect(refusal.message).toContain(`took on backend ${own} stay held`);
+      expect(refusal.message).toContain("`server_idle_timeout`");
+      expect(refusal.message).toContain("`server_lifetime`");
+      expect(refusal.message).toContain("`lockConnectionString`");
+      // Nothing is silently unsafe: the holder saw its abort signal and ended, the session is refused for
+      // good, and a later job fails instead of running.
+      await waitFor(async () => (await readExecutions(db.pool()))[0]?.end !== null, {
+        message: "the held job ended",
+      });
+      expect(locks.status().state).toBe("refused");
+      expect((await locks.connect().catch((e: unknown) => e as LocksError))?.code).toBe(
+        "GWL_LOCK_SESSION_POOLED",
+      );
+      await utils!.addJob("exec", { k: "later" } satisfies Payload);
+      await waitFor(
+        async () => (await jobCount("payload->>'k' = 'later' and last_error is not null")) === 1,
+      );
+      expect((await readExecutions(db.pool())).map((e) => e.lockKey)).toEqual([
+        exec.lockKey({ k: "held" }).toString(),
+      ]);
+      // The key stays held, unused, on the session's backend (where no other lock session can be) ...
       expect(await advisoryLockHolders()).toEqual([own]);
-      /** The key gone from the session's backend, a warning saying so, and its registry row dropped. */
-      const releasedOnItsBackend = async () => {
-        await waitFor(async () => (await advisoryLockHolders()).length === 0, {
-          message: "the refused session's key released on its backend",
-        });
-        await waitFor(async () => warnings.some((w) => w.includes(`on its backend ${own}`)));
-        // (which no one else would drop while that backend lives)
-        expect(await registryRows()).toBe(0);
-      };
-      return { pool, locks, own, occupant, releasedOnItsBackend };
-    };
-
-    it("a session refused for reaching another backend releases what it took on its own once it reaches it again", async () => {
-      const { occupant, releasedOnItsBackend } = await refusedWithKeyOnOwnBackend();
-      // Once the occupant lets go of the backend, a try lands there and releases the key. (Its client slot is
-      // freed too: a try that ran while the occupant let go is given its own backend again, above the
-      // session's, and the session's is then reached from a second client.)
+      // ... until the pooler closes that backend, as the refusal says: here once it is idle for a second.
+      await pool.reload({ server_idle_timeout: 1 });
       await occupant.query("commit");
-      await occupant.end();
-      await releasedOnItsBackend();
-    });
-
-    it("a refused session reaches its backend under backends released after it, which a pooler hands out first", async () => {
-      const { pool, occupant, releasedOnItsBackend } = await refusedWithKeyOnOwnBackend();
-      await pool.reload({ max_client_conn: 12, default_pool_size: 6 });
-      const others = await Promise.all([1, 2, 3].map(() => occupy(pool.via(db.url))));
-      cleanup.push(() => Promise.all(others.map((o) => o.end().catch(() => undefined))));
-      // Three clients each take a backend other than the session's (which the occupant holds) ...
-      for (const other of others) await other.query("begin");
-      // ... and let go of them right after the occupant lets go of the session's: idle, the session's
-      // backend is under three others, which a plain try, sent again and again, would be given every time.
-      await occupant.query("commit");
-      await Promise.all(others.map((other) => other.query("commit")));
-      await releasedOnItsBackend();
-    });
-
-    it("releasing a refused session stops its tries to reach its backend", async () => {
-      const { locks, own, occupant } = await refusedWithKeyOnOwnBackend();
-      // The tries would go on for a minute; release() ends them at once (a hang would show here, well under it).
-      const started = performance.now();
-      await locks.release();
-      expect(performance.now() - started).toBeLessThan(10_000);
-      await occupant.query("commit");
-      // Nothing tries any more: the key stays on that backend (until PgBouncer closes it, at the test's end).
-      await new Promise((resolve) => setTimeout(resolve, 500));
-      expect(await advisoryLockHolders()).toEqual([own]);
+      await waitFor(
+        async () =>
+          (await db.pool().query("select 1 from pg_catalog.pg_stat_activity where pid = $1", [own]))
+            .rowCount === 0,
+        { message: "PgBouncer closed the session's backend" },
+      );
+      expect(await advisoryLockHolders()).toEqual([]);
     });
   });
 }
