@@ -696,16 +696,17 @@ begin
 end;
 $$;
 
--- One enqueue, announced to the workers when `p_notify`. Outcomes: added, duplicate (job = the existing job,
--- or null when a window outlived it), replaced (job = the existing job, updated). A duplicate writes nothing,
--- and locks nothing: it is answered from the existing job as last committed, without `for update`, because
--- inside a caller's open transaction such a lock would last until that transaction ends, and meanwhile
--- graphile-worker could neither fetch the job (its fetch skips locked rows) nor complete it. Only a job the
--- enqueue changes is locked, by the update that changes it: a job that no longer refuses the key gives it up
--- in an update that checks again, on the row as it is then, that it still does not refuse it. A window alone
--- is read before it is claimed, so that an unexpired window is answered without locking its row either.
+-- One enqueue, announced to the workers when `p_notify`, answered with its outcome, its job's task and its
+-- job. Outcomes: added, duplicate (job = the existing job, or null when a window outlived it), replaced
+-- (job = the existing job, updated). A duplicate writes nothing, and locks nothing: it is answered from the
+-- existing job as last committed, without `for update`, because inside a caller's open transaction such a
+-- lock would last until that transaction ends, and meanwhile graphile-worker could neither fetch the job
+-- (its fetch skips locked rows) nor complete it. Only a job the enqueue changes is locked, by the update
+-- that changes it: a job that no longer refuses the key gives it up in an update that checks again, on the
+-- row as it is then, that it still does not refuse it. A window alone is read before it is claimed, so that
+-- an unexpired window is answered without locking its row either.
 create function :GWL_SCHEMA.enqueue_job(s :GWL_SCHEMA.job_spec, p_notify boolean,
-  out outcome text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+  out outcome text, out task_identifier text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
   v_ids record;
@@ -785,8 +786,13 @@ begin
         outcome := 'replaced';
       end if;
     end if;
+    -- (the existing job may be another task's)
+    select t.identifier into task_identifier from :GRAPHILE_WORKER_SCHEMA._private_tasks t
+      where t.id = job.task_id;
     return;
   end loop;
+
+  task_identifier := s.identifier;
 
   if p_notify then
     perform :GWL_SCHEMA.announce_jobs(1);
@@ -830,11 +836,12 @@ $$;
 -- wins). A duplicate whose on_duplicate is 'raise' aborts the whole batch with SQLSTATE GWLUQ (detail: the
 -- existing job's id, hint: the item's place), so nothing of it is written.
 --
--- The answer is one row per item, as enqueue_job answers: the item's place (from 1), its outcome, and its
--- job (a duplicate's holder, which may be another task's; null when a `uniqueFor` window outlived it).
+-- The answer is one row per item, as enqueue_job answers: the item's place (from 1), its outcome, its job's
+-- task and its job (a duplicate's holder, which may be another task's; null when a `uniqueFor` window
+-- outlived it).
 create function :GWL_SCHEMA.enqueue_jobs(p_items json, p_count int, p_scoped_key_count int,
   p_tasks text[], p_queues text[], p_park_pos int[], p_park_keys bigint[])
-returns table (ord int, outcome text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+returns table (ord int, outcome text, task_identifier text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
   v_task_ids int[];
@@ -906,7 +913,8 @@ begin
   v_added := cardinality(v_ids);
   if v_added = p_count then
     -- The common case, every item a fresh key or none: its rows in its order, by primary key.
-    return query select (row_number() over (order by j.id))::int, 'added'::text, j
+    return query select (row_number() over (order by j.id))::int, 'added'::text,
+        p_tasks[array_position(v_task_ids, j.task_id)], j
       from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids) order by j.id;
     perform :GWL_SCHEMA.announce_jobs(v_added - v_parked);
     return;
@@ -972,7 +980,9 @@ begin
     v_outcomes := v_outcomes || v_one.outcome;
   end loop;
 
-  return query select v_ords[n], v_outcomes[n], v_jobs[n] from generate_subscripts(v_ords, 1) as n;
+  return query select v_ords[n], v_outcomes[n], t.identifier, v_jobs[n]
+    from generate_subscripts(v_ords, 1) as n
+    left join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.id = (v_jobs[n]).task_id;
   perform :GWL_SCHEMA.announce_jobs(v_added - v_parked);
 end;
 $$;

@@ -137,14 +137,12 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     .digest("hex")
     .slice(0, 16);
   /**
-   * The answer of an enqueue function `call` (one answering `outcome` and `job`): `columns` first, then
-   * `outcome`, the job's task identifier and the job's columns, expanded from the function's result so that
-   * a new column of graphile-worker's table comes along without a change here.
+   * The answer of an enqueue function `call` (one answering `outcome`, `task_identifier` and `job`):
+   * `columns` first, then `outcome`, the job's task identifier and the job's columns, expanded from the
+   * function's result so that a new column of graphile-worker's table comes along without a change here.
    */
   const enqueueAnswer = (columns: string, call: string) =>
-    `select ${columns}r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${call} r
-      left join ${w}._private_tasks t on t.id = (r.job).task_id`;
+    `select ${columns}r.outcome, r.task_identifier, (r.job).* from ${call} r`;
   return {
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared

@@ -2,9 +2,10 @@
  * The enqueue statements: an `EnqueuePlan` (enqueue.ts) as the parameters of one statement, and its rows
  * as `AddJobResult`s. A job with a job key of the caller's goes through graphile-worker's public `add_job`;
  * every other job (unique or not) through this library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql),
- * which insert into graphile-worker's job table directly (enqueue.ts says why). The preemptive check is
- * part of the same statement: a condition that does not depend on the function's result, which PostgreSQL
- * evaluates once, before calling it. It only reads pg_locks.
+ * which insert into graphile-worker's job table directly (enqueue.ts says why). Both answer rows of one
+ * shape: the item's place (bulk only), its outcome, its job's task and the job's columns. The preemptive
+ * check is part of the same statement: a condition that does not depend on the function's result, which
+ * PostgreSQL evaluates once, before calling it. It only reads pg_locks.
  */
 import type { Job } from "graphile-worker";
 import { InvalidArgumentError, rethrowExplained } from "../errors.js";
