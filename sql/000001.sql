@@ -154,8 +154,8 @@ create type :GWL_SCHEMA.job_spec as (
 
 -- 2. graphile-worker's conventions ------------------------------------------------------------------------
 
--- graphile-worker's defaults for what a job_spec leaves null: payload {}, run_at now, 25 attempts, priority
--- 0. A single select, so that PostgreSQL inlines it where a batch inserts its rows.
+-- graphile-worker's defaults for what a job_spec leaves null: payload {}, run_at now, max_attempts 25,
+-- priority 0. A single select, so that PostgreSQL inlines it where a batch inserts its rows.
 create function :GWL_SCHEMA.job_defaults(p_payload json, p_run_at timestamptz, p_max_attempts int,
   p_priority int)
 returns table (payload json, run_at timestamptz, max_attempts int, priority int)
