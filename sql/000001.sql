@@ -478,10 +478,8 @@ $$;
 -- Replaces the running job (which the worker completes as soon as this commits) by a copy that runs at
 -- `p_run_at`, without counting the attempt that met the conflict. The running row gives up its job key and
 -- its retries in the same transaction, so a crash between this and its completion neither loses the job
--- (the copy exists) nor runs it twice (this row will not be retried). The row given back is recorded
--- (given_back) with `p_owner_pid`, the lock session of the process that gives it back.
-create function :GWL_SCHEMA.give_back_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
-returns bigint
+-- (the copy exists) nor runs it twice (this row will not be retried).
+create function :GWL_SCHEMA.reschedule_job(p_job_id bigint, p_run_at timestamptz) returns bigint
 language plpgsql volatile as $$
 declare
   v_old :GRAPHILE_WORKER_SCHEMA._private_jobs;
@@ -499,10 +497,24 @@ begin
   values (v_old.job_queue_id, v_old.task_id, v_old.payload, p_run_at, greatest(v_old.attempts - 1, 0),
     v_old.max_attempts, v_old.last_error, v_old.key, v_old.priority, v_old.flags)
   returning id into v_new_id;
-  insert into :GWL_SCHEMA.given_back (job_id, owner_pid, copy_id)
-    values (p_job_id, p_owner_pid, v_new_id)
-    on conflict (job_id) do update
-      set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, given_back_at = now();
+  return v_new_id;
+end;
+$$;
+
+-- Gives a running job back to the queue (reschedule_job), recording the row given back (given_back) with
+-- `p_owner_pid`, the lock session of the process that gives it back. Returns the copy's id.
+create function :GWL_SCHEMA.give_back_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
+returns bigint
+language plpgsql volatile as $$
+declare
+  v_new_id bigint := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
+begin
+  if v_new_id is not null then
+    insert into :GWL_SCHEMA.given_back (job_id, owner_pid, copy_id)
+      values (p_job_id, p_owner_pid, v_new_id)
+      on conflict (job_id) do update
+        set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, given_back_at = now();
+  end if;
   return v_new_id;
 end;
 $$;

@@ -5,7 +5,7 @@
  * Before anything else it checks graphile-worker's schema: that it is installed, and that its migration
  * level is one this library was tested with. The library reads and writes graphile-worker's private job
  * table (`_private_jobs`, not public API) in its enqueue functions (`enqueue_job` and `enqueue_jobs`) and
- * in the `reschedule` strategy (`give_back_job`, all in sql/000001.sql), and every entry point of `makeLocks` migrates, and so checks, before its first statement.
+ * in the `reschedule` strategy (`reschedule_job`, all in sql/000001.sql), and every entry point of `makeLocks` migrates, and so checks, before its first statement.
  */
 import { readdir, readFile } from "node:fs/promises";
 import type { Pool, PoolClient } from "pg";
