@@ -4,19 +4,21 @@
 -- :GRAPHILE_WORKER_SCHEMA (graphile-worker's schema). Both arrive quoted.
 --
 -- Contents, in order:
---   1. Who holds what: the holder registry, the lock sessions' processes and the held_locks view.
---   2. Unique jobs: windows, the flags a unique job carries, and the check of an existing job.
---   3. The lock statement's helpers: semaphores, and the line of a `reschedule` key.
---   4. Parking a job, and waking the line when its key frees (and a little before).
---   5. Enqueueing, one job or a batch.
---   6. Sweeps.
+--   1. The data model: who holds what, unique windows, the lines of `reschedule` keys, jobs given back, the
+--      held_locks view and the job_spec type.
+--   2. graphile-worker's conventions: a job's defaults and the `jobs:insert` notification.
+--   3. The lock statement's helpers.
+--   4. The line of a `reschedule` key: parking's order, waking.
+--   5. Jobs given back to the queue: parked or deferred, and cleaned.
+--   6. Enqueueing, one job or a batch, with the unique helpers at its head.
+--   7. Sweeps.
 --
 -- The functions here read and write graphile-worker's private tables (`_private_jobs`, `_private_tasks`,
 -- `_private_job_queues`) as its own add_job does; the library refuses a graphile-worker schema level it was
 -- not tested with (src/migrate.ts).
 
 
--- 1. Who holds what ---------------------------------------------------------------------------------------
+-- 1. The data model ---------------------------------------------------------------------------------------
 
 -- Who holds which key, written by each lock session about twice a second for the locks it holds (never on
 -- the hot path). pg_locks is the truth; this table only adds the task, the job and the time of acquisition.
@@ -41,45 +43,8 @@ create unlogged table :GWL_SCHEMA.lock_sessions (
   host text not null
 );
 
--- Every advisory lock held in this database (one-bigint form), with the holder's session and, for locks
--- taken by this library, the worker process and its host, and the task, job and time of acquisition.
-create view :GWL_SCHEMA.held_locks as
-select
-  ((l.classid::int8 << 32) | l.objid::int8) as lock_key,
-  h.task_identifier,
-  h.job_id,
-  l.pid,
-  a.application_name,
-  a.client_addr,
-  h.since,
-  a.backend_start as session_started_at,
-  s.process_id,
-  s.host
-from pg_catalog.pg_locks l
-join pg_catalog.pg_stat_activity a on a.pid = l.pid
-left join :GWL_SCHEMA.lock_holders h
-  on h.pid = l.pid and h.lock_key = ((l.classid::int8 << 32) | l.objid::int8)
-left join :GWL_SCHEMA.lock_sessions s on s.pid = l.pid and s.backend_start = a.backend_start
-where l.locktype = 'advisory'
-  and l.objsubid = 1
-  and l.granted
-  and l.database = (select oid from pg_catalog.pg_database where datname = current_database());
-
-
--- 2. Unique jobs ------------------------------------------------------------------------------------------
---
--- A unique job's key is stored as its graphile-worker job key (`gwl:u:<sha-256>`), so the database's own
--- unique index on that column decides every race: two enqueuers of one key can never both insert. The job's
--- own rules travel on its row as flags, so they survive retries and the `reschedule` strategy's copy:
---   gwl:unique:queued | gwl:unique:active | gwl:unique:exists   its scope
---   gwl:unique-until:<epoch seconds>                             the end of its `uniqueFor` window
--- A job whose key another enqueue meets either still blocks it (by the EXISTING job's scope and window) or
--- gives up the key (it keeps running or retrying, just without the key) to the new job. No bookkeeping
--- table is involved, so nothing is left behind when jobs complete.
---
--- A window alone (`uniqueFor` without a scope) must outlive its job, so it is a row of `unique_windows`,
--- removed once expired (by `sweep_unique_windows`, and reused by the next claim of the same key).
-
+-- Windows of unique jobs with a window alone (`uniqueFor` without a scope), which must outlive their job
+-- (section 6): removed once expired, by `sweep_unique_windows`, or reused by the next claim of the same key.
 create table :GWL_SCHEMA.unique_windows (
   unique_key text primary key,
   job_id bigint,
@@ -87,65 +52,7 @@ create table :GWL_SCHEMA.unique_windows (
 );
 create index unique_windows_expires_at on :GWL_SCHEMA.unique_windows (expires_at);
 
--- Whether an existing job still refuses a duplicate, by its own scope and window. Written without a
--- subquery so that PostgreSQL inlines it where a batch's duplicates are answered in one join.
-create function :GWL_SCHEMA.unique_job_blocks(j :GRAPHILE_WORKER_SCHEMA._private_jobs) returns boolean
-language sql stable as $$
-  select
-    case
-      when j.flags ? 'gwl:unique:queued' then j.locked_at is null and j.attempts = 0
-      when j.flags ? 'gwl:unique:exists' then true
-      -- active (also the rule for a keyed row without our flags): queued, running or waiting to retry
-      else j.locked_at is not null or j.attempts < j.max_attempts
-    end
-    and coalesce(to_timestamp(substr(pg_catalog.jsonb_path_query_first(j.flags,
-      '$.keyvalue() ? (@.key starts with "gwl:unique-until:").key') #>> '{}', 18)::float8) > now(), true)
-$$;
-
--- The flags of a new unique job: the caller's (with its scope flag), plus the end of its window, if any.
-create function :GWL_SCHEMA.unique_flags(p_flags jsonb, p_scope text, p_until timestamptz) returns jsonb
-language sql immutable as $$
-  select case when p_scope is null or p_until is null then p_flags
-    else coalesce(p_flags, '{}'::jsonb)
-      || jsonb_build_object('gwl:unique-until:' || extract(epoch from p_until)::text, true) end
-$$;
-
-
--- 3. The lock statement's helpers -------------------------------------------------------------------------
-
--- Semaphore acquisition: try each slot in order and keep the first that is free. Callers never pass a slot
--- this session already holds (session locks are re-entrant, so that would "succeed").
-create function :GWL_SCHEMA.try_lock_first(keys bigint[]) returns bigint
-language plpgsql volatile as $$
-declare
-  k bigint;
-begin
-  foreach k in array keys loop
-    if pg_catalog.pg_try_advisory_lock(k) then
-      return k;
-    end if;
-  end loop;
-  return null;
-end;
-$$;
-
--- The line of a `reschedule` key.
---
--- A job that meets a held key under the `reschedule` strategy is parked: replaced by a copy whose run_at is
--- a safety net some time ahead, and registered as a waiter of its key, in the same transaction (park_job).
--- The process that releases a key wakes the first waiter in line (its run_at becomes now, and workers are
--- notified as for a new job) in the same statement as the unlock. No polling.
---
--- Every waiter has a position: the id of the job as it was first parked (graphile-worker's ids follow the
--- enqueue order). It survives being woken and parked again: a woken job that loses the key to a race, or a
--- parked job fetched by its safety net while others still wait, parks again in the same place. Waking
--- removes the waiter; the woken job's position is kept with the key's last wake (wakes), which is where a
--- woken job that has to park again finds it.
---
--- A job of a `reschedule` task takes a free key only if no job of that key is ahead of it (is_next): a job
--- fetched for the first time while others wait for its key parks behind them instead of overtaking them,
--- and the woken job, which is the first in line, finds the key as its releaser left it.
-
+-- Jobs waiting in line for a `reschedule` key (section 4): each a waiter of its key until it is woken.
 create table :GWL_SCHEMA.waiters (
   id bigserial primary key,
   lock_key bigint not null,
@@ -174,6 +81,156 @@ create table :GWL_SCHEMA.prewakes (
   job_id bigint not null,
   at timestamptz not null
 );
+
+-- A job given back to the queue (parked, or deferred because the lock session was unavailable) leaves no row
+-- behind. Its own row gives up its key and its retries, to be deleted by graphile-worker's completion when
+-- the task returns; that completion can be lost (the process dies before it, or the job fails after the park
+-- committed), and the row would stay as a permanently failed job that did not fail. So each such row is
+-- recorded here, with the lock session that gave it back (its backend pid, when that session was up), and
+-- clean_given_back removes a recorded row that is still the given-up row (no key, no retries left) and that
+-- graphile-worker will not complete: unlocked (it was failed), locked by a process whose lock session is
+-- gone, or locked for longer than a minute (a completion takes milliseconds). A queue that row still locks is
+-- unlocked with it. Records of rows that are gone (completed as usual) are dropped.
+create table :GWL_SCHEMA.given_back (
+  job_id bigint primary key,
+  -- the lock session's backend pid of the process that gave the job back, null if it had none then
+  owner_pid int,
+  -- the copy that runs in its place
+  copy_id bigint,
+  given_back_at timestamptz not null default now()
+);
+
+-- Every advisory lock held in this database (one-bigint form), with the holder's session and, for locks
+-- taken by this library, the worker process and its host, and the task, job and time of acquisition.
+create view :GWL_SCHEMA.held_locks as
+select
+  ((l.classid::int8 << 32) | l.objid::int8) as lock_key,
+  h.task_identifier,
+  h.job_id,
+  l.pid,
+  a.application_name,
+  a.client_addr,
+  h.since,
+  a.backend_start as session_started_at,
+  s.process_id,
+  s.host
+from pg_catalog.pg_locks l
+join pg_catalog.pg_stat_activity a on a.pid = l.pid
+left join :GWL_SCHEMA.lock_holders h
+  on h.pid = l.pid and h.lock_key = ((l.classid::int8 << 32) | l.objid::int8)
+left join :GWL_SCHEMA.lock_sessions s on s.pid = l.pid and s.backend_start = a.backend_start
+where l.locktype = 'advisory'
+  and l.objsubid = 1
+  and l.granted
+  and l.database = (select oid from pg_catalog.pg_database where datname = current_database());
+
+-- One job to add: unique (unique_key with a scope, or a window alone) or not (unique_key null). enqueue_job
+-- takes one by name (identifier, queue_name); a batch (enqueue_jobs) is a JSON array of them that names its
+-- task and queue by place instead (task, queue), lighter to write and to parse. A field left out of an
+-- item of the batch is null.
+create type :GWL_SCHEMA.job_spec as (
+  identifier text,
+  payload json,
+  queue_name text,
+  run_at timestamptz,
+  max_attempts int,
+  priority int,
+  -- graphile-worker's flags object ({"flag": true}), with the gwl:unique:<scope> flag already added
+  flags jsonb,
+  unique_key text,
+  scope text,
+  window_seconds float8,
+  -- null: reject
+  on_duplicate text,
+  -- in a batch: whether this is the batch's first scoped item of its key; null: false
+  first boolean,
+  -- in a batch: its task and queue, as places in p_tasks and p_queues (from 1); no queue: null
+  task int,
+  queue int,
+  -- in a batch: an item added waiting in line: its run_at, in milliseconds from now (its safety net)
+  park_ms float8
+);
+
+
+-- 2. graphile-worker's conventions ------------------------------------------------------------------------
+
+-- graphile-worker's defaults for what a job_spec leaves null: payload {}, run_at now, max_attempts 25,
+-- priority 0. A single select, so that PostgreSQL inlines it where a batch inserts its rows.
+create function :GWL_SCHEMA.job_defaults(p_payload json, p_run_at timestamptz, p_max_attempts int,
+  p_priority int)
+returns table (payload json, run_at timestamptz, max_attempts int, priority int)
+language sql stable as $$
+  select coalesce(p_payload, '{}'::json), coalesce(p_run_at, now()), coalesce(p_max_attempts, 25),
+    coalesce(p_priority, 0)
+$$;
+
+-- Tells graphile-worker's workers that `p_count` jobs became runnable (added or woken), as its add_job does;
+-- nothing when there are none.
+create function :GWL_SCHEMA.announce_jobs(p_count int) returns void
+language sql volatile as $$
+  select pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || p_count::text || '}')
+  where p_count > 0
+$$;
+
+
+-- 3. The lock statement's helpers -------------------------------------------------------------------------
+
+-- Semaphore acquisition: try each slot in order and keep the first that is free. Callers never pass a slot
+-- this session already holds (session locks are re-entrant, so that would "succeed").
+create function :GWL_SCHEMA.try_lock_first(keys bigint[]) returns bigint
+language plpgsql volatile as $$
+declare
+  k bigint;
+begin
+  foreach k in array keys loop
+    if pg_catalog.pg_try_advisory_lock(k) then
+      return k;
+    end if;
+  end loop;
+  return null;
+end;
+$$;
+
+
+-- 4. The line of a `reschedule` key -----------------------------------------------------------------------
+--
+-- A job that meets a held key under the `reschedule` strategy is parked: replaced by a copy whose run_at is
+-- a safety net some time ahead, and registered as a waiter of its key, in the same transaction (park_job).
+-- The process that releases a key wakes the first waiter in line (its run_at becomes now, and workers are
+-- notified as for a new job) in the same statement as the unlock. No polling.
+--
+-- Every waiter has a position: the id of the job as it was first parked (graphile-worker's ids follow the
+-- enqueue order). It survives being woken and parked again: a woken job that loses the key to a race, or a
+-- parked job fetched by its safety net while others still wait, parks again in the same place. Waking
+-- removes the waiter; the woken job's position is kept with the key's last wake (wakes), which is where a
+-- woken job that has to park again finds it.
+--
+-- A job of a `reschedule` task takes a free key only if no job of that key is ahead of it (is_next): a job
+-- fetched for the first time while others wait for its key parks behind them instead of overtaking them,
+-- and the woken job, which is the first in line, finds the key as its releaser left it.
+--
+-- Lost wake-ups are closed by ordering: the releaser unlocks, then reads the waiters; the parker commits
+-- its waiter, then looks at the lock (wake_if_free). Whichever comes second sees the other. Both hold the
+-- key's line (lock_lines) meanwhile, the releaser from before its unlock: they take turns, so that the second
+-- also sees the first's wake.
+--
+-- A woken waiter gets back the run_at its job had when it met the conflict, less a millisecond: graphile-
+-- worker fetches by priority, then run_at, then id, so the copy (a newer id) goes ahead of the jobs queued
+-- with it, which would otherwise meet the key first and park in turn.
+--
+-- One wake per release: a parker's own check can find the key free in the moment between a release, which
+-- has already woken the next waiter, and that waiter taking the key; waking another would send two jobs
+-- after one key. So while a woken job is on its way (wake_on_its_way), the parker's check wakes nobody: the
+-- woken job takes the key, and its release wakes the parker.
+--
+-- Early wakes: a holder whose key has a line wakes the first waiter shortly before it expects to finish
+-- (prewake, from the lock session, timed by the task's average hold). The woken job is fetched while the
+-- holder still runs, finds the key held and, being the one woken early, waits for the release instead of
+-- parking. The release then only has to tell it (a notification on 'gwl_release' whose payload is the key,
+-- which lock sessions listen to), and its session takes the key: one round trip after the unlock. When the
+-- woken job is fetched by the holder's own process, the key passes from one job to the next in memory. A
+-- session that knows an idle worker of its own process wakes the job without notifying every worker and
+-- nudges that worker itself; if nobody has fetched the job by the release, the release notifies.
 
 -- Locks the line of each key, in key order, until the caller's transaction ends: whoever parks a job, wakes
 -- one or releases the key (before its unlock) holds it, so that each sees what the other did. Without it a
@@ -253,178 +310,6 @@ language sql stable as $$
   select exists (select 1 from :GWL_SCHEMA.prewakes p where p.lock_key = p_key and p.job_id = p_job_id)
 $$;
 
-
--- 4. Parking and waking -----------------------------------------------------------------------------------
---
--- Lost wake-ups are closed by ordering: the releaser unlocks, then reads the waiters; the parker commits
--- its waiter, then looks at the lock (wake_if_free). Whichever comes second sees the other. Both hold the
--- key's line (lock_lines) meanwhile, the releaser from before its unlock: they take turns, so that the second
--- also sees the first's wake.
---
--- A woken waiter gets back the run_at its job had when it met the conflict, less a millisecond: graphile-
--- worker fetches by priority, then run_at, then id, so the copy (a newer id) goes ahead of the jobs queued
--- with it, which would otherwise meet the key first and park in turn.
---
--- One wake per release: a parker's own check can find the key free in the moment between a release, which
--- has already woken the next waiter, and that waiter taking the key; waking another would send two jobs
--- after one key. So while a woken job is on its way (wake_on_its_way), the parker's check wakes nobody: the
--- woken job takes the key, and its release wakes the parker.
---
--- Early wakes: a holder whose key has a line wakes the first waiter shortly before it expects to finish
--- (prewake, from the lock session, timed by the task's average hold). The woken job is fetched while the
--- holder still runs, finds the key held and, being the one woken early, waits for the release instead of
--- parking. The release then only has to tell it (a notification on 'gwl_release' whose payload is the key,
--- which lock sessions listen to), and its session takes the key: one round trip after the unlock. When the
--- woken job is fetched by the holder's own process, the key passes from one job to the next in memory. A
--- session that knows an idle worker of its own process wakes the job without notifying every worker and
--- nudges that worker itself; if nobody has fetched the job by the release, the release notifies.
-
--- Replaces the running job (which the worker completes as soon as this commits) by a copy that runs at
--- `p_run_at`, without counting the attempt that met the conflict. The running row gives up its job key and
--- its retries in the same transaction, so a crash between this and its completion neither loses the job
--- (the copy exists) nor runs it twice (this row will not be retried).
-create function :GWL_SCHEMA.reschedule_job(p_job_id bigint, p_run_at timestamptz) returns bigint
-language plpgsql volatile as $$
-declare
-  v_old :GRAPHILE_WORKER_SCHEMA._private_jobs;
-  v_new_id bigint;
-begin
-  select * into v_old from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id for update;
-  if not found then
-    return null;
-  end if;
-  update :GRAPHILE_WORKER_SCHEMA._private_jobs j
-    set key = null, attempts = j.max_attempts, updated_at = now()
-    where j.id = p_job_id;
-  insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
-    (job_queue_id, task_id, payload, run_at, attempts, max_attempts, last_error, key, priority, flags)
-  values (v_old.job_queue_id, v_old.task_id, v_old.payload, p_run_at, greatest(v_old.attempts - 1, 0),
-    v_old.max_attempts, v_old.last_error, v_old.key, v_old.priority, v_old.flags)
-  returning id into v_new_id;
-  return v_new_id;
-end;
-$$;
-
--- Parks a job as a waiter of `p_lock_key`, its copy's safety net timed by its place in line:
--- `p_per_position` later for each parked job ahead of it (the caller's estimate of one job's hold), but no
--- later than `p_latest`. A job far back in a long line is not fetched by its safety net long before its turn
--- can come, only to park again. The row given up is recorded (parked_originals) with `p_owner_pid`, the lock
--- session of the process that parks it. Returns the copy and when it runs.
-create function :GWL_SCHEMA.park_job(
-  p_job_id bigint,
-  p_run_at timestamptz,
-  p_lock_key bigint,
-  p_per_position interval,
-  p_latest timestamptz,
-  p_owner_pid int
-) returns table (id bigint, run_at timestamptz)
-language plpgsql volatile as $$
-declare
-  v_run_at timestamptz;
-  v_pos bigint;
-  v_ahead bigint;
-  v_safety_net timestamptz;
-  v_new_id bigint;
-begin
-  perform :GWL_SCHEMA.lock_lines(array[p_lock_key]);
-  select j.run_at into v_run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id;
-  v_pos := :GWL_SCHEMA.line_position(p_lock_key, p_job_id);
-  select count(*) into v_ahead from :GWL_SCHEMA.waiters w
-    where w.lock_key = p_lock_key and w.pos < v_pos;
-  v_safety_net := greatest(p_run_at, least(p_run_at + v_ahead * p_per_position, p_latest));
-  v_new_id := :GWL_SCHEMA.reschedule_job(p_job_id, v_safety_net);
-  if v_new_id is null then
-    return;
-  end if;
-  insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid, copy_id)
-    values (p_job_id, p_owner_pid, v_new_id)
-    on conflict (job_id) do update
-      set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, parked_at = now();
-  -- A waiter fetched by its safety net parks again in its own row; anyone else gets a row at its place.
-  update :GWL_SCHEMA.waiters w set job_id = v_new_id
-    where w.job_id = p_job_id and w.lock_key = p_lock_key;
-  if not found then
-    insert into :GWL_SCHEMA.waiters (lock_key, job_id, run_at, pos)
-      values (p_lock_key, v_new_id, v_run_at, v_pos);
-  end if;
-  return query select v_new_id, v_safety_net;
-end;
-$$;
-
--- A job given back to the queue (parked, or deferred because the lock session was unavailable) leaves no row
--- behind. Its own row gives up its key and its retries, to be deleted by graphile-worker's completion when
--- the task returns; that completion can be lost (the process dies before it, or the job fails after the park
--- committed), and the row would stay as a permanently failed job that did not fail. So each such row is
--- recorded here, with the lock session that gave it back (its backend pid, when that session was up), and
--- clean_parked removes a recorded row that is still the given-up row (no key, no retries left) and that
--- graphile-worker will not complete: unlocked (it was failed), locked by a process whose lock session is
--- gone, or locked for longer than a minute (a completion takes milliseconds). A queue that row still locks is
--- unlocked with it. Records of rows that are gone (completed as usual) are dropped.
-create table :GWL_SCHEMA.parked_originals (
-  job_id bigint primary key,
-  -- the lock session's backend pid of the process that gave the job back, null if it had none then
-  owner_pid int,
-  -- the copy that runs in its place
-  copy_id bigint,
-  parked_at timestamptz not null default now()
-);
-
--- Gives a running job back to the queue without counting its attempt: a copy runs at p_run_at. Idempotent:
--- a job already given back answers with its copy, so that a caller who did not hear the answer of a first
--- call (its connection died around the commit) can ask again, and never runs the job beside its copy.
-create function :GWL_SCHEMA.defer_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
-returns bigint
-language plpgsql volatile as $$
-declare
-  v_new_id bigint;
-begin
-  select p.copy_id into v_new_id from :GWL_SCHEMA.parked_originals p where p.job_id = p_job_id;
-  if found then
-    return v_new_id;
-  end if;
-  v_new_id := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
-  if v_new_id is not null then
-    insert into :GWL_SCHEMA.parked_originals (job_id, owner_pid, copy_id)
-      values (p_job_id, p_owner_pid, v_new_id)
-      on conflict (job_id) do update
-        set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, parked_at = now();
-  end if;
-  return v_new_id;
-end;
-$$;
-
--- Removes given-up rows that graphile-worker will not complete; returns their ids.
-create function :GWL_SCHEMA.clean_parked() returns table (job_id bigint)
-language plpgsql volatile as $$
-begin
-  delete from :GWL_SCHEMA.parked_originals p
-    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p.job_id);
-  return query
-  with stale as (
-    select j.id, j.job_queue_id, j.locked_by
-    from :GWL_SCHEMA.parked_originals p
-    join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = p.job_id
-    where j.key is null and j.attempts >= j.max_attempts
-      and (
-        j.locked_at is null
-        or j.locked_at < now() - interval '1 minute'
-        or (p.owner_pid is not null
-            and not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = p.owner_pid))
-      )
-    for update of j skip locked
-  ), unlocked_queues as (
-    update :GRAPHILE_WORKER_SCHEMA._private_job_queues q set locked_at = null, locked_by = null
-      from stale where q.id = stale.job_queue_id and q.locked_by = stale.locked_by
-  ), removed as (
-    delete from :GRAPHILE_WORKER_SCHEMA._private_jobs j using stale where j.id = stale.id
-      returning j.id
-  ), forgotten as (
-    delete from :GWL_SCHEMA.parked_originals p using removed where p.job_id = removed.id
-  )
-  select removed.id from removed;
-end;
-$$;
-
 -- For each key, makes the first waiter in line whose job still waits runnable now, announcing it to every
 -- worker (jobs:insert) when `p_notify`. Returns how many were woken. Plpgsql, so that each statement here
 -- sees what committed before it ran (after the caller's unlocks).
@@ -477,8 +362,8 @@ begin
       delete from :GWL_SCHEMA.wakes k where k.lock_key = v_key;
     end if;
   end loop;
-  if v_woken > 0 and p_notify then
-    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_woken::text || '}');
+  if p_notify then
+    perform :GWL_SCHEMA.announce_jobs(v_woken);
   end if;
   return v_woken;
 end;
@@ -578,45 +463,193 @@ begin
       v_wake := v_wake || v_key;
     end if;
   end loop;
-  if v_announce > 0 then
-    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || v_announce::text || '}');
-  end if;
+  perform :GWL_SCHEMA.announce_jobs(v_announce);
   return :GWL_SCHEMA.wake_waiters(v_wake, true);
 end;
 $$;
 
 
--- 5. Enqueueing -------------------------------------------------------------------------------------------
+-- 5. Jobs given back to the queue -------------------------------------------------------------------------
+--
+-- A running job is given back to the queue when it meets its held key under the `reschedule` strategy
+-- (park_job: it waits in line) or when the lock session is unavailable (defer_job). Either way a copy runs in
+-- its place, and the row given back is recorded (given_back) until graphile-worker completes it.
+
+-- Replaces the running job (which the worker completes as soon as this commits) by a copy that runs at
+-- `p_run_at`, without counting the attempt that met the conflict. The running row gives up its job key and
+-- its retries in the same transaction, so a crash between this and its completion neither loses the job
+-- (the copy exists) nor runs it twice (this row will not be retried).
+create function :GWL_SCHEMA.reschedule_job(p_job_id bigint, p_run_at timestamptz) returns bigint
+language plpgsql volatile as $$
+declare
+  v_old :GRAPHILE_WORKER_SCHEMA._private_jobs;
+  v_new_id bigint;
+begin
+  select * into v_old from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id for update;
+  if not found then
+    return null;
+  end if;
+  update :GRAPHILE_WORKER_SCHEMA._private_jobs j
+    set key = null, attempts = j.max_attempts, updated_at = now()
+    where j.id = p_job_id;
+  insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
+    (job_queue_id, task_id, payload, run_at, attempts, max_attempts, last_error, key, priority, flags)
+  values (v_old.job_queue_id, v_old.task_id, v_old.payload, p_run_at, greatest(v_old.attempts - 1, 0),
+    v_old.max_attempts, v_old.last_error, v_old.key, v_old.priority, v_old.flags)
+  returning id into v_new_id;
+  return v_new_id;
+end;
+$$;
+
+-- Gives a running job back to the queue (reschedule_job), recording the row given back (given_back) with
+-- `p_owner_pid`, the lock session of the process that gives it back. Returns the copy's id.
+create function :GWL_SCHEMA.give_back_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
+returns bigint
+language plpgsql volatile as $$
+declare
+  v_new_id bigint := :GWL_SCHEMA.reschedule_job(p_job_id, p_run_at);
+begin
+  if v_new_id is not null then
+    insert into :GWL_SCHEMA.given_back (job_id, owner_pid, copy_id)
+      values (p_job_id, p_owner_pid, v_new_id)
+      on conflict (job_id) do update
+        set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, given_back_at = now();
+  end if;
+  return v_new_id;
+end;
+$$;
+
+-- Parks a job as a waiter of `p_lock_key`, its copy's safety net timed by its place in line:
+-- `p_per_position` later for each parked job ahead of it (the caller's estimate of one job's hold), but no
+-- later than `p_latest`. A job far back in a long line is not fetched by its safety net long before its turn
+-- can come, only to park again. Returns the copy and when it runs.
+create function :GWL_SCHEMA.park_job(
+  p_job_id bigint,
+  p_run_at timestamptz,
+  p_lock_key bigint,
+  p_per_position interval,
+  p_latest timestamptz,
+  p_owner_pid int
+) returns table (id bigint, run_at timestamptz)
+language plpgsql volatile as $$
+declare
+  v_run_at timestamptz;
+  v_pos bigint;
+  v_ahead bigint;
+  v_safety_net timestamptz;
+  v_new_id bigint;
+begin
+  perform :GWL_SCHEMA.lock_lines(array[p_lock_key]);
+  select j.run_at into v_run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id;
+  v_pos := :GWL_SCHEMA.line_position(p_lock_key, p_job_id);
+  select count(*) into v_ahead from :GWL_SCHEMA.waiters w
+    where w.lock_key = p_lock_key and w.pos < v_pos;
+  v_safety_net := greatest(p_run_at, least(p_run_at + v_ahead * p_per_position, p_latest));
+  v_new_id := :GWL_SCHEMA.give_back_job(p_job_id, v_safety_net, p_owner_pid);
+  if v_new_id is null then
+    return;
+  end if;
+  -- A waiter fetched by its safety net parks again in its own row; anyone else gets a row at its place.
+  update :GWL_SCHEMA.waiters w set job_id = v_new_id
+    where w.job_id = p_job_id and w.lock_key = p_lock_key;
+  if not found then
+    insert into :GWL_SCHEMA.waiters (lock_key, job_id, run_at, pos)
+      values (p_lock_key, v_new_id, v_run_at, v_pos);
+  end if;
+  return query select v_new_id, v_safety_net;
+end;
+$$;
+
+-- Gives a running job back to the queue without counting its attempt: a copy runs at p_run_at. Idempotent:
+-- a job already given back answers with its copy, so that a caller who did not hear the answer of a first
+-- call (its connection died around the commit) can ask again, and never runs the job beside its copy.
+create function :GWL_SCHEMA.defer_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
+returns bigint
+language plpgsql volatile as $$
+declare
+  v_new_id bigint;
+begin
+  select g.copy_id into v_new_id from :GWL_SCHEMA.given_back g where g.job_id = p_job_id;
+  if found then
+    return v_new_id;
+  end if;
+  return :GWL_SCHEMA.give_back_job(p_job_id, p_run_at, p_owner_pid);
+end;
+$$;
+
+-- Removes given-up rows that graphile-worker will not complete; returns their ids.
+create function :GWL_SCHEMA.clean_given_back() returns table (job_id bigint)
+language plpgsql volatile as $$
+begin
+  delete from :GWL_SCHEMA.given_back p
+    where not exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p.job_id);
+  return query
+  with stale as (
+    select j.id, j.job_queue_id, j.locked_by
+    from :GWL_SCHEMA.given_back p
+    join :GRAPHILE_WORKER_SCHEMA._private_jobs j on j.id = p.job_id
+    where j.key is null and j.attempts >= j.max_attempts
+      and (
+        j.locked_at is null
+        or j.locked_at < now() - interval '1 minute'
+        or (p.owner_pid is not null
+            and not exists (select 1 from pg_catalog.pg_stat_activity a where a.pid = p.owner_pid))
+      )
+    for update of j skip locked
+  ), unlocked_queues as (
+    update :GRAPHILE_WORKER_SCHEMA._private_job_queues q set locked_at = null, locked_by = null
+      from stale where q.id = stale.job_queue_id and q.locked_by = stale.locked_by
+  ), removed as (
+    delete from :GRAPHILE_WORKER_SCHEMA._private_jobs j using stale where j.id = stale.id
+      returning j.id
+  ), forgotten as (
+    delete from :GWL_SCHEMA.given_back p using removed where p.job_id = removed.id
+  )
+  select removed.id from removed;
+end;
+$$;
+
+
+-- 6. Enqueueing -------------------------------------------------------------------------------------------
 --
 -- The library inserts into graphile-worker's job table itself (src/enqueue.ts says why), with
--- graphile-worker's defaults (max_attempts 25, priority 0, run_at now) and its `jobs:insert` notification.
+-- graphile-worker's defaults (job_defaults) and its `jobs:insert` notification (announce_jobs).
+--
+-- The unique helpers come first, then the enqueue of one job, then a batch's.
+--
+-- A unique job's key is stored as its graphile-worker job key (`gwl:u:<sha-256>`), so the database's own
+-- unique index on that column decides every race: two enqueuers of one key can never both insert. The job's
+-- own rules travel on its row as flags, so they survive retries and the `reschedule` strategy's copy:
+--   gwl:unique:queued | gwl:unique:active | gwl:unique:exists   its scope
+--   gwl:unique-until:<epoch seconds>                             the end of its `uniqueFor` window
+-- A job whose key another enqueue meets either still blocks it (by the EXISTING job's scope and window) or
+-- gives up the key (it keeps running or retrying, just without the key) to the new job. No bookkeeping
+-- table is involved, so nothing is left behind when jobs complete.
+--
+-- A window alone (`uniqueFor` without a scope) must outlive its job, so it is a row of `unique_windows`.
 
--- One job to add: unique (unique_key with a scope, or a window alone) or not (unique_key null). enqueue_job
--- takes one by name (identifier, queue_name); a batch (enqueue_jobs) is a JSON array of them that names its
--- task and queue by place instead (task, queue), lighter to write and to parse. A field left out of an
--- item of the batch is null.
-create type :GWL_SCHEMA.job_spec as (
-  identifier text,
-  payload json,
-  queue_name text,
-  run_at timestamptz,
-  max_attempts int,
-  priority int,
-  -- graphile-worker's flags object ({"flag": true}), with the gwl:unique:<scope> flag already added
-  flags jsonb,
-  unique_key text,
-  scope text,
-  window_seconds float8,
-  -- null: reject
-  on_duplicate text,
-  -- in a batch: whether this is the batch's first scoped item of its key; null: false
-  first boolean,
-  -- in a batch: its task and queue, as places in p_tasks and p_queues (from 1); no queue: null
-  task int,
-  queue int,
-  -- in a batch: an item added waiting in line: its run_at, in milliseconds from now (its safety net)
-  park_ms float8
-);
+-- Whether an existing job still refuses a duplicate, by its own scope and window. Written without a
+-- subquery so that PostgreSQL inlines it where a batch's duplicates are answered in one join.
+create function :GWL_SCHEMA.unique_job_blocks(j :GRAPHILE_WORKER_SCHEMA._private_jobs) returns boolean
+language sql stable as $$
+  select
+    case
+      when j.flags ? 'gwl:unique:queued' then j.locked_at is null and j.attempts = 0
+      when j.flags ? 'gwl:unique:exists' then true
+      -- active (also the rule for a keyed row without our flags): queued, running or waiting to retry
+      else j.locked_at is not null or j.attempts < j.max_attempts
+    end
+    and coalesce(to_timestamp(substr(pg_catalog.jsonb_path_query_first(j.flags,
+      '$.keyvalue() ? (@.key starts with "gwl:unique-until:").key') #>> '{}', 18)::float8) > now(), true)
+$$;
+
+-- The flags of a new unique job: the caller's (with its scope flag), plus the end of its window, if any.
+create function :GWL_SCHEMA.unique_flags(p_flags jsonb, p_scope text, p_until timestamptz) returns jsonb
+language sql immutable as $$
+  select case when p_scope is null or p_until is null then p_flags
+    else coalesce(p_flags, '{}'::jsonb)
+      || jsonb_build_object('gwl:unique-until:' || extract(epoch from p_until)::text, true) end
+$$;
 
 -- Ensures the task and queue exist (as graphile-worker's add_job does) and returns their ids.
 create function :GWL_SCHEMA.task_and_queue_ids(p_identifier text, p_queue_name text, out task_id int, out queue_id int)
@@ -656,16 +689,36 @@ begin
 end;
 $$;
 
--- One enqueue, announced to the workers when `p_notify`. Outcomes: added, duplicate (job = the existing job,
--- or null when a window outlived it), replaced (job = the existing job, updated). A duplicate writes nothing,
--- and locks nothing: it is answered from the existing job as last committed, without `for update`, because
--- inside a caller's open transaction such a lock would last until that transaction ends, and meanwhile
--- graphile-worker could neither fetch the job (its fetch skips locked rows) nor complete it. Only a job the
--- enqueue changes is locked, by the update that changes it: a job that no longer refuses the key gives it up
--- in an update that checks again, on the row as it is then, that it still does not refuse it. A window alone
--- is read before it is claimed, so that an unexpired window is answered without locking its row either.
+-- Inserts a job of `s` (graphile-worker's defaults for what it leaves null) under task and queue ids, with
+-- job key `p_key` and flags `p_flags`. Null when another job holds the key.
+create function :GWL_SCHEMA.insert_job(s :GWL_SCHEMA.job_spec, p_task_id int, p_queue_id int, p_key text,
+  p_flags jsonb)
+returns :GRAPHILE_WORKER_SCHEMA._private_jobs
+language plpgsql volatile as $$
+declare
+  v_job :GRAPHILE_WORKER_SCHEMA._private_jobs;
+begin
+  insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
+    (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
+  select p_queue_id, p_task_id, d.payload, d.run_at, d.max_attempts, p_key, d.priority, p_flags
+  from :GWL_SCHEMA.job_defaults(s.payload, s.run_at, s.max_attempts, s.priority) d
+  on conflict (key) do nothing
+  returning * into v_job;
+  return v_job;
+end;
+$$;
+
+-- One enqueue, announced to the workers when `p_notify`, answered with its outcome, its job's task and its
+-- job. Outcomes: added, duplicate (job = the existing job, or null when a window outlived it), replaced
+-- (job = the existing job, updated). A duplicate writes nothing, and locks nothing: it is answered from the
+-- existing job as last committed, without `for update`, because inside a caller's open transaction such a
+-- lock would last until that transaction ends, and meanwhile graphile-worker could neither fetch the job
+-- (its fetch skips locked rows) nor complete it. Only a job the enqueue changes is locked, by the update
+-- that changes it: a job that no longer refuses the key gives it up in an update that checks again, on the
+-- row as it is then, that it still does not refuse it. A window alone is read before it is claimed, so that
+-- an unexpired window is answered without locking its row either.
 create function :GWL_SCHEMA.enqueue_job(s :GWL_SCHEMA.job_spec, p_notify boolean,
-  out outcome text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
+  out outcome text, out task_identifier text, out job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
   v_ids record;
@@ -688,11 +741,7 @@ begin
 
     if s.unique_key is null then
       -- uniqueness bypassed
-      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
-        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
-      values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
-        coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), s.flags)
-      returning * into job;
+      job := :GWL_SCHEMA.insert_job(s, v_ids.task_id, v_ids.queue_id, null, s.flags);
       outcome := 'added';
       exit;
     end if;
@@ -711,11 +760,7 @@ begin
         if not found then
           continue; -- claimed meanwhile: answer from that claim
         end if;
-        insert into :GRAPHILE_WORKER_SCHEMA._private_jobs
-          (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
-        values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
-          coalesce(s.max_attempts, 25), null, coalesce(s.priority, 0), s.flags)
-        returning * into job;
+        job := :GWL_SCHEMA.insert_job(s, v_ids.task_id, v_ids.queue_id, null, s.flags);
         update :GWL_SCHEMA.unique_windows set job_id = job.id where unique_key = s.unique_key;
         outcome := 'added';
         exit;
@@ -725,14 +770,9 @@ begin
         job := null;
       end if;
     else
-      insert into :GRAPHILE_WORKER_SCHEMA._private_jobs as j
-        (job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
-      values (v_ids.queue_id, v_ids.task_id, coalesce(s.payload, '{}'::json), coalesce(s.run_at, now()),
-        coalesce(s.max_attempts, 25), s.unique_key, coalesce(s.priority, 0),
-        :GWL_SCHEMA.unique_flags(s.flags, s.scope, v_until))
-      on conflict (key) do nothing
-      returning * into job;
-      if found then
+      job := :GWL_SCHEMA.insert_job(s, v_ids.task_id, v_ids.queue_id, s.unique_key,
+        :GWL_SCHEMA.unique_flags(s.flags, s.scope, v_until));
+      if job.id is not null then
         outcome := 'added';
         exit;
       end if;
@@ -758,11 +798,16 @@ begin
         outcome := 'replaced';
       end if;
     end if;
+    -- (the existing job may be another task's)
+    select t.identifier into task_identifier from :GRAPHILE_WORKER_SCHEMA._private_tasks t
+      where t.id = job.task_id;
     return;
   end loop;
 
+  task_identifier := s.identifier;
+
   if p_notify then
-    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":1}');
+    perform :GWL_SCHEMA.announce_jobs(1);
   end if;
 end;
 $$;
@@ -788,30 +833,27 @@ $$;
 
 -- A batch of enqueues in one statement. The caller sends the batch's distinct task identifiers and queue
 -- names (p_tasks, p_queues), which the items (job_spec) name by place; marks the first scoped item of each
--- key (p_first of them); and names the items it adds waiting in line: for each, its place among the items
--- without a unique key (p_park_pos) and its lock key (p_park_keys).
+-- key (p_scoped_key_count of them); and names the items it adds waiting in line: for each, its place among
+-- the items without a unique key (p_park_pos) and its lock key (p_park_keys).
 --
 -- The first scoped item of each key and every item without uniqueness go in one insert, and ids follow the
 -- batch (graphile-worker runs jobs of equal priority and run_at by id). Whatever the batch can wait for
 -- (new tasks and queues, keys another enqueue is inserting) it takes by name or key, so that two batches
--- never deadlock. An item
--- added in line waits at its own place (its id), with its safety net as its run_at; nothing of the batch is
--- visible before it commits, so no worker can fetch the front of a line before the line exists, and the
--- front checks its key once it parks (wake_if_free), so a holder that released meanwhile strands nobody.
--- Duplicates that only need an answer (a scope, reject, and a holder that refuses them) are answered in one
--- join; the rest (in-batch duplicates, keys that meet existing jobs, windows alone) go through enqueue_job
--- one by one, by key (the items of one key in their order: the first of a key wins). A duplicate whose on_duplicate is 'raise' aborts the whole batch with
--- SQLSTATE GWLUQ (detail: the existing job's id, hint: the item's place), so nothing of it is written.
+-- never deadlock. An item added in line waits at its own place (its id), with its safety net as its run_at;
+-- nothing of the batch is visible before it commits, so no worker can fetch the front of a line before the
+-- line exists, and the front checks its key once it parks (wake_if_free), so a holder that released
+-- meanwhile strands nobody. Duplicates that only need an answer (a scope, reject, and a holder that refuses
+-- them) are answered in one join; the rest (in-batch duplicates, keys that meet existing jobs, windows
+-- alone) go through enqueue_job one by one, by key (the items of one key in their order: the first of a key
+-- wins). A duplicate whose on_duplicate is 'raise' aborts the whole batch with SQLSTATE GWLUQ (detail: the
+-- existing job's id, hint: the item's place), so nothing of it is written.
 --
--- The answer is rows of graphile-worker's job table, as graphile-worker's own add_jobs is called:
--- - When every item was added (the common case), one row per item, in the items' order.
--- - Otherwise the rows of the outcomes, and a trailing row with a null id (no job has one) whose payload
---   places them: {"ord": [...], "outcome": [...], "task": [...]}, one entry per row before it: the item's
---   place (from 1), its outcome, and the task of the row's job (a duplicate's holder may be another task's).
---   A duplicate whose holder a `uniqueFor` window outlived comes as a row of nulls.
-create function :GWL_SCHEMA.enqueue_jobs(p_items json, p_count int, p_first int, p_tasks text[],
-  p_queues text[], p_park_pos int[], p_park_keys bigint[])
-returns setof :GRAPHILE_WORKER_SCHEMA._private_jobs
+-- The answer is one row per item, as enqueue_job answers: the item's place (from 1), its outcome, its job's
+-- task and its job (a duplicate's holder, which may be another task's; null when a `uniqueFor` window
+-- outlived it).
+create function :GWL_SCHEMA.enqueue_jobs(p_items json, p_count int, p_scoped_key_count int,
+  p_tasks text[], p_queues text[], p_park_pos int[], p_park_keys bigint[])
+returns table (ord int, outcome text, task_identifier text, job :GRAPHILE_WORKER_SCHEMA._private_jobs)
 language plpgsql volatile as $$
 declare
   v_task_ids int[];
@@ -826,11 +868,10 @@ declare
   v_one record;
   v_done int[];
   v_done_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
-  -- the answer when not every item was simply added: rows, and for each its item's place and outcome
+  -- the answer when not every item was simply added: for each item its place, outcome and job
   v_jobs :GRAPHILE_WORKER_SCHEMA._private_jobs[];
   v_ords int[];
   v_outcomes text[];
-  v_trailer :GRAPHILE_WORKER_SCHEMA._private_jobs;
   v_new_ids bigint[];
   v_seq regclass;
 begin
@@ -849,7 +890,7 @@ begin
     (select c.oid from pg_catalog.pg_class c
       where c.reltype = pg_catalog.pg_typeof(null:::GRAPHILE_WORKER_SCHEMA._private_jobs))::regclass::text,
     'id')::regclass;
-  if p_first > 1 then
+  if p_scoped_key_count > 1 then
     v_new_ids := array(select pg_catalog.nextval(v_seq) from generate_series(1, p_count) order by 1);
   end if;
   with inserted as (
@@ -857,16 +898,15 @@ begin
       (id, job_queue_id, task_id, payload, run_at, max_attempts, key, priority, flags)
     overriding system value
     select coalesce(v_new_ids[f.ordinality], pg_catalog.nextval(v_seq)), v_queue_ids[f.queue],
-      v_task_ids[f.task], coalesce(f.payload, '{}'::json),
-      case when f.park_ms is not null then now() + f.park_ms * interval '1 millisecond'
-           else coalesce(f.run_at, now()) end,
-      coalesce(f.max_attempts, 25), f.unique_key, coalesce(f.priority, 0),
+      v_task_ids[f.task], d.payload, d.run_at, d.max_attempts, f.unique_key, d.priority,
       case when f.window_seconds is null then f.flags
-           else :GWL_SCHEMA.unique_flags(f.flags, f.scope,
-             coalesce(f.run_at, now()) + f.window_seconds * interval '1 second') end
+           else :GWL_SCHEMA.unique_flags(f.flags, f.scope, d.run_at + f.window_seconds * interval '1 second') end
     from json_populate_recordset(null:::GWL_SCHEMA.job_spec, p_items) with ordinality as f
+    -- (an item added in line runs at its safety net)
+    cross join lateral :GWL_SCHEMA.job_defaults(f.payload,
+      coalesce(now() + f.park_ms * interval '1 millisecond', f.run_at), f.max_attempts, f.priority) d
     where f.unique_key is null or f.first
-    order by case when p_first > 1 then f.unique_key end collate "C" nulls first, f.ordinality
+    order by case when p_scoped_key_count > 1 then f.unique_key end collate "C" nulls first, f.ordinality
     on conflict (key) do nothing
     returning j.id, j.key
   )
@@ -885,10 +925,10 @@ begin
   v_added := cardinality(v_ids);
   if v_added = p_count then
     -- The common case, every item a fresh key or none: its rows in its order, by primary key.
-    return query select j.* from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids) order by j.id;
-    if v_added > v_parked then
-      perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || (v_added - v_parked)::text || '}');
-    end if;
+    return query select (row_number() over (order by j.id))::int, 'added'::text,
+        p_tasks[array_position(v_task_ids, j.task_id)], j
+      from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = any(v_ids) order by j.id;
+    perform :GWL_SCHEMA.announce_jobs(v_added - v_parked);
     return;
   end if;
 
@@ -903,7 +943,7 @@ begin
     where s.unique_key is null or (s.first and s.unique_key in (select unnest(v_keys)))
     order by s.ordinality);
   v_outcomes := array_fill('added'::text, array[cardinality(v_jobs)]);
-  if cardinality(v_keys) = p_first then
+  if cardinality(v_keys) = p_scoped_key_count then
     v_keys := null; -- every first-of-key item was inserted
   end if;
 
@@ -952,22 +992,15 @@ begin
     v_outcomes := v_outcomes || v_one.outcome;
   end loop;
 
-  return query select * from unnest(v_jobs);
-  -- (a row of graphile-worker's table whose id is null: the caller cannot take it for a job)
-  v_trailer.payload := json_build_object('ord', v_ords, 'outcome', v_outcomes, 'task', array(
-    select t.identifier from generate_subscripts(v_jobs, 1) as n
-    left join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.id = (v_jobs[n]).task_id
-    order by n));
-  return next v_trailer;
-
-  if v_added > v_parked then
-    perform pg_notify('jobs:insert', '{"r":' || random()::text || ',"count":' || (v_added - v_parked)::text || '}');
-  end if;
+  return query select v_ords[n], v_outcomes[n], t.identifier, v_jobs[n]
+    from generate_subscripts(v_ords, 1) as n
+    left join :GRAPHILE_WORKER_SCHEMA._private_tasks t on t.id = (v_jobs[n]).task_id;
+  perform :GWL_SCHEMA.announce_jobs(v_added - v_parked);
 end;
 $$;
 
 
--- 6. Sweeps -----------------------------------------------------------------------------------------------
+-- 7. Sweeps -----------------------------------------------------------------------------------------------
 
 -- Waiters whose job no longer exists (it ran after its safety-net delay, or was removed), and old wakes.
 create function :GWL_SCHEMA.sweep_waiters() returns bigint

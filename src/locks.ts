@@ -155,12 +155,12 @@ export function makeLocks(options: LocksOptions): Locks {
     },
   });
 
-  /** Deletes rows of given-back jobs whose completion was lost (clean_parked); on each (re)connection. */
+  /** Deletes rows of given-back jobs whose completion was lost (clean_given_back); on each (re)connection. */
   const cleanGivenBack = () => {
     // (an instance that never needed the schema does not look for it)
     if (released || !migrated) return;
     migrated
-      .then(() => pool.query<{ job_id: string }>(sql.cleanParked))
+      .then(() => pool.query<{ job_id: string }>(sql.cleanGivenBack))
       .then(
         ({ rows }) => {
           if (rows.length === 0) return;

@@ -136,6 +136,13 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     .update(`${schema}\0${workerSchema}`)
     .digest("hex")
     .slice(0, 16);
+  /**
+   * The answer of an enqueue function `call` (one answering `outcome`, `task_identifier` and `job`):
+   * `columns` first, then `outcome`, the job's task identifier and the job's columns, expanded from the
+   * function's result so that a new column of graphile-worker's table comes along without a change here.
+   */
+  const enqueueAnswer = (columns: string, call: string) =>
+    `select ${columns}r.outcome, r.task_identifier, (r.job).* from ${call} r`;
   return {
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
@@ -296,39 +303,43 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
     lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,
 
-    addJob: `select * from ${w}.add_job(
+    /** A job with a job key of the caller's, through graphile-worker's add_job (which owns job keys). */
+    addJobWithJobKey: `select * from ${w}.add_job(
     ${ADD_JOB_ARGS}
   )`,
 
     /**
-     * add_job, gated by the preemptive check: the condition does not depend on the function's output, so
-     * PostgreSQL evaluates it once, before calling add_job at all (a one-time filter). $10, $11, $12 as
-     * $1, $2, $3 of `lockAvailable`.
+     * `addJobWithJobKey`, gated by the preemptive check: the condition does not depend on the function's
+     * output, so PostgreSQL evaluates it once, before calling add_job at all (a one-time filter). $10, $11,
+     * $12 as $1, $2, $3 of `lockAvailable`.
      */
-    addJobIfAvailable: `select * from ${w}.add_job(
+    addJobWithJobKeyIfAvailable: `select * from ${w}.add_job(
     ${ADD_JOB_ARGS}
   ) where ${heldCount("$10", "$11")} < $12::int`,
 
     /**
      * One enqueue (enqueue_job in sql/000001.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
-     * of `lockAvailable`). The job's columns are expanded from the function's result, so a new column of
-     * graphile-worker's table comes along without a change here.
+     * of `lockAvailable`). Answers as `enqueueJobs` does, without `ord`.
      */
-    addUniqueJob: (gated: boolean) => `select r.outcome, t.identifier as task_identifier, (r.job).*
-      from ${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
-        $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true) r
-      left join ${w}._private_tasks t on t.id = (r.job).task_id
+    enqueueJob: (gated: boolean) => `${enqueueAnswer(
+      "",
+      `${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
+        $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true)`,
+    )}
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 
     /**
-     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of job_spec, $2 its length,
-     * $3 how many are `first`, $4 and $5 the batch's distinct task identifiers and queue names (which the items
-     * name by place), $6 and $7 for each item added waiting in line its place among the items without a
-     * unique key and its lock key, or nulls. Answers with rows of graphile-worker's job table, one per item
-     * in order, or (when not every item was added) with a trailing row that places them.
+     * A batch of enqueues in one statement (enqueue_jobs in sql/000001.sql): $1 a JSON array of job_spec,
+     * $2 its length, $3 how many of its keys are scoped (each one's first item is marked `first`), $4 and
+     * $5 the batch's distinct task identifiers and queue names (which the items name by place), $6 and $7
+     * for each item added waiting in line its place among the items without a unique key and its lock key,
+     * or nulls. Answers one row per item: `ord` (its place, from 1), `outcome`, `task_identifier` and the
+     * job's columns (all null for no job).
      */
-    addUniqueJobs: `select * from ${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[],
-      $6::int[], $7::bigint[])`,
+    enqueueJobs: enqueueAnswer(
+      "r.ord, ",
+      `${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[])`,
+    ),
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
 
@@ -343,8 +354,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     /** Makes deferred copies runnable now (the lock session is back). */
     runDeferred: `update ${w}._private_jobs set run_at = now()
       where id = any($1::bigint[]) and locked_at is null and run_at > now()`,
-    /** Removes given-up rows of jobs that parked or were deferred and were never completed. */
-    cleanParked: `select job_id::text as job_id from ${s}.clean_parked()`,
+    /** Removes the rows of jobs given back (parked or deferred) that graphile-worker will never complete. */
+    cleanGivenBack: `select job_id::text as job_id from ${s}.clean_given_back()`,
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
     sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 

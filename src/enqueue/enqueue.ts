@@ -9,13 +9,9 @@
  * library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql), not through graphile-worker's `add_job` /
  * `add_jobs`: uniqueness needs the insert and the unique-key check in one statement (a row lock on the key,
  * then the insert), which `add_job` cannot be given; and the direct insert is faster than the public path
- * even for a plain job. Measured on 2 cores under a load average of 9, one round
- * (`BENCH_ROUNDS=1 npm run bench -- enqueue`): sequential single enqueues, `locks.addJob` of a plain job
- * 2,105/s against graphile-worker's `addJob` 622/s (and 1,331/s for its `jobKey` + `unsafe_dedupe`);
- * bulk, 5 × 1,000 jobs, `locks.addJobs` without uniqueness 41,808 jobs/s against `addJobs` 35,030/s
- * (34,647/s with job keys). The price is a dependency on graphile-worker's private tables: migrate.ts
- * refuses a graphile-worker schema it was not tested with (TESTED_WORKER_SCHEMAS) unless told otherwise,
- * and the tests run against each tested version. A job with a job key of the caller's still goes through
+ * even for a plain job (`npm run bench -- enqueue`; the figures are in bench/README.md). The price is a
+ * dependency on graphile-worker's private tables: migrate.ts refuses a graphile-worker schema it was not
+ * tested with (TESTED_WORKER_SCHEMAS) unless told otherwise, and the tests run against each tested version. A job with a job key of the caller's still goes through
  * `add_job`, which owns job-key semantics.
  */
 import type { Job } from "graphile-worker";

@@ -2,9 +2,10 @@
  * The enqueue statements: an `EnqueuePlan` (enqueue.ts) as the parameters of one statement, and its rows
  * as `AddJobResult`s. A job with a job key of the caller's goes through graphile-worker's public `add_job`;
  * every other job (unique or not) through this library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql),
- * which insert into graphile-worker's job table directly (enqueue.ts says why). The preemptive check is
- * part of the same statement: a condition that does not depend on the function's result, which PostgreSQL
- * evaluates once, before calling it. It only reads pg_locks.
+ * which insert into graphile-worker's job table directly (enqueue.ts says why). Both answer rows of one
+ * shape: the item's place (bulk only), its outcome, its job's task and the job's columns. The preemptive
+ * check is part of the same statement: a condition that does not depend on the function's result, which
+ * PostgreSQL evaluates once, before calling it. It only reads pg_locks.
  */
 import type { Job } from "graphile-worker";
 import { InvalidArgumentError, rethrowExplained } from "../errors.js";
@@ -12,7 +13,7 @@ import { advisoryParts } from "../key.js";
 import type { AddJobSpec } from "../options.js";
 import type { Sql } from "../sql.js";
 import type { AddJobResult } from "../types.js";
-import type { ResolvedUnique, UniqueScope } from "./unique.js";
+import type { DuplicateStrategy, ResolvedUnique, UniqueScope } from "./unique.js";
 
 export interface Queryable {
   query<R extends object>(config: {
@@ -63,36 +64,41 @@ export async function lockAvailable(
   return rows[0]!.available;
 }
 
-type JobRow = Job & { outcome?: string };
+/**
+ * A row of an enqueue statement: the item's place (from 1; bulk only), its outcome (none from
+ * graphile-worker's add_job: added) and the job's columns, all null for no job.
+ */
+type EnqueueRow = Job & { ord?: number; outcome?: string };
 
 /**
- * graphile-worker's flags object for a unique job, as JSON: the caller's flags plus the one that records the
- * job's scope on its row (the window's end is added by the database, from its own clock); null for none.
+ * graphile-worker's flags object for a job: the caller's flags plus, for a unique job, the one that records
+ * its scope on its row (the window's end is added by the database, from its own clock); null for none.
  */
-function uniqueFlagsJson(
+function jobFlags(
   flags: readonly string[] | undefined,
   unique: ResolvedUnique | null,
-): string | null {
-  if (!flags?.length) return unique?.scope ? SCOPE_FLAGS_JSON[unique.scope] : null;
+): Record<string, true> | null {
+  if (!flags?.length) return unique?.scope ? SCOPE_FLAGS[unique.scope] : null;
   const object: Record<string, true> = {};
   for (const flag of flags) object[flag] = true;
   if (unique?.scope) object[`gwl:unique:${unique.scope}`] = true;
-  return JSON.stringify(object);
+  return object;
 }
 
-/** The flags of a unique job without flags of the caller's, one per scope, serialized once. */
-const SCOPE_FLAGS_JSON: Readonly<Record<UniqueScope, string>> = {
-  queued: JSON.stringify({ "gwl:unique:queued": true }),
-  active: JSON.stringify({ "gwl:unique:active": true }),
-  exists: JSON.stringify({ "gwl:unique:exists": true }),
+/** The flags of a unique job without flags of the caller's, one per scope. */
+const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>> = {
+  queued: { "gwl:unique:queued": true },
+  active: { "gwl:unique:active": true },
+  exists: { "gwl:unique:exists": true },
 };
 
-function toJob(row: JobRow, taskIdentifier: string): Job | null {
-  const { outcome: _outcome, ...job } = row;
-  if (job.id === null) return null;
-  // (a row the library added has no task identifier of its own: it is the item's)
+/** A row's outcome and job (the row without its `ord` and `outcome`). */
+function toResult(row: EnqueueRow, taskIdentifier: string): AddJobResult {
+  const { ord: _ord, outcome = "added", ...job } = row;
+  if (job.id === null) return { job: null, outcome: outcome as AddJobResult["outcome"] };
+  // (a row of graphile-worker's add_job has no task identifier of its own: it is the item's)
   job.task_identifier ??= taskIdentifier;
-  return job;
+  return { job, outcome: outcome as AddJobResult["outcome"] };
 }
 
 export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promise<AddJobResult> {
@@ -111,29 +117,46 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   // Without a job key of the caller's, the library's own direct insert (enqueue_job, which bypasses
   // uniqueness for a null key); with one, graphile-worker's add_job, which owns job keys.
   if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
-    name = lockKeys ? "add_unique_checked" : "add_unique";
-    text = sql.addUniqueJob(lockKeys !== null);
+    name = lockKeys ? "enqueue_job_checked" : "enqueue_job";
+    text = sql.enqueueJob(lockKeys !== null);
     values.push(
       // (none: the JSON text null)
-      uniqueFlagsJson(spec?.flags, unique) ?? "null",
+      JSON.stringify(jobFlags(spec?.flags, unique)),
       unique?.key ?? null,
       unique?.scope ?? null,
       unique?.windowSeconds ?? null,
       unique?.onDuplicate ?? null,
     );
   } else {
-    name = lockKeys ? "add_job_checked" : "add_job";
-    text = lockKeys ? sql.addJobIfAvailable : sql.addJob;
+    name = lockKeys ? "add_job_with_job_key_checked" : "add_job_with_job_key";
+    text = lockKeys ? sql.addJobWithJobKeyIfAvailable : sql.addJobWithJobKey;
     values.push(spec?.flags ?? null, spec?.jobKey ?? null, spec?.jobKeyMode ?? null);
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
-  const { rows } = await explaining(db).query<JobRow>(sql.statement(name, text, values));
+  const { rows } = await explaining(db).query<EnqueueRow>(sql.statement(name, text, values));
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };
-  return {
-    job: toJob(row, plan.taskIdentifier),
-    outcome: (row.outcome as AddJobResult["outcome"] | undefined) ?? "added",
-  };
+  return toResult(row, plan.taskIdentifier);
+}
+
+/**
+ * One item of a bulk enqueue: a job_spec (sql/000001.sql) that names its task and queue by place (from 1).
+ * A field left undefined is left out of the JSON, which the database reads as null.
+ */
+interface BulkItem {
+  task: number;
+  queue: number | undefined;
+  payload: unknown;
+  run_at: string | undefined;
+  max_attempts: number | undefined;
+  priority: number | undefined;
+  flags: Readonly<Record<string, true>> | undefined;
+  unique_key: string | undefined;
+  scope: UniqueScope | undefined;
+  window_seconds: number | undefined;
+  on_duplicate: DuplicateStrategy | undefined;
+  first: true | undefined;
+  park_ms: number | undefined;
 }
 
 /**
@@ -162,49 +185,48 @@ export async function addJobs(
   let plain = 0;
   const parkPos: number[] = [];
   const parkKeys: string[] = [];
-  // The batch's JSON (an array of job_spec, sql/000001.sql), written item by item: fields left out are
-  // read as null by the database, and a unique job's flags without flags of the caller's are one of three
-  // constant texts.
-  const items = plans.map((plan, index) => {
+  const items = plans.map((plan, index): BulkItem => {
     const { spec, unique } = plan;
     if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
-    let item = `{"task":${placeOf(tasks, plan.taskIdentifier)}`;
-    if (spec?.queueName != null) item += `,"queue":${placeOf(queues, spec.queueName)}`;
-    item += `,"payload":${JSON.stringify(plan.payload ?? {})}`;
-    if (spec?.runAt) item += `,"run_at":${JSON.stringify(spec.runAt.toISOString())}`;
-    if (spec?.maxAttempts != null) item += `,"max_attempts":${JSON.stringify(spec.maxAttempts)}`;
-    if (spec?.priority != null) item += `,"priority":${JSON.stringify(spec.priority)}`;
-    const flags = uniqueFlagsJson(spec?.flags, unique);
-    if (flags !== null) item += `,"flags":${flags}`;
+    const item: BulkItem = {
+      task: placeOf(tasks, plan.taskIdentifier),
+      queue: spec?.queueName != null ? placeOf(queues, spec.queueName) : undefined,
+      payload: plan.payload ?? {},
+      run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
+      max_attempts: spec?.maxAttempts ?? undefined,
+      priority: spec?.priority ?? undefined,
+      flags: jobFlags(spec?.flags, unique) ?? undefined,
+      unique_key: unique?.key,
+      scope: unique?.scope ?? undefined,
+      window_seconds: unique?.windowSeconds ?? undefined,
+      on_duplicate: unique && unique.onDuplicate !== "reject" ? unique.onDuplicate : undefined,
+      first: undefined,
+      park_ms: undefined,
+    };
     if (unique) {
-      item += `,"unique_key":${JSON.stringify(unique.key)}`;
-      if (unique.scope) item += `,"scope":"${unique.scope}"`;
-      if (unique.windowSeconds != null)
-        item += `,"window_seconds":${JSON.stringify(unique.windowSeconds)}`;
-      if (unique.onDuplicate !== "reject") item += `,"on_duplicate":"${unique.onDuplicate}"`;
       if (unique.scope && !firstOfKey.has(unique.key)) {
         firstOfKey.add(unique.key);
-        item += `,"first":true`;
+        item.first = true;
       }
     } else {
       plain++;
       if (plan.line) {
         if (fronts.has(plan.line.key)) {
-          item += `,"park_ms":${JSON.stringify(plan.line.safetyNetMs)}`;
+          item.park_ms = plan.line.safetyNetMs;
           parkPos.push(plain);
           parkKeys.push(plan.line.key.toString());
         } else fronts.add(plan.line.key);
       }
     }
-    return item + "}";
+    return item;
   });
-  const { rows } = await explaining(db).query<Job>(
-    sql.statement("add_unique_flat", sql.addUniqueJobs, [
-      `[${items.join(",")}]`,
+  const { rows } = await explaining(db).query<EnqueueRow>(
+    sql.statement("enqueue_jobs", sql.enqueueJobs, [
+      JSON.stringify(items),
       items.length,
       firstOfKey.size,
       [...tasks.keys()],
@@ -213,41 +235,15 @@ export async function addJobs(
       parkPos.length > 0 ? parkKeys : null,
     ]),
   );
-  const results: AddJobResult[] = new Array(plans.length);
-  const trailer = rows.length > 0 && rows[rows.length - 1]!.id === null ? rows.pop()! : null;
-  if (!trailer) {
-    // Every item was added: its row, in the items' order.
-    if (rows.length !== plans.length) {
-      throw new Error(
-        `graphile-worker-locks: the bulk enqueue answered ${rows.length} rows for ${plans.length} items`,
-      );
-    }
-    for (let i = 0; i < rows.length; i++) {
-      results[i] = { job: withTask(rows[i]!, plans[i]!.taskIdentifier), outcome: "added" };
-    }
-    return results;
+  if (rows.length !== plans.length) {
+    throw new Error(
+      `graphile-worker-locks: the bulk enqueue answered ${rows.length} rows for ${plans.length} items`,
+    );
   }
-  // Otherwise the trailer places each row: its item, its outcome, and its job's task.
-  const { ord, outcome, task } = trailer.payload as unknown as BulkTrailer;
-  rows.forEach((row, i) => {
-    const index = ord[i]! - 1;
-    results[index] = {
-      job: row.id === null ? null : withTask(row, task[i] ?? plans[index]!.taskIdentifier),
-      outcome: outcome[i] as AddJobResult["outcome"],
-    };
-  });
+  const results: AddJobResult[] = new Array(plans.length);
+  for (const row of rows) {
+    const index = row.ord! - 1;
+    results[index] = toResult(row, plans[index]!.taskIdentifier);
+  }
   return results;
-}
-
-/** The last row of a bulk enqueue that did more than add every item (enqueue_jobs), one entry per row. */
-interface BulkTrailer {
-  ord: number[];
-  outcome: string[];
-  task: Array<string | null>;
-}
-
-/** A row of graphile-worker's job table as its `Job`: the row itself, with its task's identifier. */
-function withTask(row: Job, taskIdentifier: string): Job {
-  row.task_identifier = taskIdentifier;
-  return row;
 }

@@ -288,6 +288,67 @@ describe("bulk", () => {
     expect(Object.keys(fresh[0]!.job!).sort()).toEqual(Object.keys(holder.job!).sort());
   });
 
+  it("the bulk statement answers one row per item in the single enqueue's shape, with no other row", async () => {
+    // What each statement answers, as it comes back: its column names and its rows.
+    const recording = await client();
+    const answers: pg.QueryResult[] = [];
+    const recorded = {
+      query: async (...args: Parameters<pg.Client["query"]>) => {
+        const result = await (recording.query as (...a: unknown[]) => Promise<pg.QueryResult>)(
+          ...args,
+        );
+        answers.push(result);
+        return result;
+      },
+    } as unknown as pg.Client;
+    await h.locks.addJob("shape", { k: 1 }, { unique: "queued", pgClient: recorded });
+    const [single] = answers.splice(0);
+    // every item added, then duplicates of the batch and of an existing job, and a window alone
+    await h.locks.addJobs(
+      [
+        { identifier: "shape", payload: { k: 2 } },
+        { identifier: "shape", payload: { k: 3 }, unique: "queued" },
+      ],
+      { pgClient: recorded },
+    );
+    await h.locks.addJobs(
+      [
+        { identifier: "shape", payload: { k: 1 }, unique: "queued" },
+        { identifier: "shape", payload: { k: 4 } },
+        { identifier: "shape", payload: { k: 4 }, unique: "queued" },
+        { identifier: "shape", payload: { k: 4 }, unique: "queued" },
+        { identifier: "shape", payload: { k: 5 }, uniqueFor: 60 },
+        { identifier: "shape", payload: { k: 5 }, uniqueFor: 60 },
+      ],
+      { pgClient: recorded },
+    );
+    const columns = (result: pg.QueryResult) => result.fields.map((f) => f.name);
+    expect(columns(single!).slice(0, 2)).toEqual(["outcome", "task_identifier"]);
+    expect(answers.map(columns)).toEqual([
+      ["ord", ...columns(single!)],
+      ["ord", ...columns(single!)],
+    ]);
+    const rows = answers.map((a) =>
+      (a.rows as Array<{ ord: number; outcome: string; id: string | null }>)
+        .map((r) => [r.ord, r.outcome, r.id !== null])
+        .sort((x, y) => Number(x[0]) - Number(y[0])),
+    );
+    expect(rows).toEqual([
+      [
+        [1, "added", true],
+        [2, "added", true],
+      ],
+      [
+        [1, "duplicate", true],
+        [2, "added", true],
+        [3, "added", true],
+        [4, "duplicate", true],
+        [5, "added", true],
+        [6, "duplicate", true],
+      ],
+    ]);
+  });
+
   it("checks each holder inline: PostgreSQL inlines unique_job_blocks instead of calling it per row", async () => {
     // A SQL function with a subquery in its body is not inlined; called for each of a batch's duplicates,
     // its executor cost more than the check itself.
