@@ -18,7 +18,14 @@ import type { Job } from "graphile-worker";
 import type { Pool, PoolClient, Client } from "pg";
 import type { LocksContext } from "../context.js";
 import { InvalidArgumentError, UniqueConflictError } from "../errors.js";
-import { assertIdentifier, assertJsonSafe, callKeyFunction, lockFlag, slotKeys } from "../key.js";
+import {
+  assertIdentifier,
+  assertJsonSafe,
+  jobLockKeys,
+  lockFlag,
+  lockKeyValue,
+  slotKeys,
+} from "../key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
 import type { Sql } from "../sql.js";
 import { addJob, addJobs, lockAvailable, type EnqueuePlan, type Queryable } from "./statements.js";
@@ -93,19 +100,6 @@ async function addJobsRetryingDeadlocks(
   }
 }
 
-/** What a task's `key` makes of a payload, checked (a custom one through callKeyFunction). */
-function keyValue(
-  rules: ResolvedExclusiveOptions<never>,
-  taskIdentifier: string,
-  payload: unknown,
-): unknown {
-  if (rules.keyPath === "payload") {
-    assertJsonSafe(payload);
-    return payload;
-  }
-  return callKeyFunction(rules.key, "key", taskIdentifier, payload);
-}
-
 export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   const { pool, sql, rules: definitions, defaultExclusive, emit } = options;
 
@@ -135,7 +129,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     // function that fails does so before anything is written (and not only once a worker runs the job).
     const rules = exclusive ?? (preemptive ? defaultExclusive : null);
     const keyOfPayload = rules
-      ? { value: rules.keyPath === "payload" ? payload : keyValue(rules, taskIdentifier, payload) }
+      ? { value: lockKeyValue(taskIdentifier, rules, payload, undefined, true) }
       : null;
     const flagged = exclusive?.onConflict === "reschedule" && exclusive.limit === 1;
     const keys =
@@ -281,7 +275,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     keysOf(taskIdentifier, payload) {
       assertIdentifier(taskIdentifier);
       const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
-      return slotKeys(taskIdentifier, keyValue(rules, taskIdentifier, payload), rules.limit, null);
+      return jobLockKeys(taskIdentifier, rules, payload);
     },
 
     async lockAvailable(keys) {
