@@ -9,6 +9,7 @@ import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
 import { backendPid, isDirect, probeTransactionPooling } from "../session/backend.js";
 import { readHeldLocks } from "../held-locks.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
+import type { HeldLock } from "../types.js";
 
 const UNDEFINED_TABLE = "42P01";
 const INVALID_SCHEMA_NAME = "3F000";
@@ -57,18 +58,13 @@ async function latestLibraryLevel(): Promise<number> {
 }
 
 export interface Status {
-  held: Array<{
-    lockKey: string;
-    taskIdentifier: string | null;
-    jobId: string | null;
-    /** The holder's backend. */
-    pid: number;
-    /** The worker process of the holding lock session, and its host (null for other holders). */
-    processId: number | null;
-    host: string | null;
-    applicationName: string;
-    since: string | null;
-  }>;
+  /** The held-locks view's rows, as JSON carries them (key and time as strings). */
+  held: Array<
+    Omit<HeldLock, "lockKey" | "since" | "sessionStartedAt"> & {
+      lockKey: string;
+      since: string | null;
+    }
+  >;
   lines: Array<{ lockKey: string; waiting: number; oldestSince: string; nextWake: string | null }>;
   uniqueWindowsAlive: number;
   sessions: Array<{
