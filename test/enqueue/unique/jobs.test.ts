@@ -265,7 +265,7 @@ describe("race-free", () => {
     h.locks.exclusive("rb_drop", async () => undefined);
     h.locks.exclusive("rb_line", async () => undefined, { onConflict: "reschedule" });
     const a = await client();
-    const tables = ["unique_windows", "waiters", "wakes", "prewakes", "parked_originals"];
+    const tables = ["unique_windows", "waiters", "wakes", "prewakes", "given_back"];
     /** Advisory locks held in this database (by any session), and the rows of every table written. */
     const leftovers = async (on: { query: pg.Client["query"] }) => {
       const { rows } = await on.query<Record<string, number>>(
