@@ -4,6 +4,7 @@
  * `defer_job`), and its copy runs as soon as the session is back. It never runs unlocked, and an outage
  * never costs it an attempt.
  */
+import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
 import type { LocksContext } from "../context.js";
 import { ErrorCodes } from "../errors.js";
@@ -13,22 +14,6 @@ import type { AcquireResult, HoldInfo } from "../session/holds.js";
 const DEFER_MIN_MS = 1000;
 /** The longest pause between two tries to give a job back whose first try went unanswered. */
 const DEFER_RETRY_MAX_MS = 1000;
-
-/** Resolves after `ms`, or rejects with the signal's reason when it aborts first. */
-function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
-  return new Promise((resolve, reject) => {
-    if (signal?.aborted) return reject(signal.reason as Error);
-    const onAbort = () => {
-      clearTimeout(timer);
-      reject(signal!.reason as Error);
-    };
-    const timer = setTimeout(() => {
-      signal?.removeEventListener("abort", onAbort);
-      resolve();
-    }, ms);
-    signal?.addEventListener("abort", onAbort, { once: true });
-  });
-}
 
 export function isSessionUnavailable(error: unknown): error is Error {
   return (
@@ -186,7 +171,12 @@ export class GiveBack {
             );
           }
           if (helpers.abortSignal?.aborted) throw deferError;
-          await sleep(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), helpers.abortSignal);
+          // (a worker that aborts meanwhile stops asking: the job fails with the give-back's error)
+          await delay(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), undefined, {
+            signal: helpers.abortSignal,
+          }).catch(() => {
+            throw deferError;
+          });
         }
       }
     } finally {
