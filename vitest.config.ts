@@ -1,7 +1,14 @@
-import { defineConfig } from "vitest/config";
+import { configDefaults, defineConfig } from "vitest/config";
 import { graphileWorkerPackage, requestedGraphileWorker } from "./test/support/graphile-worker.js";
 
 const graphileWorker = graphileWorkerPackage(requestedGraphileWorker());
+
+/**
+ * Checks too long for the default run (under 5 minutes): CI runs them in a step of their own with
+ * TEST_LONG=1 (see CONTRIBUTING.md).
+ */
+const LONG_TESTS = ["test/preset/deploy.test.ts"];
+const long = !["", "0", "false"].includes(process.env.TEST_LONG ?? "");
 
 export default defineConfig({
   // TEST_GRAPHILE_WORKER picks the graphile-worker every import of it gets (see test/support/graphile-worker.ts).
@@ -14,6 +21,7 @@ export default defineConfig({
   test: {
     globalSetup: ["test/globalSetup.ts"],
     include: ["test/**/*.test.ts"],
+    exclude: long ? configDefaults.exclude : [...configDefaults.exclude, ...LONG_TESTS],
     testTimeout: 60_000,
     hookTimeout: 60_000,
     // Closing pools, stopping workers and PostgreSQL after the run.
