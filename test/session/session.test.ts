@@ -97,10 +97,16 @@ describe("lock loss", () => {
         if (holding) holding.push(chunk);
         else inbound.write(chunk);
       });
-      outbound.on("end", () => {
+      // (the server's side may end with a FIN or, with bytes it did not read, a reset)
+      let ended = false;
+      const serverGone = () => {
+        if (ended) return;
+        ended = true;
         if (holding) inbound.write(Buffer.concat(holding));
         else inbound.end();
-      });
+      };
+      outbound.on("end", serverGone);
+      outbound.on("close", serverGone);
       inbound.on("close", () => outbound.destroy());
     });
     const locks = newLocks({
