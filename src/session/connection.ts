@@ -208,6 +208,9 @@ export class LockConnection {
     client.on("end", () => onBroken(new Error("The lock session's connection ended")));
     let connected = false;
     let pooled: string | null = null;
+    // An attempt that stalls (a network gone silent in the middle of it) is cut after heartbeatTimeout, as
+    // an unanswered statement of a ready connection is, and tried again.
+    const stalled = setTimeout(() => destroySocket(client), this.options.heartbeatTimeoutMs);
     try {
       await client.connect();
       connected = true;
@@ -242,7 +245,9 @@ export class LockConnection {
         pooled = `its statements at connect reached backends ${pid} and ${after}`;
       this.backendPid = pid;
       this.claimToken = token;
+      clearTimeout(stalled);
     } catch (error) {
+      clearTimeout(stalled);
       client.removeAllListeners("end");
       client.end().catch(() => undefined);
       if (this.isClosed()) return;

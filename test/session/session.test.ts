@@ -129,6 +129,44 @@ describe("lock loss", () => {
     );
   });
 
+  it("a connect that stalls (the network silent after LISTEN) is cut after heartbeatTimeout and tried again", async () => {
+    // The proxy passes the first connection's bytes until LISTEN, then nothing more from the server (the
+    // socket stays open, as on a network that drops packets).
+    let stalled = false;
+    const { url } = await startProxy(db.url, cleanups, (inbound, open) => {
+      const outbound = open();
+      for (const socket of [inbound, outbound]) socket.on("error", () => undefined);
+      const first = !stalled;
+      let silent = false;
+      inbound.on("data", (chunk: Buffer) => {
+        if (first && chunk.includes("listen ")) silent = stalled = true;
+        outbound.write(chunk);
+      });
+      outbound.on("data", (chunk: Buffer) => {
+        if (!silent) inbound.write(chunk);
+      });
+      inbound.on("close", () => outbound.destroy());
+      outbound.on("close", () => inbound.destroy());
+    });
+    const locks = newLocks({
+      lockConnectionString: url,
+      heartbeatInterval: 200,
+      heartbeatTimeout: 1000,
+      reconnectDelay: { min: 50, max: 100 },
+    });
+    const connected = nextEvent(locks, "session:connected");
+    locks.connect().catch(() => undefined);
+    const { pid } = await connected;
+    expect(stalled).toBe(true);
+    const { rows } = await db
+      .pool()
+      .query<{ alive: boolean }>(
+        "select exists (select 1 from pg_stat_activity where pid = $1) as alive",
+        [pid],
+      );
+    expect(rows[0]!.alive).toBe(true);
+  });
+
   it("a loss noticed only after a job returned is reported on that job: lock:lost with returned, and a warning naming it", async () => {
     const proxy = await startFreezableProxy(Number(new URL(db.url).port || 5432));
     cleanups.push(() => proxy.close());
