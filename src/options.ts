@@ -95,8 +95,9 @@ export interface LocksOptions {
   heartbeatInterval?: number;
   /**
    * How long the lock session may leave a heartbeat or a lock statement unanswered before it counts as lost
-   * (the holders' abort signals fire, `lock:lost`, reconnection), in ms. Generous, so that a busy server is
-   * not mistaken for a dead network. @defaultValue `20000`
+   * (the holders' abort signals fire, `lock:lost`, reconnection), in ms; also how long a connection attempt
+   * may stall before it is cut and tried again. Generous, so that a busy server is not mistaken for a dead
+   * network. @defaultValue `20000`
    */
   heartbeatTimeout?: number;
   /**
