@@ -4,10 +4,10 @@ import { graphileWorkerPackage, requestedGraphileWorker } from "./test/support/g
 const graphileWorker = graphileWorkerPackage(requestedGraphileWorker());
 
 /**
- * Checks too long for the default run (under 5 minutes): CI runs them in a step of their own with
- * TEST_LONG=1 (see CONTRIBUTING.md).
+ * Checks too long for the default run (under 5 minutes): the deploy check and every `*.long.test.ts` file.
+ * CI runs them in a step of their own with TEST_LONG=1 (see CONTRIBUTING.md).
  */
-const LONG_TESTS = ["test/preset/deploy.test.ts"];
+const LONG_TESTS = ["test/preset/deploy.test.ts", "test/**/*.long.test.ts"];
 const long = !["", "0", "false"].includes(process.env.TEST_LONG ?? "");
 
 export default defineConfig({
