@@ -46,7 +46,7 @@ const TASKS = {
 } satisfies Record<string, TaskSpec>;
 type TaskName = keyof typeof TASKS;
 const NAMES = Object.keys(TASKS) as TaskName[];
-const limitOf = (t: TaskName) => (TASKS[t].options as ExclusiveOptions).limit ?? 1;
+const limitOf = (t: TaskName) => ((TASKS[t].options as ExclusiveOptions).limit as number) ?? 1;
 /** `drop, limit 2`, or `"drop", limit 2` with the quote `"`. */
 const strategyOf = (t: TaskName, quote = "") =>
   `${quote}${TASKS[t].options.onConflict}${quote}${limitOf(t) > 1 ? `, limit ${limitOf(t)}` : ""}`;

@@ -6,14 +6,20 @@ import type { ConnectionState } from "./session/connection.js";
 import type { AcquireResult, HoldInfo } from "./session/holds.js";
 import type { AheadAcquisition } from "./session/lock-ahead.js";
 import type { Sql } from "./sql.js";
+import type { LimitKeys } from "./key.js";
 
 /** What the task wrapper asks of the lock session (session/session.ts). */
 export interface LockService {
   /**
    * Tries the slots in order and takes the first that is free; `{ acquired: false }` on a conflict, throws
-   * GWL_LOCK_SESSION_UNAVAILABLE when there is no session.
+   * GWL_LOCK_SESSION_UNAVAILABLE when there is no session. With `limits` (a job with several limits), one
+   * slot of each, all or nothing; a conflict says which limit was full.
    */
-  acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult>;
+  acquire(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    limits?: ReadonlyArray<readonly bigint[]>,
+  ): Promise<AcquireResult>;
   /** True as soon as the session is ready, false when it is still not after `timeoutMs` or is closed. */
   whenReady(timeoutMs: number): Promise<boolean>;
   /** The backend pid of the session's connection, if connected. */
@@ -32,6 +38,8 @@ export interface LocksContext {
   /** Whether anyone listens to `event` (to skip building its payload). */
   listening(event: keyof LocksEvents): boolean;
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
+  /** How many slots of each limit are held right now (by any session). */
+  limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */

@@ -4,6 +4,7 @@ export type * from "./types.js";
 export type { LocksEvents, LocksEventName, LocksEventEmitter } from "./events.js";
 export type { HandoffCounts } from "./session/handoff.js";
 export type { MigrateOptions } from "./migrate.js";
+export type { Blocker, CanStartResult, LimitBlocker } from "./exclusive/can-start.js";
 export type { ErrorCode } from "./errors.js";
 export type { LocksPresetOptions, TaskLocksOptions, TaskLocksOptionsMap } from "./preset/preset.js";
 export type {
@@ -11,6 +12,7 @@ export type {
   ConflictStrategy,
   DefineOptions,
   ExclusiveOptions,
+  LimitOptions,
   LocksOptions,
   RescheduleOptions,
   ResolvedExclusiveOptions,

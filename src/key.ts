@@ -1,8 +1,10 @@
 /**
  * Canonical key derivation (pure). A key is derived from a readable, versioned string
  *
- *     gwl:v1:<kind>:<task identifier>:<canonical JSON>
+ *     gwl:v1:<kind>:<key space>:<canonical JSON>
  *
+ * where the key space is the task identifier, or the group that several tasks share (`lockGroup`, a
+ * limit's `group`, `uniqueGroup`), so that their key values meet.
  * hashed with SHA-256; the first 8 bytes, read as a signed big-endian integer, are the bigint that
  * PostgreSQL's advisory lock functions take. Changing any part of this derivation changes every key in a
  * running system, so the version is part of the string and the tests pin known values.
@@ -140,7 +142,10 @@ export function callKeyFunction(
   return value;
 }
 
-/** The readable string a lock key is hashed from. Exposed for debugging and documentation. */
+/**
+ * The readable string a lock key is hashed from, in the key space `taskIdentifier` (a task identifier, or a
+ * lock group). Exposed for debugging and documentation.
+ */
 export function lockKeyMaterial(
   taskIdentifier: string,
   value: unknown,
@@ -192,12 +197,62 @@ export function slotKeys(
   return keys;
 }
 
-/** What derives a task's lock keys: its resolved `exclusive` options (`key`, `keyPath`, `limit`). */
+/** A limit that depends on the key: how many jobs of a key value may run at once. */
+export type LimitFunction = (keyValue: never) => number;
+
+/** One limit of a task: its key function, its number of slots (or a function of the key value), its group. */
+export interface LimitRule {
+  key(payload: never): unknown;
+  /** `"payload"` when the key is the payload itself, else `"key(payload)"`. */
+  keyPath: string;
+  limit: number | LimitFunction;
+  /** The key space its keys are derived in. @defaultValue the task identifier */
+  group?: string | undefined;
+}
+
+/**
+ * What derives a task's lock keys: its resolved `exclusive` options (`key`, `keyPath`, `limit`,
+ * `lockGroup`), and with several limits (`limits`, two or more) each one's rules instead.
+ */
 export interface KeyRules {
   key(payload: never): unknown;
   /** `"payload"` when the key is the payload itself, else `"key(payload)"`. */
   keyPath: string;
-  limit: number;
+  limit: number | LimitFunction;
+  /** The key space of the task's keys. @defaultValue the task identifier */
+  lockGroup?: string | undefined;
+  /** Two or more limits, each taken by every job (all or nothing); null for the single limit above. */
+  limits?: readonly LimitRule[] | null;
+}
+
+/**
+ * The number of slots of a key value: `limit` itself, or what the limit function returns for the value. A
+ * function that throws or returns anything but a positive integer is an {@link InvalidArgumentError} naming
+ * `option` (`limit`, `limits[1].limit`) and the task, after `context` (such as `job 42: `).
+ */
+export function resolveLimit(
+  limit: number | LimitFunction,
+  taskIdentifier: string,
+  keyValue: unknown,
+  option = "limit",
+  context = "",
+): number {
+  if (typeof limit === "number") return limit;
+  let value: unknown;
+  try {
+    value = limit(keyValue as never);
+  } catch (error) {
+    throw new InvalidArgumentError(
+      `${context}\`${option}\` of task '${taskIdentifier}' threw for key ${canonicalJson(keyValue, null)}: ${error instanceof Error ? error.message : String(error)}`,
+      { cause: error },
+    );
+  }
+  if (typeof value !== "number" || !Number.isInteger(value) || value < 1) {
+    throw new InvalidArgumentError(
+      `${context}\`${option}\` of task '${taskIdentifier}' must return a positive integer, got ${String(value)} for key ${canonicalJson(keyValue, null)}`,
+    );
+  }
+  return value;
 }
 
 /**
@@ -208,7 +263,7 @@ export interface KeyRules {
  */
 export function lockKeyValue(
   taskIdentifier: string,
-  rules: KeyRules,
+  rules: Pick<KeyRules, "key" | "keyPath">,
   payload: unknown,
   jobId?: string,
   trusted = false,
@@ -223,7 +278,8 @@ export function lockKeyValue(
 
 /**
  * The lock keys (semaphore slots, {@link slotKeys}) of a job of `taskIdentifier` with `payload` under
- * `rules`: the one derivation the task wrapper, the enqueuer and the CLI share. See {@link lockKeyValue}.
+ * `rules`, in the task's lock group: the one derivation the task wrapper, the enqueuer and the CLI share. See
+ * {@link lockKeyValue}. With several limits, the slots of the first ({@link jobLimitKeys} has them all).
  */
 export function jobLockKeys(
   taskIdentifier: string,
@@ -232,8 +288,59 @@ export function jobLockKeys(
   jobId?: string,
   trusted = false,
 ): bigint[] {
+  if (rules.limits) return jobLimitKeys(taskIdentifier, rules, payload, jobId, trusted)[0]!.slots;
   const value = lockKeyValue(taskIdentifier, rules, payload, jobId, trusted);
-  return slotKeys(taskIdentifier, value, rules.limit, null);
+  const context = jobId === undefined ? "" : `job ${jobId}: `;
+  const limit = resolveLimit(rules.limit, taskIdentifier, value, "limit", context);
+  return slotKeys(rules.lockGroup ?? taskIdentifier, value, limit, null);
+}
+
+/** The keys of one limit of a job: its group, and its slots (slot 0 first, whose line waiting jobs join). */
+export interface LimitKeys {
+  group: string;
+  slots: bigint[];
+}
+
+/**
+ * Every limit's keys of a job under `rules` (one entry for a single limit). Two limits of one job whose keys
+ * would meet (same group and key value) are refused with an {@link InvalidArgumentError}: the job would wait
+ * for itself.
+ */
+export function jobLimitKeys(
+  taskIdentifier: string,
+  rules: KeyRules,
+  payload: unknown,
+  jobId?: string,
+  trusted = false,
+): LimitKeys[] {
+  if (!rules.limits) {
+    return [
+      {
+        group: rules.lockGroup ?? taskIdentifier,
+        slots: jobLockKeys(taskIdentifier, rules, payload, jobId, trusted),
+      },
+    ];
+  }
+  if (!trusted) assertJsonSafe(payload);
+  const context = jobId === undefined ? "" : `job ${jobId}: `;
+  const seen = new Map<string, number>();
+  return rules.limits.map((rule, index) => {
+    const value = lockKeyValue(taskIdentifier, rule, payload, jobId, true);
+    const option = `limits[${index}].limit`;
+    const limit = resolveLimit(rule.limit, taskIdentifier, value, option, context);
+    const group = rule.group ?? taskIdentifier;
+    const material = lockKeyMaterial(group, value, null);
+    const before = seen.get(material);
+    if (before !== undefined) {
+      throw new InvalidArgumentError(
+        `${context}\`limits[${before}]\` and \`limits[${index}]\` of task '${taskIdentifier}' give the same key (${material}): give the limits different groups`,
+      );
+    }
+    seen.set(material, index);
+    const slots = [hashKey(material)];
+    for (let slot = 1; slot < limit; slot++) slots.push(hashKey(`${material}#slot:${slot}`));
+    return { group, slots };
+  });
 }
 
 /**

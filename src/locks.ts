@@ -13,6 +13,7 @@ import type { LocksContext } from "./context.js";
 import { makeEnqueuer, type TaskRules } from "./enqueue/enqueue.js";
 import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
 import { makeEmitter, type LocksEvents } from "./events.js";
+import { canStart } from "./exclusive/can-start.js";
 import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive/exclusive.js";
 import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
@@ -218,6 +219,10 @@ export function makeLocks(options: LocksOptions): Locks {
       assertOpen();
       return enqueuer.lockAvailable(keys);
     },
+    async limitsHeld(limits) {
+      assertOpen();
+      return enqueuer.limitsHeld(limits);
+    },
     async addJob(taskIdentifier, payload, spec) {
       assertOpen();
       return enqueuer.addJob(taskIdentifier, payload, spec);
@@ -286,7 +291,12 @@ export function makeLocks(options: LocksOptions): Locks {
       );
     },
     async lockAvailable(taskIdentifier, payload) {
-      return ctx.lockAvailable(enqueuer.keysOf(taskIdentifier, payload));
+      const limits = enqueuer.limitKeysOf(taskIdentifier, payload);
+      if (limits.length === 1) return ctx.lockAvailable(limits[0]!.slots);
+      return (await canStart(limits, ctx.limitsHeld)).ok;
+    },
+    async canStart(taskIdentifier, payload) {
+      return canStart(enqueuer.limitKeysOf(taskIdentifier, payload), ctx.limitsHeld);
     },
     addJob(taskIdentifier, payload, spec) {
       return ctx.addJob(taskIdentifier, payload, spec);

@@ -5,6 +5,7 @@
 import type { Pool, PoolClient, Client } from "pg";
 import type { Logger, TaskSpec } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
+import type { LimitRule } from "./key.js";
 
 const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
@@ -34,8 +35,26 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
   onConflict?: ConflictStrategy;
   /** What identifies "the same job": the value whose canonical JSON makes the key. @defaultValue the whole payload */
   key?: (payload: TPayload) => unknown;
-  /** How many jobs with the same key may run at once. @defaultValue `1` */
-  limit?: number;
+  /**
+   * How many jobs with the same key may run at once: a number, or a function of the key value (what `key`
+   * returns, not the rest of the payload, so that every job of a key agrees), which must return a positive
+   * integer. @defaultValue `1`
+   */
+  limit?: number | ((keyValue: never) => number);
+  /**
+   * Shares lock keys across tasks that name the same group: jobs of those tasks whose `key` values are equal
+   * take the same key (and its `limit` slots). Tasks of one group should agree on `limit`.
+   * @defaultValue the task identifier
+   */
+  lockGroup?: string;
+  /**
+   * Several limits, all of which a job must get a slot of before it runs: taken all or nothing, in one lock
+   * statement. Each limit has its own `key` (default: the task's `key`), `limit` (a number or a function of
+   * its key value; default `1`) and `group` (default: the task's `lockGroup`). Replaces `limit`; a list of
+   * one is the same as the task's own `key`, `limit` and `lockGroup`.
+   * @defaultValue none (the task's single limit)
+   */
+  limits?: ReadonlyArray<LimitOptions<TPayload>>;
   /**
    * Whether `addJob` drops a job up front when its key is held.
    * @defaultValue `true` with `onConflict: "drop"`, `false` otherwise (jobs that must run later are never dropped)
@@ -45,12 +64,26 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
   reschedule?: RescheduleOptions;
 }
 
+/** One limit of `limits`. */
+export interface LimitOptions<TPayload = unknown> {
+  /** The value whose canonical JSON makes this limit's key. @defaultValue the task's `key` */
+  key?: (payload: TPayload) => unknown;
+  /** How many jobs of a key value may hold this limit at once, or a function of the key value. @defaultValue `1` */
+  limit?: number | ((keyValue: never) => number);
+  /** The key space of this limit (shared with the tasks and limits that name it). @defaultValue the task's `lockGroup` */
+  group?: string;
+}
+
 export interface ResolvedExclusiveOptions<TPayload = unknown> {
   onConflict: ConflictStrategy;
   key: (payload: TPayload) => unknown;
   /** How errors name the key value: `payload`, or `key(payload)` with a custom `key`. */
   keyPath: string;
-  limit: number;
+  limit: number | ((keyValue: never) => number);
+  /** The key space of the task's keys; undefined: the task identifier. */
+  lockGroup: string | undefined;
+  /** Two or more limits, each with its own key, limit and group; null for the single limit above. */
+  limits: readonly LimitRule[] | null;
   preemptive: boolean;
   reschedule: Required<RescheduleOptions>;
 }
@@ -182,10 +215,66 @@ export function resolvePartitionTimeout(options: LocksOptions): number {
   return value;
 }
 
-function assertPositiveInteger(name: string, value: unknown): asserts value is number {
+/** A `limit` option: a positive integer, or a function of the key value (checked where it is called). */
+function assertLimit(name: string, value: unknown): number | ((keyValue: never) => number) {
+  if (typeof value === "function") return value as (keyValue: never) => number;
   if (typeof value !== "number" || !Number.isInteger(value) || value < 1) {
-    throw new InvalidArgumentError(`\`${name}\` must be a positive integer, got ${String(value)}`);
+    throw new InvalidArgumentError(
+      `\`${name}\` must be a positive integer or a function of the key value, got ${String(value)}`,
+    );
   }
+  return value;
+}
+
+/** A group option (`lockGroup`, a limit's `group`): a non-empty string that is not only whitespace. */
+function assertGroup(name: string, value: unknown): string | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== "string" || value.trim().length === 0) {
+    throw new InvalidArgumentError(
+      `\`${name}\` must be a non-empty string, got ${JSON.stringify(value) ?? String(value)}`,
+    );
+  }
+  return value;
+}
+
+/** Checks `limits` and fills in each limit's defaults from the task's `key` and `lockGroup`. */
+function resolveLimits(
+  limits: ReadonlyArray<LimitOptions<never>>,
+  taskKey: ((payload: never) => unknown) | undefined,
+  lockGroup: string | undefined,
+): LimitRule[] {
+  if (!Array.isArray(limits) || limits.length === 0) {
+    throw new InvalidArgumentError(
+      `\`limits\` must be a non-empty array of { key?, limit?, group? }, got ${Array.isArray(limits) ? "[]" : String(limits)}`,
+    );
+  }
+  return limits.map((entry: unknown, i) => {
+    if (!entry || typeof entry !== "object" || Array.isArray(entry)) {
+      throw new InvalidArgumentError(
+        `\`limits[${i}]\` must be an object { key?, limit?, group? }, got ${String(entry)}`,
+      );
+    }
+    for (const name of Object.keys(entry)) {
+      if (name !== "key" && name !== "limit" && name !== "group") {
+        throw new InvalidArgumentError(
+          `\`limits[${i}]\`: unknown option \`${name}\` (known: key, limit, group)`,
+        );
+      }
+    }
+    const { key, limit, group } = entry as LimitOptions<never>;
+    if (key !== undefined && typeof key !== "function") {
+      throw new InvalidArgumentError(
+        `\`limits[${i}].key\` must be a function of the payload, got ${typeof key}`,
+      );
+    }
+    const own = key ?? taskKey;
+    return {
+      key: own ?? ((payload: never) => payload),
+      keyPath: own ? "key(payload)" : "payload",
+      limit: assertLimit(`limits[${i}].limit`, limit ?? 1),
+      group: assertGroup(`limits[${i}].group`, group) ?? lockGroup,
+    };
+  });
 }
 
 function assertNonNegative(name: string, value: unknown): asserts value is number {
@@ -208,12 +297,30 @@ export function resolveExclusiveOptions<TPayload>(
       `\`onConflict\` must be one of ${CONFLICT_STRATEGIES.map((s) => `"${s}"`).join(", ")}, got ${JSON.stringify(onConflict)}`,
     );
   }
-  const limit = merged.limit ?? 1;
-  assertPositiveInteger("limit", limit);
   if (merged.key !== undefined && typeof merged.key !== "function") {
     throw new InvalidArgumentError(
       `\`key\` must be a function of the payload, got ${typeof merged.key}`,
     );
+  }
+  let limit = assertLimit("limit", merged.limit ?? 1);
+  let lockGroup = assertGroup("lockGroup", merged.lockGroup);
+  let key = merged.key;
+  let limits: LimitRule[] | null = null;
+  if (merged.limits !== undefined) {
+    if (options?.limit !== undefined && options.limits !== undefined) {
+      throw new InvalidArgumentError(
+        "`limit` and `limits` cannot both be set: give each limit of `limits` its own `limit`",
+      );
+    }
+    limits = resolveLimits(merged.limits as ReadonlyArray<LimitOptions<never>>, key, lockGroup);
+    if (limits.length === 1) {
+      // One limit is the task's single limit: today's keys and statements.
+      const only = limits[0]!;
+      key = only.keyPath === "payload" ? undefined : (only.key as (payload: TPayload) => unknown);
+      limit = only.limit;
+      lockGroup = only.group;
+      limits = null;
+    }
   }
   // Dropping at enqueue is only in keeping with a task that drops at run time too.
   const preemptive = merged.preemptive ?? onConflict === "drop";
@@ -242,9 +349,11 @@ export function resolveExclusiveOptions<TPayload>(
   }
   return {
     onConflict,
-    key: merged.key ?? ((payload: TPayload) => payload),
-    keyPath: merged.key ? "key(payload)" : "payload",
+    key: key ?? ((payload: TPayload) => payload),
+    keyPath: key ? "key(payload)" : "payload",
     limit,
+    lockGroup,
+    limits,
     preemptive,
     reschedule,
   };

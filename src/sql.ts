@@ -71,6 +71,11 @@ export const BatchOp = {
   LOCKED_WITH_LINE: 5,
   /** The early wake of $6[i]'s line woke job `key`. */
   PREWOKEN: 6,
+  /**
+   * Request $11[i] of a job with several limits took the slots `key` (comma-separated, one per limit), or
+   * none: `key` is '!' and the place (from 1) of the limit that was full.
+   */
+  STACKED: 8,
 } as const;
 
 /**
@@ -143,6 +148,46 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
    */
   const enqueueAnswer = (columns: string, call: string) =>
     `select ${columns}r.outcome, r.task_identifier, (r.job).* from ${call} r`;
+  /**
+   * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) before
+   * its wakes.
+   */
+  const lockBatchText = (stacked: string) => `${backendRow(10)}
+      union all
+      select ${BatchOp.WOKEN}, 0, null
+        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
+      union all
+      ${failedUnlocks(9)}
+      union all
+      select case
+          when r.got then ${BatchOp.LOCKED_WITH_LINE}
+          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
+          else ${BatchOp.LOCK_FAILED}
+        end, r.i::int, null
+        from (
+          select t.k, t.job, t.i, case
+              when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
+              else false
+            end as got
+          from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
+          where ${onOwnBackend(9)}
+          offset 0
+        ) r
+        where not r.got or (r.job is not null and (
+          -- (the first in line by the (lock_key, pos) index: a plain exists() here turns into a scan of the whole
+          -- table once statistics were taken with a long line in it)
+          select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
+        ) is not null)
+      union all
+      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
+        from unnest($3::text[]) with ordinality as t(slots, i)
+        where ${onOwnBackend(9)}
+${stacked}      union all
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null
+        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)}
+      union all
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
+        where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`;
   return {
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
@@ -180,42 +225,21 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       // they took; PREWOKEN names the job each early wake woke.
       // PostgreSQL runs the branches in order: the lines of the keys whose waiters to wake are locked before the
       // unlocks (lock_lines), so that a job parking meanwhile sees this statement's wake (no row comes back).
-      text: `${backendRow(10)}
-      union all
-      select ${BatchOp.WOKEN}, 0, null
-        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
-      union all
-      ${failedUnlocks(9)}
-      union all
-      select case
-          when r.got then ${BatchOp.LOCKED_WITH_LINE}
-          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
-          else ${BatchOp.LOCK_FAILED}
-        end, r.i::int, null
-        from (
-          select t.k, t.job, t.i, case
-              when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
-              else false
-            end as got
-          from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
-          where ${onOwnBackend(9)}
-          offset 0
-        ) r
-        where not r.got or (r.job is not null and (
-          -- (the first in line by the (lock_key, pos) index: a plain exists() here turns into a scan of the whole
-          -- table once statistics were taken with a long line in it)
-          select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
-        ) is not null)
-      union all
-      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
-        from unnest($3::text[]) with ordinality as t(slots, i)
+      text: lockBatchText(""),
+    },
+
+    /**
+     * `lockBatch` with requests of jobs with several limits: $11, each request's limits (try_lock_all in
+     * sql/000002.sql), with $12 its `reschedule` job's id or null. Each answers a STACKED row: the slots
+     * it took, or '!' and the limit that was full.
+     */
+    lockBatchStacked: {
+      name: `gwl_lock_stacked`,
+      text: lockBatchText(`      union all
+      select ${BatchOp.STACKED}, t.i::int, ${s}.try_lock_all(t.limits, t.job)
+        from unnest($11::text[], $12::bigint[]) with ordinality as t(limits, job, i)
         where ${onOwnBackend(9)}
-      union all
-      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null
-        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)}
-      union all
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
-        where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`,
+`),
     },
 
     /**
@@ -299,6 +323,16 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * backend still carries the session's mark ($1).
      */
     heartbeat: `select pg_catalog.pg_backend_pid() as pid, ${MARK} is not distinct from $1::text as marked`,
+
+    /**
+     * How many slots of each limit some session holds: $1, $2 the classids and objids of every limit's
+     * slots, $3 the limit (from 0) of each; one row per limit with a slot held.
+     */
+    limitsHeld: `select s.i, count(*)::int as held
+      from unnest($1::oid[], $2::oid[], $3::int[]) as s(classid, objid, i)
+      join pg_catalog.pg_locks l on l.classid = s.classid and l.objid = s.objid
+      where l.locktype = 'advisory' and l.objsubid = 1 and l.granted and l.database = ${THIS_DATABASE}
+      group by s.i`,
 
     /** $1, $2: classids and objids of the keys; $3: how many of them must be held to call it unavailable. */
     lockAvailable: `select ${heldCount("$1", "$2")} < $3::int as available`,

@@ -9,6 +9,7 @@ import type { Client, PoolClient } from "pg";
 import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import type { LocksEventEmitter } from "./events.js";
 import type { HandoffCounts } from "./session/handoff.js";
+import type { CanStartResult } from "./exclusive/can-start.js";
 import type {
   AddJobSpec,
   DefineOptions,
@@ -89,6 +90,15 @@ export interface Locks {
     taskIdentifier: TIdentifier,
     payload: TaskPayload<TIdentifier>,
   ): Promise<boolean>;
+  /**
+   * Whether a job of this task with this payload could start now, and if not, what stops it: each of its
+   * limits (`limits`, or its single limit) with no free slot, as a `Blocker`. Advisory, side-effect free:
+   * it reads PostgreSQL's lock table and never takes a lock.
+   */
+  canStart<TIdentifier extends string>(
+    taskIdentifier: TIdentifier,
+    payload: TaskPayload<TIdentifier>,
+  ): Promise<CanStartResult>;
   /**
    * Adds a job under the rules of the task defined on this instance under `taskIdentifier` (and the
    * spec's overrides): the preemptive check for exclusive tasks, and uniqueness.
@@ -182,7 +192,10 @@ export interface ExclusiveTask<TPayload = unknown> extends Task {
   readonly options: Readonly<ResolvedExclusiveOptions<TPayload>>;
   /** The advisory lock key of a payload (slot 0 when `limit > 1`). */
   lockKey(payload: TPayload): bigint;
-  /** Whether a job with this payload could take its lock now. Advisory: it never takes the lock. */
+  /**
+   * Whether a job with this payload could take its lock now (with several limits: a slot of every one).
+   * Advisory: it never takes the lock. `locks.canStart` says which limit is full.
+   */
   lockAvailable(payload: TPayload): Promise<boolean>;
   /** Adds a job of this task, dropped up front if its key is held (unless `preemptive: false`). */
   addJob(payload: TPayload, spec?: AddJobSpec): Promise<AddJobResult>;

@@ -21,14 +21,24 @@ import { InvalidArgumentError, UniqueConflictError } from "../errors.js";
 import {
   assertIdentifier,
   assertJsonSafe,
+  jobLimitKeys,
   jobLockKeys,
   lockFlag,
   lockKeyValue,
+  resolveLimit,
   slotKeys,
+  type LimitKeys,
 } from "../key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
 import type { Sql } from "../sql.js";
-import { addJob, addJobs, lockAvailable, type EnqueuePlan, type Queryable } from "./statements.js";
+import {
+  addJob,
+  addJobs,
+  limitsHeld,
+  lockAvailable,
+  type EnqueuePlan,
+  type Queryable,
+} from "./statements.js";
 import type { AddJobResult, AddJobsItem } from "../types.js";
 import { resolveUnique, type UniqueOptions } from "./unique.js";
 
@@ -61,9 +71,13 @@ export interface Enqueuer {
     items: readonly AddJobsItem[],
     options: { pgClient?: PoolClient | Client } | undefined,
   ): Promise<AddJobResult[]>;
-  /** The slot keys a job of this task with this payload takes. */
+  /** The slot keys a job of this task with this payload takes (of its first limit, with several). */
   keysOf(taskIdentifier: string, payload: unknown): bigint[];
+  /** The keys of every limit of a job of this task with this payload (one entry for a single limit). */
+  limitKeysOf(taskIdentifier: string, payload: unknown): LimitKeys[];
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
+  /** How many slots of each limit are held right now (by any session). */
+  limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
   /** Removes expired `uniqueFor` windows now; resolves how many. */
   sweep(): Promise<number>;
 }
@@ -131,10 +145,19 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     const keyOfPayload = rules
       ? { value: lockKeyValue(taskIdentifier, rules, payload, undefined, true) }
       : null;
-    const flagged = exclusive?.onConflict === "reschedule" && exclusive.limit === 1;
+    // Several limits: every limit's key and limit function is evaluated (and checked) here too; the
+    // preemptive check reads them all (see addJob below).
+    const limitKeys = rules?.limits
+      ? jobLimitKeys(taskIdentifier, rules, payload, undefined, true)
+      : null;
+    const limit =
+      rules && !rules.limits
+        ? resolveLimit(rules.limit, taskIdentifier, keyOfPayload!.value)
+        : 0;
+    const flagged = exclusive?.onConflict === "reschedule" && !limitKeys && limit === 1;
     const keys =
-      rules && (preemptive || flagged)
-        ? slotKeys(taskIdentifier, keyOfPayload!.value, rules.limit, null)
+      rules && !limitKeys && (preemptive || flagged)
+        ? slotKeys(rules.lockGroup ?? taskIdentifier, keyOfPayload!.value, limit, null)
         : null;
     const lockKeys = preemptive ? keys : null;
     const unique = resolveUnique(
@@ -153,7 +176,15 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
-    return { taskIdentifier, payload, spec, lockKeys, unique, line };
+    return {
+      taskIdentifier,
+      payload,
+      spec,
+      lockKeys,
+      limitKeys: preemptive ? limitKeys : null,
+      unique,
+      line,
+    };
   };
 
   /** Tells listeners what became of a job that was not simply added. */
@@ -218,6 +249,18 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       const migrating = options.ready();
       if (migrating) await migrating;
       const db: Queryable = spec?.pgClient ?? pool;
+      if (p.limitKeys) {
+        // Several limits: dropped up front when any of them is full. A read before the insert (the single
+        // limit's check is part of its insert statement); either way the check is advisory, and the lock
+        // statement when the job runs is what decides.
+        const held = await limitsHeld(db, sql, p.limitKeys);
+        const full = held.findIndex((n, i) => n >= p.limitKeys![i]!.slots.length);
+        if (full >= 0) {
+          const dropped: AddJobResult = { job: null, outcome: "dropped" };
+          report(dropped, { ...p, lockKeys: p.limitKeys[full]!.slots });
+          return dropped;
+        }
+      }
       const result = await addJob(db, sql, p);
       report(result, p);
       if (p.unique?.windowSeconds) maybeSweep();
@@ -276,6 +319,18 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       assertIdentifier(taskIdentifier);
       const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
       return jobLockKeys(taskIdentifier, rules, payload);
+    },
+
+    limitKeysOf(taskIdentifier, payload) {
+      assertIdentifier(taskIdentifier);
+      const rules = definitions.get(taskIdentifier)?.exclusive ?? defaultExclusive;
+      return jobLimitKeys(taskIdentifier, rules, payload);
+    },
+
+    async limitsHeld(limits) {
+      const migrating = options.ready();
+      if (migrating) await migrating;
+      return limitsHeld(pool, sql, limits);
     },
 
     async lockAvailable(keys) {

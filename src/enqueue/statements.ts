@@ -9,7 +9,7 @@
  */
 import type { Job } from "graphile-worker";
 import { InvalidArgumentError, rethrowExplained } from "../errors.js";
-import { advisoryParts } from "../key.js";
+import { advisoryParts, type LimitKeys } from "../key.js";
 import type { AddJobSpec } from "../options.js";
 import type { Sql } from "../sql.js";
 import type { AddJobResult } from "../types.js";
@@ -36,8 +36,10 @@ export interface EnqueuePlan {
   taskIdentifier: string;
   payload: unknown;
   spec: AddJobSpec | undefined;
-  /** The lock's slot keys when the preemptive check applies. */
+  /** The lock's slot keys when the preemptive check applies (a single limit). */
   lockKeys: readonly bigint[] | null;
+  /** Every limit's keys when the preemptive check applies to a task with several limits. */
+  limitKeys?: readonly LimitKeys[] | null;
   unique: ResolvedUnique | null;
   /**
    * A job of a `reschedule` task (one slot, not unique, no `runAt`): its key, and how long it may wait in
@@ -62,6 +64,23 @@ export async function lockAvailable(
     sql.statement("lock_available", sql.lockAvailable, lockCoordinates(keys)),
   );
   return rows[0]!.available;
+}
+
+/** How many slots of each limit some session holds now, in the order of `limits`. */
+export async function limitsHeld(
+  db: Queryable,
+  sql: Sql,
+  limits: readonly LimitKeys[],
+): Promise<number[]> {
+  const keys = limits.flatMap((l) => l.slots);
+  const [classids, objids] = lockCoordinates(keys);
+  const limitOf = limits.flatMap((l, i) => l.slots.map(() => i));
+  const { rows } = await explaining(db).query<{ i: number; held: number }>(
+    sql.statement("limits_held", sql.limitsHeld, [classids, objids, limitOf]),
+  );
+  const held = limits.map(() => 0);
+  for (const row of rows) held[row.i] = row.held;
+  return held;
 }
 
 /**

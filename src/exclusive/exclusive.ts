@@ -6,7 +6,7 @@ import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError } from "../errors.js";
 import type { LocksContext } from "../context.js";
 import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
-import { jobLockKeys } from "../key.js";
+import { jobLimitKeys, jobLockKeys } from "../key.js";
 import { LockedAborts } from "./aborts.js";
 import { GiveBack } from "./give-back.js";
 import { ConflictCounter, HoldTime } from "./hold-time.js";
@@ -16,7 +16,17 @@ import type { ExclusiveTask } from "../types.js";
 /** An exclusive task as this library sees it: the public task, and how lock-ahead locks its jobs. */
 export interface ExclusiveTaskImpl<TPayload = unknown> extends ExclusiveTask<TPayload> {
   /** How lock-ahead locks a fetched job of this task. */
-  readonly lockPlan: (job: Job) => { slots: bigint[]; info: HoldInfo };
+  readonly lockPlan: (job: Job) => LockPlan;
+}
+
+/**
+ * How a job takes its lock: its slots and hold info, and for a job with several limits each limit's slots
+ * (`slots` are then each limit's slot 0, its line).
+ */
+interface LockPlan {
+  slots: bigint[];
+  info: HoldInfo;
+  limits?: bigint[][];
 }
 
 export function makeExclusiveTask<TPayload>(
@@ -31,9 +41,15 @@ export function makeExclusiveTask<TPayload>(
   // an error naming the job, task and function.
   const keysOf = (payload: TPayload) => jobLockKeys(taskIdentifier, options, payload);
   const keysOfJob = (job: Job) => jobLockKeys(taskIdentifier, options, job.payload, job.id, true);
+  // Keys that other tasks may share (a group): their lines may hold `reschedule` jobs of those tasks, which
+  // the release wakes whatever this task's strategy.
+  const shared =
+    options.lockGroup !== undefined || (options.limits?.some((l) => l.group !== undefined) ?? false);
   const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo =>
     options.onConflict !== "reschedule"
-      ? { taskIdentifier, jobId: job.id, reschedule: false }
+      ? shared
+        ? { taskIdentifier, jobId: job.id, reschedule: false, wakeKeys: [slots[0]!] }
+        : { taskIdentifier, jobId: job.id, reschedule: false }
       : {
           taskIdentifier,
           jobId: job.id,
@@ -43,6 +59,33 @@ export function makeExclusiveTask<TPayload>(
           prewakeAfterMs: slots.length === 1 ? holdTime.prewakeAfterMs() : null,
           releaseWaitMs: holdTime.releaseWaitMs(),
         };
+
+  /** The hold info of a job with several limits, whose lines are `lines` (each limit's slot 0). */
+  const stackedInfo = (job: Job, lines: readonly bigint[]): HoldInfo =>
+    options.onConflict !== "reschedule"
+      ? { taskIdentifier, jobId: job.id, reschedule: false, wakeKeys: shared ? lines : undefined }
+      : {
+          taskIdentifier,
+          jobId: job.id,
+          reschedule: true,
+          wakeKey: lines[0]!,
+          wakeKeys: lines,
+          // (no early wake: the job woken must find every limit free, not only the one it waited for)
+          prewakeAfterMs: null,
+          releaseWaitMs: holdTime.releaseWaitMs(),
+        };
+
+  const planOf = (job: Job): LockPlan => {
+    if (!options.limits) {
+      const slots = keysOfJob(job);
+      return { slots, info: holdInfo(job, slots) };
+    }
+    const limits = jobLimitKeys(taskIdentifier, options, job.payload, job.id, true).map(
+      (l) => l.slots,
+    );
+    const lines = limits.map((slots) => slots[0]!);
+    return { slots: lines, info: stackedInfo(job, lines), limits };
+  };
 
   const onConflict = async (
     job: Job,
@@ -119,7 +162,10 @@ export function makeExclusiveTask<TPayload>(
 
   /** Runs the task while `hold` is held, then releases it. */
   const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
-    if (hold.info.reschedule) conflicts.clear(hold.info.wakeKey.toString());
+    if (hold.info.reschedule) {
+      if (hold.info.wakeKeys) for (const key of hold.info.wakeKeys) conflicts.clear(key.toString());
+      else conflicts.clear(hold.info.wakeKey.toString());
+    }
     if (ctx.listening("lock:acquired"))
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
     const measured = timed || listening();
@@ -150,6 +196,15 @@ export function makeExclusiveTask<TPayload>(
 
   const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
+    if (options.limits) {
+      // Several limits: the conflict strategy applies to the limit that was full (its slots, its line).
+      const plan = planOf(job);
+      const result = await giveBack.acquire(job, helpers, plan.slots, () => plan.info, plan.limits);
+      if (result === null) return;
+      if (!result.acquired)
+        return onConflict(job, helpers, plan.limits![result.full ?? 0]!, result.local);
+      return runHeld(result.hold, payload, helpers);
+    }
     const slots = keysOfJob(job);
     const result = await giveBack.acquire(job, helpers, slots, holdInfo);
     if (result === null) return;
@@ -178,11 +233,13 @@ export function makeExclusiveTask<TPayload>(
     taskIdentifier,
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
-    lockPlan: (job: Job) => {
-      const slots = keysOfJob(job);
-      return { slots, info: holdInfo(job, slots) };
+    lockPlan: planOf,
+    lockAvailable: async (payload: TPayload) => {
+      if (!options.limits) return ctx.lockAvailable(keysOf(payload));
+      const limits = jobLimitKeys(taskIdentifier, options, payload);
+      const held = await ctx.limitsHeld(limits);
+      return held.every((n, i) => n < limits[i]!.slots.length);
     },
-    lockAvailable: async (payload: TPayload) => ctx.lockAvailable(keysOf(payload)),
     addJob: (payload: TPayload, spec?: AddJobSpec) => ctx.addJob(taskIdentifier, payload, spec),
   }) as ExclusiveTask<TPayload>;
 }

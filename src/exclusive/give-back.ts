@@ -101,12 +101,13 @@ export class GiveBack {
     helpers: JobHelpers,
     slots: bigint[],
     holdInfo: (job: Job, slots: readonly bigint[]) => HoldInfo,
+    limits?: ReadonlyArray<readonly bigint[]>,
   ): Promise<AcquireResult | null> {
     const { ctx } = this;
     const deadline = performance.now() + ctx.lockSessionWaitMs;
     for (;;) {
       try {
-        return await ctx.session.acquire(slots, holdInfo(job, slots));
+        return await ctx.session.acquire(slots, holdInfo(job, slots), limits);
       } catch (error) {
         if (helpers.abortSignal?.aborted) throw error;
         if (isLockTableFull(error)) {

@@ -4,7 +4,7 @@
  * sql.ts), and the decoding of its answer rows (`BatchOp`).
  */
 import type { QueryConfig } from "pg";
-import type { HoldImpl, LockRequest } from "./holds.js";
+import { linesOf, type HoldImpl, type LockRequest } from "./holds.js";
 import { BatchOp, type Sql } from "../sql.js";
 
 export interface Batch {
@@ -13,6 +13,8 @@ export interface Batch {
   singles: LockRequest[];
   /** Semaphore requests (several slots, the first free one taken). */
   multis: LockRequest[];
+  /** Requests of jobs with several limits (one slot of each, all or nothing). */
+  stacked: LockRequest[];
   /** Early wakes of the next job in line of these holds' keys. */
   prewakes: HoldImpl[];
   /** Whether idle workers of this process fetch the jobs woken early (they are not announced). */
@@ -27,8 +29,44 @@ export function makeBatch(
 ): Batch {
   const singles: LockRequest[] = [];
   const multis: LockRequest[] = [];
-  for (const request of locks) (request.slots.length === 1 ? singles : multis).push(request);
-  return { unlocks, singles, multis, prewakes, wakeHere };
+  const stacked: LockRequest[] = [];
+  for (const request of locks)
+    (request.limits ? stacked : request.slots.length === 1 ? singles : multis).push(request);
+  return { unlocks, singles, multis, stacked, prewakes, wakeHere };
+}
+
+/**
+ * The keys a batch unlocks, in order: each hold's key, or every key of a hold of several limits. `holdAt`,
+ * when some hold has several keys: the unlock's index (from 0) of each key.
+ */
+export function unlockKeys(unlocks: readonly HoldImpl[]): { keys: string[]; holdAt: number[] | null } {
+  if (unlocks.every((hold) => !hold.stacked))
+    return { keys: unlocks.map((hold) => hold.keyText), holdAt: null };
+  const keys: string[] = [];
+  const holdAt: number[] = [];
+  unlocks.forEach((hold, index) => {
+    for (const key of hold.keyTexts) {
+      keys.push(key);
+      holdAt.push(index);
+    }
+  });
+  return { keys, holdAt };
+}
+
+/** The lines the unlocks wake: each line key, with the job that released it. */
+export function unlockLines(unlocks: readonly HoldImpl[]): {
+  keys: Array<bigint | null>;
+  jobIds: Array<string | null>;
+} {
+  const keys: Array<bigint | null> = [];
+  const jobIds: Array<string | null> = [];
+  for (const hold of unlocks) {
+    for (const key of linesOf(hold.info)) {
+      keys.push(key);
+      jobIds.push(hold.info.jobId);
+    }
+  }
+  return { keys, jobIds };
 }
 
 /**
@@ -52,38 +90,42 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
  * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
  */
 export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
-  const { unlocks, singles, multis, prewakes, wakeHere } = batch;
-  const waking = unlocks.filter((hold) => hold.info.reschedule);
+  const { unlocks, singles, multis, stacked, prewakes, wakeHere } = batch;
+  const waking = unlockLines(unlocks);
   const plain =
     multis.length === 0 &&
-    waking.length === 0 &&
+    stacked.length === 0 &&
+    waking.keys.length === 0 &&
     prewakes.length === 0 &&
     singles.every((r) => !r.info.reschedule);
   // $1 and $2 of both statements (the pid and mark are $3 and $4 of the plain one, $9 and $10 of the other).
-  const unlockKeys = integerArray(unlocks.map((hold) => hold.keyText));
+  const unlocked = integerArray(unlockKeys(unlocks).keys);
   const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
   if (plain) {
     const { name, text } = sql.lockBatchPlain;
-    return { name, text, values: [unlockKeys, singleKeys, pid, mark] };
+    return { name, text, values: [unlocked, singleKeys, pid, mark] };
   }
-  const { name, text } = sql.lockBatch;
-  return {
-    name,
-    text,
-    values: [
-      unlockKeys,
-      singleKeys,
-      multis.map((r) => r.slots.join(",")),
-      integerArray(waking.map((hold) => (hold.info.reschedule ? hold.info.wakeKey : null))),
-      // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
-      integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))),
-      integerArray(prewakes.map((hold) => hold.keyText)),
-      integerArray(waking.map((hold) => hold.info.jobId)),
-      !wakeHere,
-      pid,
-      mark,
-    ],
-  };
+  const { name, text } = stacked.length > 0 ? sql.lockBatchStacked : sql.lockBatch;
+  const values: unknown[] = [
+    unlocked,
+    singleKeys,
+    multis.map((r) => r.slots.join(",")),
+    integerArray(waking.keys),
+    // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
+    integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))),
+    integerArray(prewakes.map((hold) => hold.keyText)),
+    integerArray(waking.jobIds),
+    !wakeHere,
+    pid,
+    mark,
+  ];
+  if (stacked.length > 0) {
+    values.push(
+      stacked.map((r) => r.limits!.map((slots, i) => `${r.lines![i]}:${slots.join(",")}`).join(";")),
+      integerArray(stacked.map((r) => (r.info.reschedule ? r.info.jobId : null))),
+    );
+  }
+  return { name, text, values };
 }
 
 export interface BatchRow {
@@ -106,6 +148,8 @@ export interface BatchAnswer {
   slots: Map<number, string | null>;
   /** The job each early wake woke. */
   prewoken: Map<number, string>;
+  /** What each request of several limits took (see BatchOp.STACKED). */
+  stacked: Map<number, string>;
 }
 
 export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
@@ -116,6 +160,7 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
     singles: new Map(),
     slots: new Map(),
     prewoken: new Map(),
+    stacked: new Map(),
   };
   for (const row of rows) {
     switch (row.op) {
@@ -136,6 +181,9 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
         break;
       case BatchOp.PREWOKEN:
         answer.prewoken.set(row.i, row.key!);
+        break;
+      case BatchOp.STACKED:
+        answer.stacked.set(row.i, row.key!);
         break;
     }
   }

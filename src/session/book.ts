@@ -5,7 +5,7 @@
  * sends the statements; its header states the invariants both keep.
  */
 import type pg from "pg";
-import { decodeBatch, type Batch, type BatchRow } from "./batch.js";
+import { decodeBatch, unlockKeys, unlockLines, type Batch, type BatchRow } from "./batch.js";
 import type { LockConnection } from "./connection.js";
 import { isOutOfResources, lockSessionUnavailable, lockTableFull } from "../errors.js";
 import type { Handoff } from "./handoff.js";
@@ -54,7 +54,18 @@ export abstract class SessionBook implements HoldOwner {
 
   /** Keys this process holds right now. */
   heldKeys(): Array<{ key: bigint; info: HoldInfo; since: Date }> {
-    return [...this.holds.values()].map((h) => ({ key: h.key, info: h.info, since: h.since }));
+    return [...this.holds].map(([key, h]) => ({
+      key: h.stacked ? BigInt(key) : h.key,
+      info: h.info,
+      since: h.since,
+    }));
+  }
+
+  /** The holds of this process, each once (a hold of several limits is in `holds` under each key). */
+  openHolds(): HoldImpl[] {
+    const open: HoldImpl[] = [];
+    for (const [key, hold] of this.holds) if (hold.keyText === key) open.push(hold);
+    return open;
   }
 
   /**
@@ -65,9 +76,9 @@ export abstract class SessionBook implements HoldOwner {
    */
   heldFlags(): string[] {
     const flags: string[] = [];
-    for (const hold of this.holds.values()) {
-      if (hold.info.reschedule && !hold.releaseRequested && !this.handoff.isPrewoken(hold.keyText))
-        flags.push(lockFlag(hold.keyText));
+    for (const [key, hold] of this.holds) {
+      if (hold.info.reschedule && !hold.releaseRequested && !this.handoff.isPrewoken(key))
+        flags.push(lockFlag(key));
     }
     return flags;
   }
@@ -93,7 +104,7 @@ export abstract class SessionBook implements HoldOwner {
     noticesAtSend: number,
     sentAt: number,
   ): void {
-    const { unlocks, singles, multis } = batch;
+    const { unlocks, singles, multis, stacked } = batch;
     if (generation !== this.connection.generation) {
       // The connection died after answering: whatever this statement took died with it.
       const unavailable = lockSessionUnavailable("the connection was lost");
@@ -111,6 +122,13 @@ export abstract class SessionBook implements HoldOwner {
     for (const [i, key] of answer.slots) this.settleLock(multis[i - 1]!, key, generation, false);
     for (const [i, jobId] of answer.prewoken)
       this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
+    for (const [i, taken] of answer.stacked) this.settleStacked(stacked[i - 1]!, taken, generation);
+    const { holdAt } = unlockKeys(unlocks);
+    if (holdAt && answer.failedUnlocks.size > 0) {
+      // (a hold of several limits counts as unlocked only when every one of its keys was)
+      const failed = new Set([...answer.failedUnlocks].map((i) => holdAt[i - 1]! + 1));
+      answer.failedUnlocks = failed;
+    }
     unlocks.forEach((hold, index) => this.settleUnlock(hold, !answer.failedUnlocks.has(index + 1)));
     singles.forEach((r, index) => {
       const op = answer.singles.get(index + 1);
@@ -159,7 +177,7 @@ export abstract class SessionBook implements HoldOwner {
     unlocks: HoldImpl[],
     error: Error,
   ): Promise<void> {
-    const keys = [...locks.flatMap((r) => r.slots), ...unlocks.map((hold) => hold.keyText)];
+    const keys = [...locks.flatMap((r) => r.slots), ...unlockKeys(unlocks).keys];
     let row: ReconcileRow | undefined;
     try {
       const { name, text } = this.options.sql.reconcileLocks;
@@ -206,12 +224,12 @@ export abstract class SessionBook implements HoldOwner {
     for (const hold of unlocks) this.settleUnlock(hold, true);
     // The wakes of the failed statement rolled back with it: the lines of released `reschedule` keys are woken
     // now (should this fail, their jobs' safety net runs them).
-    const waking = unlocks.filter((hold) => hold.info.reschedule);
-    if (waking.length === 0) return;
+    const waking = unlockLines(unlocks);
+    if (waking.keys.length === 0) return;
     try {
       await client.query(this.options.sql.releaseWaiters, [
-        waking.map((hold) => (hold.info.reschedule ? hold.info.wakeKey.toString() : null)),
-        waking.map((hold) => hold.info.jobId),
+        waking.keys.map((key) => key?.toString() ?? null),
+        waking.jobIds,
       ]);
     } catch (wakeError) {
       this.options.onWarning(
@@ -251,6 +269,26 @@ export abstract class SessionBook implements HoldOwner {
     request.resolve({ acquired: true, hold: this.grant(request, key, generation, line) });
   }
 
+  /**
+   * Settles a request of several limits from its answer: the slots it took (`k,k,...`, one per limit), or
+   * '!' and the limit that was full (it took none).
+   */
+  private settleStacked(request: LockRequest, taken: string, generation: number): void {
+    for (const k of request.slots) {
+      this.pending.delete(k);
+      this.handoff.answered(k);
+    }
+    if (taken.startsWith("!")) {
+      request.resolve({ acquired: false, local: false, full: Number(taken.slice(1)) - 1 });
+      return;
+    }
+    const keys = taken.split(",");
+    const hold = new HoldImpl(this, BigInt(keys[0]!), keys[0]!, generation, request.info, keys);
+    for (const key of keys) this.holds.set(key, hold);
+    this.connection.registryDirty = true;
+    request.resolve({ acquired: true, hold });
+  }
+
   /** Makes the hold of `key` for `request` (whose key it is now) and plans its early wake if it has a line. */
   protected grant(request: LockRequest, key: string, generation: number, line: boolean): HoldImpl {
     const index = request.slots.length === 1 ? 0 : request.slots.indexOf(key);
@@ -268,9 +306,11 @@ export abstract class SessionBook implements HoldOwner {
   }
 
   private settleUnlock(hold: HoldImpl, ok: boolean): void {
-    if (this.holds.get(hold.keyText) === hold) {
-      this.holds.delete(hold.keyText);
-      this.handoff.released(hold.keyText);
+    for (const key of hold.keyTexts) {
+      if (this.holds.get(key) === hold) {
+        this.holds.delete(key);
+        this.handoff.released(key);
+      }
     }
     this.connection.registryDirty = true;
     if (!ok) {

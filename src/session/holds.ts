@@ -10,6 +10,12 @@ export type HoldInfo = PlainHoldInfo | RescheduleHoldInfo;
 interface HoldInfoBase {
   taskIdentifier: string;
   jobId: string | null;
+  /**
+   * The keys whose lines (parked jobs) the release wakes, when they are not just `wakeKey`: the slot-0 key
+   * of each limit of a job with several limits, or of a job whose key space other tasks share (a group: a
+   * `reschedule` job of another task may wait in its line, whatever this job's strategy).
+   */
+  wakeKeys?: readonly bigint[];
 }
 
 /** The hold of a job that gives up on a conflict (`drop`, `raise`). */
@@ -29,6 +35,11 @@ export interface RescheduleHoldInfo extends HoldInfoBase {
   prewakeAfterMs: number | null;
   /** For a job woken early: how long it waits for its key's release before it parks again. */
   releaseWaitMs: number;
+}
+
+/** The keys whose lines the release of a hold for `info` wakes. */
+export function linesOf(info: HoldInfo): readonly bigint[] {
+  return info.wakeKeys ?? (info.reschedule ? [info.wakeKey] : []);
 }
 
 export interface ReleaseResult {
@@ -62,7 +73,13 @@ export interface Hold {
   releaseQuietly(): void;
 }
 
-export type AcquireResult = { acquired: true; hold: Hold } | { acquired: false; local: boolean };
+/**
+ * An acquisition's outcome. A conflict of a job with several limits says which limit (from 0) was full
+ * (`full`).
+ */
+export type AcquireResult =
+  | { acquired: true; hold: Hold }
+  | { acquired: false; local: boolean; full?: number };
 
 /** Who takes an acquisition's outcome without a promise: null when it failed (see `acquireInto`). */
 export interface AcquireReceiver {
@@ -95,7 +112,13 @@ export class HoldImpl implements Hold {
     readonly keyText: string,
     readonly generation: number,
     readonly info: HoldInfo,
+    /** Every key of the hold: its own, or one slot per limit of a job with several limits (`key` first). */
+    readonly keyTexts: readonly string[] = [keyText],
   ) {}
+  /** Whether the hold covers one slot of each of several limits. */
+  get stacked(): boolean {
+    return this.keyTexts.length > 1;
+  }
   get since(): Date {
     return new Date(this.sinceMs);
   }
@@ -149,6 +172,13 @@ export interface LockRequest {
   reject(error: Error): void;
   /** How many times this request, woken early, has waited for its key's release (see Handoff.awaitRelease). */
   waits?: number;
+  /**
+   * A request of a job with several limits: the slots to try for each limit (those this process does not
+   * hold or acquire itself; `slots` is all of them), one of each taken all or nothing.
+   */
+  limits?: string[][];
+  /** With `limits`: each limit's slot-0 key (its line). */
+  lines?: string[];
 }
 
 /**
@@ -159,6 +189,8 @@ export interface LockRequest {
  */
 export class Acquisition implements LockRequest {
   waits?: number;
+  limits?: string[][];
+  lines?: string[];
   private done = false;
   private value: AcquireResult | undefined;
   private error: Error | undefined;

@@ -20,7 +20,9 @@ import type { AcquireReceiver, AcquireResult, HoldInfo } from "./holds.js";
 import type { LockSession } from "./session.js";
 
 /** How a task defined on this instance locks a job: its slot keys and hold info, or null if it does not. */
-export type LockPlan = (job: Job) => { slots: bigint[]; info: HoldInfo } | null;
+export type LockPlan = (
+  job: Job,
+) => { slots: bigint[]; info: HoldInfo; limits?: ReadonlyArray<readonly bigint[]> } | null;
 
 /**
  * How many jobs of a local queue, besides those going to idle workers, hold a lock taken ahead without having
@@ -108,7 +110,7 @@ export class LockAhead {
       const acquisition = new AheadAcquisition();
       this.pending.set(job.id, { acquisition, queue: state });
       state.ahead++;
-      this.session.acquireInto(plan.slots, plan.info, acquisition);
+      this.session.acquireInto(plan.slots, plan.info, acquisition, plan.limits);
     }
   }
 

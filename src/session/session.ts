@@ -106,7 +106,7 @@ export class LockSession extends SessionBook {
   constructor(protected override readonly options: LockSessionOptions) {
     super(options);
     this.connection = new LockConnection(options, {
-      holds: () => [...this.holds.values()],
+      holds: () => this.openHolds(),
       inFlightSince: () => this.inFlight[0]?.sentAt ?? null,
       onReady: () => {
         const pipelining = (this.connection.client as { pipeline?: boolean } | null)?.pipeline;
@@ -173,15 +173,25 @@ export class LockSession extends SessionBook {
    * conflict (`local: true` when this process itself holds every slot), throws GWL_LOCK_SESSION_UNAVAILABLE
    * when there is no session.
    */
-  acquire(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+  acquire(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    limits?: ReadonlyArray<readonly bigint[]>,
+  ): Promise<AcquireResult> {
+    if (limits) return this.acquireAll(limits, info);
     return this.queueIfFree(slots, info, undefined)?.promise() ?? this.acquireSlowly(slots, info);
   }
 
   /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
-  acquireInto(slots: readonly bigint[], info: HoldInfo, receiver: AcquireReceiver): void {
+  acquireInto(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    receiver: AcquireReceiver,
+    limits?: ReadonlyArray<readonly bigint[]>,
+  ): void {
     this.quiet.lockAheadAt = performance.now();
-    if (this.queueIfFree(slots, info, receiver)) return;
-    this.acquireSlowly(slots, info).then(
+    if (!limits && this.queueIfFree(slots, info, receiver)) return;
+    (limits ? this.acquireAll(limits, info) : this.acquireSlowly(slots, info)).then(
       (result) => receiver.settle(result),
       () => receiver.settle(null),
     );
@@ -252,6 +262,63 @@ export class LockSession extends SessionBook {
     ).promise();
   }
 
+  /**
+   * A job with several limits: one slot of each, all or nothing, in one statement (try_lock_all). Only the
+   * slots this process neither holds nor is acquiring are sent (no re-entrant success); a limit with none of
+   * those is full here, unless its slots are only being acquired or released by this process: then the
+   * request waits for that answer and looks again. A conflict says which limit was full (`full`).
+   */
+  private async acquireAll(
+    limits: ReadonlyArray<readonly bigint[]>,
+    info: HoldInfo,
+  ): Promise<AcquireResult> {
+    const texts = limits.map((slots) => slots.map(String));
+    for (;;) {
+      if (this.connection.state !== "ready") await this.connection.ensureReady();
+      const free: string[][] = [];
+      let full = -1;
+      for (let i = 0; i < texts.length; i++) {
+        const open = texts[i]!.filter((k) => this.isFree(k));
+        if (open.length === 0) {
+          full = i;
+          break;
+        }
+        free.push(open);
+      }
+      if (full < 0) {
+        const flat = free.flat();
+        const acquisition = new Acquisition(
+          flat,
+          flat.map((k) => BigInt(k)),
+          info,
+          undefined,
+        );
+        acquisition.limits = free;
+        acquisition.lines = texts.map((slots) => slots[0]!);
+        probeQueued(acquisition);
+        this.lockQueue.push(acquisition);
+        this.scheduleFlush();
+        for (const k of flat) this.pending.set(k, acquisition);
+        return acquisition.promise();
+      }
+      const keys = texts[full]!;
+      const acquiring = keys.map((k) => this.pending.get(k)).find((p) => p !== undefined);
+      if (acquiring) {
+        await acquiring.promise().catch(() => undefined);
+        continue;
+      }
+      const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
+      if (!releasing) return { acquired: false, local: true, full };
+      this.successorsWaiting++;
+      this.scheduleFlush();
+      try {
+        await releasing.release();
+      } finally {
+        this.successorsWaiting--;
+      }
+    }
+  }
+
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
   private queueLock(
     free: string[],
@@ -281,7 +348,8 @@ export class LockSession extends SessionBook {
       hold.settle(LOST);
       return;
     }
-    if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
+    if (!hold.stacked && this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold))
+      return;
     probeQueued(hold);
     if (this.unlockQueue.length === 0) this.quiet.since = performance.now();
     this.unlockQueue.push(hold);
@@ -347,8 +415,8 @@ export class LockSession extends SessionBook {
       prewakes,
       wakeHere,
     );
-    const { unlocks, singles, multis } = batch;
-    const locks = [...singles, ...multis];
+    const { unlocks, singles, multis, stacked } = batch;
+    const locks = [...singles, ...multis, ...stacked];
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
       const prewaking = new Promise<void>((resolve) => (answered = resolve));
@@ -399,7 +467,7 @@ export class LockSession extends SessionBook {
    * holds that were open.
    */
   private dropAll(unavailable: LocksError, reason: LocksError): HoldImpl[] {
-    const open = [...this.holds.values()];
+    const open = this.openHolds();
     this.holds.clear();
     this.pending.clear();
     this.handoff.dropAll(unavailable);

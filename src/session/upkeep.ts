@@ -139,11 +139,13 @@ export class Upkeep {
     this.connection.registryDirty = false;
     const holds = this.host.holds();
     try {
+      // (a hold of several limits has a row per key)
+      const rows = holds.flatMap((h) => h.keyTexts.map((key) => ({ key, h })));
       await this.connection.client.query(this.options.sql.writeHolders, [
-        holds.map((h) => h.keyText),
-        holds.map((h) => h.info.taskIdentifier),
-        holds.map((h) => h.info.jobId),
-        holds.map((h) => h.since.toISOString()),
+        rows.map((r) => r.key),
+        rows.map((r) => r.h.info.taskIdentifier),
+        rows.map((r) => r.h.info.jobId),
+        rows.map((r) => r.h.since.toISOString()),
       ]);
     } catch (error) {
       this.connection.registryDirty = true;
