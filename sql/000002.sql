@@ -8,26 +8,40 @@
 -- slot, so a job that waits holds none of its slots.
 
 -- `p_limits`: the job's limits in order, separated by ';', each its line key (slot 0) then ':' then the slots
--- to try, separated by ','. `p_job_id`: a `reschedule` job, which counts a limit as full while a job of that
--- limit's line is ahead of it (is_next), or null. Answers the slots taken, one per limit in order, separated
--- by ','; or, when a limit had no free slot, '!' and that limit's place (from 1), having released what it
--- took. Callers never pass a slot this session already holds (session locks are re-entrant, so that would
--- "succeed").
+-- to try, separated by ','. `p_job_id`: a `reschedule` job, or null. Answers the slots taken, one per limit
+-- in order, separated by ','; or, when a limit had no free slot, '!' and that limit's place (from 1), having
+-- released what it took. Callers never pass a slot this session already holds (session locks are
+-- re-entrant, so that would "succeed").
+--
+-- A `reschedule` job counts a limit as full while a job of that limit's line is ahead of it (is_next): a
+-- job fetched for the first time parks behind the jobs waiting for any of its limits. A job that waits in
+-- the line of one of its limits (woken from it, or fetched by its safety net) is ordered by that line only:
+-- were it also ordered by its other limits' lines, the first job of one line could wait behind the first
+-- of another that waits behind it, and both lines would stop.
 create function :GWL_SCHEMA.try_lock_all(p_limits text, p_job_id bigint) returns text
 language plpgsql volatile as $$
 declare
-  v_limit text;
-  v_i int := 0;
+  v_limits text[] := string_to_array(p_limits, ';');
+  v_lines bigint[];
+  v_in_line bigint[] := '{}';
+  v_i int;
   v_k bigint;
   v_got bigint;
   v_taken bigint[] := '{}';
 begin
-  foreach v_limit in array string_to_array(p_limits, ';') loop
-    v_i := v_i + 1;
+  select array_agg(split_part(l, ':', 1)::bigint order by o) into v_lines
+    from unnest(v_limits) with ordinality as u(l, o);
+  if p_job_id is not null then
+    select coalesce(array_agg(k), '{}') into v_in_line from unnest(v_lines) as u(k)
+      where exists (select 1 from :GWL_SCHEMA.waiters w where w.lock_key = u.k and w.job_id = p_job_id)
+         or exists (select 1 from :GWL_SCHEMA.wakes k where k.lock_key = u.k and k.job_id = p_job_id);
+  end if;
+  for v_i in 1 .. cardinality(v_limits) loop
     v_got := null;
     if p_job_id is null
-      or :GWL_SCHEMA.is_next(split_part(v_limit, ':', 1)::bigint, p_job_id) then
-      foreach v_k in array string_to_array(split_part(v_limit, ':', 2), ',')::bigint[] loop
+      or (cardinality(v_in_line) > 0 and not (v_lines[v_i] = any(v_in_line)))
+      or :GWL_SCHEMA.is_next(v_lines[v_i], p_job_id) then
+      foreach v_k in array string_to_array(split_part(v_limits[v_i], ':', 2), ',')::bigint[] loop
         if pg_catalog.pg_try_advisory_lock(v_k) then
           v_got := v_k;
           exit;

@@ -17,7 +17,7 @@ import { findTaskFiles, pickTaskFile, readFileRules } from "../preset/files.js";
 import {
   mergeRules,
   payloadWithoutCron,
-  ruledLockKeys,
+  ruledLimitKeys,
   validateTaskRules,
   type TaskLocksOptions,
 } from "../preset/rules.js";
@@ -213,16 +213,22 @@ export async function main(argv: string[]): Promise<number> {
           throw new UsageError(`the payload must be JSON: ${(error as Error).message}`);
         }
         const { rules, from } = await rulesOf(worker, task);
-        const ruled = rules && ruledLockKeys(task, rules, payload, worker.locks?.defaults);
+        const limits = rules && ruledLimitKeys(task, rules, payload, worker.locks?.defaults);
+        const ruled = limits ? limits.flatMap((l) => l.slots) : null;
         // Without rules (or with unique-only rules) its jobs take no lock: the key shown is the one an
         // empty entry would give them.
         keys = ruled ?? [lockKey(task, payloadWithoutCron(payload))];
+        // The group of each limit whose keys other tasks may share.
+        const grouped =
+          limits && (limits.length > 1 || limits[0]!.group !== task)
+            ? `; ${limits.map((l, i) => `${limits.length > 1 ? `limit ${i}: ` : ""}group ${l.group}, key ${l.slots.join(", ")}`).join("; ")}`
+            : "";
         const why = !rules
           ? "no rules for this task in the config or its task file, so its jobs take no lock; the key of the whole payload"
           : !ruled
             ? `its rules (${from.join(" and ")}) are unique only, so its jobs take no lock; the key of the whole payload`
             : `rules from ${from.join(" and ")}`;
-        focus = `Task ${task}, payload ${JSON.stringify(payload)}: key ${keys.join(", ")} (${why})`;
+        focus = `Task ${task}, payload ${JSON.stringify(payload)}: key ${keys.join(", ")} (${why}${grouped})`;
       }
       const client = readOnlyClient(connectionString);
       await client.connect();

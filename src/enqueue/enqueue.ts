@@ -151,9 +151,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       ? jobLimitKeys(taskIdentifier, rules, payload, undefined, true)
       : null;
     const limit =
-      rules && !rules.limits
-        ? resolveLimit(rules.limit, taskIdentifier, keyOfPayload!.value)
-        : 0;
+      rules && !rules.limits ? resolveLimit(rules.limit, taskIdentifier, keyOfPayload!.value) : 0;
     const flagged = exclusive?.onConflict === "reschedule" && !limitKeys && limit === 1;
     const keys =
       rules && !limitKeys && (preemptive || flagged)

@@ -30,7 +30,10 @@ export interface CanStartResult {
 }
 
 /** The limits of `limits` that are full, given how many slots of each are `held`. */
-export function limitBlockers(limits: readonly LimitKeys[], held: readonly number[]): LimitBlocker[] {
+export function limitBlockers(
+  limits: readonly LimitKeys[],
+  held: readonly number[],
+): LimitBlocker[] {
   const blockers: LimitBlocker[] = [];
   limits.forEach((limit, index) => {
     const count = held[index] ?? 0;

@@ -44,7 +44,8 @@ export function makeExclusiveTask<TPayload>(
   // Keys that other tasks may share (a group): their lines may hold `reschedule` jobs of those tasks, which
   // the release wakes whatever this task's strategy.
   const shared =
-    options.lockGroup !== undefined || (options.limits?.some((l) => l.group !== undefined) ?? false);
+    options.lockGroup !== undefined ||
+    (options.limits?.some((l) => l.group !== undefined) ?? false);
   const holdInfo = (job: Job, slots: readonly bigint[]): HoldInfo =>
     options.onConflict !== "reschedule"
       ? shared

@@ -4,7 +4,7 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
-import { jobLockKeys } from "../key.js";
+import { jobLimitKeys, type LimitKeys } from "../key.js";
 import type { Locks } from "../types.js";
 import {
   resolveExclusiveOptions,
@@ -43,7 +43,15 @@ const UNIQUE_KEYS = [
   "uniqueByQueue",
   "onDuplicate",
 ] as const;
-const EXCLUSIVE_KEYS = ["onConflict", "key", "limit", "preemptive", "reschedule"] as const;
+const EXCLUSIVE_KEYS = [
+  "onConflict",
+  "key",
+  "limit",
+  "lockGroup",
+  "limits",
+  "preemptive",
+  "reschedule",
+] as const;
 const KNOWN_KEYS = new Set<string>(["exclusive", ...UNIQUE_KEYS, ...EXCLUSIVE_KEYS]);
 
 /** Where a task's rules come from, for error messages. */
@@ -159,7 +167,17 @@ export function ruledLockKeys(
   payload: unknown,
   defaults: ExclusiveOptions | undefined,
 ): bigint[] | null {
+  return ruledLimitKeys(taskIdentifier, rules, payload, defaults)?.flatMap((l) => l.slots) ?? null;
+}
+
+/** {@link ruledLockKeys} by limit, each with its group (one entry for a task with a single limit). */
+export function ruledLimitKeys(
+  taskIdentifier: string,
+  rules: TaskLocksOptions,
+  payload: unknown,
+  defaults: ExclusiveOptions | undefined,
+): LimitKeys[] | null {
   if (!isExclusive(rules)) return null;
   const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
-  return jobLockKeys(taskIdentifier, resolved, payload);
+  return jobLimitKeys(taskIdentifier, resolved, payload);
 }

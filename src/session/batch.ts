@@ -39,7 +39,10 @@ export function makeBatch(
  * The keys a batch unlocks, in order: each hold's key, or every key of a hold of several limits. `holdAt`,
  * when some hold has several keys: the unlock's index (from 0) of each key.
  */
-export function unlockKeys(unlocks: readonly HoldImpl[]): { keys: string[]; holdAt: number[] | null } {
+export function unlockKeys(unlocks: readonly HoldImpl[]): {
+  keys: string[];
+  holdAt: number[] | null;
+} {
   if (unlocks.every((hold) => !hold.stacked))
     return { keys: unlocks.map((hold) => hold.keyText), holdAt: null };
   const keys: string[] = [];
@@ -121,7 +124,9 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
   ];
   if (stacked.length > 0) {
     values.push(
-      stacked.map((r) => r.limits!.map((slots, i) => `${r.lines![i]}:${slots.join(",")}`).join(";")),
+      stacked.map((r) =>
+        r.limits!.map((slots, i) => `${r.lines![i]}:${slots.join(",")}`).join(";"),
+      ),
       integerArray(stacked.map((r) => (r.info.reschedule ? r.info.jobId : null))),
     );
   }

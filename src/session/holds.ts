@@ -78,8 +78,7 @@ export interface Hold {
  * (`full`).
  */
 export type AcquireResult =
-  | { acquired: true; hold: Hold }
-  | { acquired: false; local: boolean; full?: number };
+  { acquired: true; hold: Hold } | { acquired: false; local: boolean; full?: number };
 
 /** Who takes an acquisition's outcome without a promise: null when it failed (see `acquireInto`). */
 export interface AcquireReceiver {

@@ -1,0 +1,416 @@
+/**
+ * Limits that compose, in one process: lock groups (`lockGroup`, keys shared by several tasks), several
+ * limits per job (`limits`, one slot of each, all or nothing) and limits per key (`limit` as a function of
+ * the key value). Executions are recorded with the database's clock; real PostgreSQL, real graphile-worker
+ * runners. The cross-process proofs are in limits.long.test.ts.
+ */
+import { describe, expect, it } from "vitest";
+import type { Locks } from "../../src/index.js";
+import { InvalidArgumentError } from "../../src/index.js";
+import { advisoryParts, lockKey, slotKeys } from "../../src/key.js";
+import { validateTaskRules } from "../../src/preset/rules.js";
+import { highestConcurrency } from "../../scripts/overlap.js";
+import { deferred, waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { readExecutions, type Execution } from "../support/executions.js";
+
+const h = useExclusiveHarness("truncate test_executions, test_events");
+const { db, newLocks, runner } = h;
+
+interface Job {
+  tenant: string;
+  ms?: number;
+  /** Recorded as the execution's note. */
+  n?: number;
+}
+
+/** A task body that records its execution (task `identifier`, lock_key = the tenant) and sleeps `ms`. */
+function recording(identifier: string, wait?: () => Promise<void>) {
+  const pool = db.pool();
+  return async (payload: Job, helpers: { job: { id: string; attempts: number } }) => {
+    const { rows } = await pool.query<{ id: string }>(
+      "insert into test_executions (job_id, task, lock_key, worker, attempts, note) values ($1, $2, $3, 'w', $4, $5) returning id",
+      [helpers.job.id, identifier, payload.tenant, helpers.job.attempts, String(payload.n ?? "")],
+    );
+    if (wait) await wait();
+    else await new Promise((resolve) => setTimeout(resolve, payload.ms ?? 30));
+    await pool.query("update test_executions set ended_at = clock_timestamp() where id = $1", [
+      rows[0]!.id,
+    ]);
+  };
+}
+
+function intervals(executions: readonly Execution[]) {
+  return executions.map((e) => {
+    if (e.end === null) throw new Error(`execution of job ${e.jobId} has no end`);
+    return { start: e.start, end: e.end };
+  });
+}
+
+/** The highest number of executions that ran at once, over all, and per tenant (lock_key). */
+function concurrency(executions: readonly Execution[]) {
+  const perTenant = new Map<string, number>();
+  for (const tenant of new Set(executions.map((e) => e.lockKey))) {
+    perTenant.set(
+      tenant,
+      highestConcurrency(intervals(executions.filter((e) => e.lockKey === tenant))),
+    );
+  }
+  return { all: highestConcurrency(intervals(executions)), perTenant };
+}
+
+/** Whether some session holds `key` right now. */
+async function isHeld(key: bigint): Promise<boolean> {
+  const { classid, objid } = advisoryParts(key);
+  const { rows } = await db
+    .pool()
+    .query(
+      "select 1 from pg_locks where locktype = 'advisory' and objsubid = 1 and granted and classid = $1 and objid = $2",
+      [classid, objid],
+    );
+  return rows.length > 0;
+}
+
+describe("lockGroup: tasks that share a key space", () => {
+  it("keys of a group are the group's; a task without one keeps its own", () => {
+    const locks = newLocks();
+    const charge = locks.exclusive("charge_card", async () => undefined, {
+      key: (p: { userId: number }) => p.userId,
+      lockGroup: "card",
+    });
+    const refund = locks.exclusive("refund_card", async () => undefined, {
+      key: (p: { userId: number }) => p.userId,
+      lockGroup: "card",
+    });
+    const plain = locks.exclusive("plain", async () => undefined, {
+      key: (p: { userId: number }) => p.userId,
+    });
+    expect(charge.lockKey({ userId: 1 })).toBe(lockKey("card", 1));
+    expect(refund.lockKey({ userId: 1 })).toBe(charge.lockKey({ userId: 1 }));
+    expect(plain.lockKey({ userId: 1 })).toBe(lockKey("plain", 1));
+    expect(() => locks.exclusive("x", async () => undefined, { lockGroup: " " })).toThrow(
+      "`lockGroup` must be a non-empty string",
+    );
+  });
+
+  it.each(["drop", "raise", "reschedule"] as const)(
+    "a job of one task meets the key held by a job of the other (%s); a parked one is woken by the other task's release",
+    async (strategy) => {
+      const locks = newLocks();
+      const gate = deferred();
+      const rules = {
+        key: (p: Job) => p.tenant,
+        lockGroup: "card",
+        // (a parked job's safety net is far: only the release's wake runs it within the test)
+        reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+      };
+      // The holder drops on conflict; the other task applies `strategy`.
+      const charge = locks.exclusive(
+        "charge",
+        recording("charge", () => gate.promise),
+        rules,
+      );
+      const refund = locks.exclusive("refund", recording("refund"), {
+        ...rules,
+        onConflict: strategy,
+      });
+      const conflicts: string[] = [];
+      locks.events.on("lock:conflict", (e) => conflicts.push(e.taskIdentifier));
+      await runner({
+        connectionString: db.url,
+        concurrency: 4,
+        taskList: { charge, refund },
+        pollInterval: 100,
+      });
+      await h.utils.addJob("charge", { tenant: "u1" });
+      await waitFor(async () => (await readExecutions(db.pool(), "charge")).length === 1, {
+        message: "the charge to start",
+      });
+      await h.utils.addJob("refund", { tenant: "u1" }, { maxAttempts: 1 });
+      await waitFor(async () => conflicts.length > 0, { message: "the refund to conflict" });
+      expect(conflicts[0]).toBe("refund");
+      expect(await readExecutions(db.pool(), "refund")).toEqual([]);
+      gate.resolve();
+      if (strategy === "reschedule") {
+        // Woken by the release of a `drop` task's hold, long before its safety net.
+        await waitFor(
+          async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
+          { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
+        );
+        const [c] = await readExecutions(db.pool(), "charge");
+        const [r] = await readExecutions(db.pool(), "refund");
+        expect(r!.start).toBeGreaterThanOrEqual(c!.end!);
+      }
+    },
+  );
+});
+
+describe("limits: several limits per job", () => {
+  const tenantAndCap = (cap: number) => ({
+    onConflict: "reschedule" as const,
+    limits: [
+      { key: (p: Job) => p.tenant, limit: 1 },
+      { key: () => "all", limit: cap, group: "cap" },
+    ],
+    reschedule: { minDelay: 20, maxDelay: 300 },
+  });
+
+  describe.each([
+    { lockAhead: false, name: "without lock-ahead" },
+    { lockAhead: true, name: "with lock-ahead" },
+  ])("$name", ({ lockAhead }) => {
+    it("per tenant 1 and 2 in all: neither is exceeded, and every job runs exactly once", async () => {
+      const identifier = `stacked_${lockAhead ? "ahead" : "plain"}`;
+      const locks = newLocks();
+      const task = locks.exclusive(identifier, recording(identifier), tenantAndCap(2));
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 6,
+        taskList: { [identifier]: task },
+        pollInterval: 100,
+        ...(lockAhead
+          ? { preset: { worker: { localQueue: { size: 20 }, completeJobBatchDelay: 0 } } }
+          : {}),
+      });
+      if (lockAhead) locks.attach(r);
+      const tenants = ["a", "a", "a", "b", "b", "c", "d", "e"];
+      for (let i = 0; i < tenants.length; i++)
+        await task.addJob({ tenant: tenants[i]!, n: i, ms: 40 });
+      await waitFor(
+        async () =>
+          (await readExecutions(db.pool(), identifier)).filter((e) => e.end !== null).length ===
+          tenants.length,
+        { message: "every job to run", timeoutMs: 60_000 },
+      );
+      const executions = await readExecutions(db.pool(), identifier);
+      expect(executions.map((e) => Number(e.note)).sort((a, b) => a - b)).toEqual(
+        tenants.map((_, i) => i),
+      );
+      const c = concurrency(executions);
+      expect(c.all).toBeLessThanOrEqual(2);
+      for (const [, n] of c.perTenant) expect(n).toBe(1);
+      expect(await h.parkedCount()).toBe(0);
+    });
+  });
+
+  it("a job whose second limit is full holds none of its slots while it waits, and runs when that limit frees", async () => {
+    const locks = newLocks();
+    const task = locks.exclusive("waits", recording("waits"), {
+      ...tenantAndCap(1),
+      reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+    });
+    const [tenantSlot] = slotKeys("waits", "t1", 1);
+    const [capSlot] = slotKeys("cap", "all", 1);
+    // Another process holds the cap.
+    const other = await h.holdExternally(capSlot!);
+    expect(await locks.lockAvailable("waits", { tenant: "t1" })).toBe(false);
+    expect(await task.lockAvailable({ tenant: "t1" })).toBe(false);
+    expect(await locks.canStart("waits", { tenant: "t1" })).toEqual({
+      ok: false,
+      blockers: [{ kind: "limit", index: 1, group: "cap", lockKey: capSlot, limit: 1, held: 1 }],
+    });
+    const rescheduled: bigint[] = [];
+    locks.events.on("job:rescheduled", (e) => rescheduled.push(e.lockKey));
+    await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { waits: task },
+      pollInterval: 100,
+    });
+    await task.addJob({ tenant: "t1" });
+    await waitFor(async () => rescheduled.length > 0, { message: "the job to park" });
+    // It waits in the line of the full limit, holding none of its slots.
+    expect(rescheduled[0]).toBe(capSlot);
+    const { rows } = await h.q<{ lock_key: string }>(
+      "select lock_key::text from graphile_worker_locks.waiters",
+    );
+    expect(rows.map((r) => r.lock_key)).toEqual([capSlot!.toString()]);
+    expect(await isHeld(tenantSlot!)).toBe(false);
+    expect(locks.status().held).toEqual([]);
+    await other.release();
+    // The cap frees without a release of this library (the other session ended): the safety net is far,
+    // so a second job's park (wake_if_free) wakes the line, or the job waits for its net; release it the
+    // way a holder of this library would instead: a job of the cap's group that takes and frees it.
+    const capTask = locks.exclusive("cap_user", recording("cap_user"), {
+      key: () => "all",
+      lockGroup: "cap",
+    });
+    expect(capTask.lockKey({ tenant: "x" })).toBe(capSlot);
+    await runner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { cap_user: capTask },
+      pollInterval: 100,
+    });
+    await capTask.addJob({ tenant: "x" });
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "waits")).some((e) => e.end !== null),
+      { message: "the parked job to run once the cap frees", timeoutMs: 20_000 },
+    );
+    expect(await locks.canStart("waits", { tenant: "t1" })).toEqual({ ok: true, blockers: [] });
+  });
+
+  it("drop: a full limit drops the job at run time and up front, naming the limit's key", async () => {
+    const locks = newLocks();
+    const task = locks.exclusive("dropper", recording("dropper"), {
+      limits: [
+        { key: (p: Job) => p.tenant, limit: 2 },
+        { key: () => "partner", group: "partner-api" },
+      ],
+    });
+    const [partner] = slotKeys("partner-api", "partner", 1);
+    const other = await h.holdExternally(partner!);
+    const dropped: bigint[] = [];
+    locks.events.on("enqueue:dropped", (e) => dropped.push(e.lockKey));
+    expect(await task.addJob({ tenant: "t" })).toEqual({ job: null, outcome: "dropped" });
+    expect(dropped).toEqual([partner]);
+    // At run time (enqueued without the check): dropped, holding nothing.
+    const runDropped: bigint[] = [];
+    locks.events.on("job:dropped", (e) => runDropped.push(e.lockKey));
+    await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { dropper: task },
+      pollInterval: 100,
+    });
+    await task.addJob({ tenant: "t" }, { preemptive: false });
+    await waitFor(async () => runDropped.length > 0, { message: "the job to be dropped" });
+    expect(runDropped).toEqual([partner]);
+    for (const slot of slotKeys("dropper", "t", 2)) expect(await isHeld(slot)).toBe(false);
+    await other.release();
+    expect((await task.addJob({ tenant: "t" })).outcome).toBe("added");
+    await waitFor(async () => (await readExecutions(db.pool(), "dropper")).length === 1, {
+      message: "the job to run once the limit frees",
+    });
+  });
+
+  it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {
+    const locks = newLocks();
+    const ab = locks.exclusive("ab", recording("ab"), {
+      onConflict: "reschedule",
+      limits: [
+        { key: () => "A", group: "g" },
+        { key: () => "B", group: "g" },
+      ],
+      reschedule: { minDelay: 10, maxDelay: 200 },
+    });
+    const ba = locks.exclusive("ba", recording("ba"), {
+      onConflict: "reschedule",
+      limits: [
+        { key: () => "B", group: "g" },
+        { key: () => "A", group: "g" },
+      ],
+      reschedule: { minDelay: 10, maxDelay: 200 },
+    });
+    await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ab, ba },
+      pollInterval: 100,
+    });
+    const rounds = 15;
+    for (let i = 0; i < rounds; i++) {
+      await ab.addJob({ tenant: "ab", ms: 5 });
+      await ba.addJob({ tenant: "ba", ms: 5 });
+    }
+    const done = async () => [
+      ...(await readExecutions(db.pool(), "ab")),
+      ...(await readExecutions(db.pool(), "ba")),
+    ];
+    await waitFor(async () => (await done()).filter((e) => e.end !== null).length === 2 * rounds, {
+      message: "every job to run",
+      timeoutMs: 60_000,
+    });
+    expect(highestConcurrency(intervals(await done()))).toBe(1);
+  });
+});
+
+describe("limit as a function of the key value", () => {
+  it("gives each key its own number of slots, and refuses a bad answer before anything is written", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    const task = locks.exclusive(
+      "tiers",
+      recording("tiers", () => gate.promise),
+      {
+        key: (p: Job) => p.tenant,
+        limit: (tenant: string) => (tenant.startsWith("big") ? 2 : tenant === "bad" ? 0 : 1),
+      },
+    );
+    expect(task.lockKey({ tenant: "big" })).toBe(lockKey("tiers", "big"));
+    await expect(task.addJob({ tenant: "bad" })).rejects.toThrow(
+      new InvalidArgumentError(
+        "`limit` of task 'tiers' must return a positive integer, got 0 for key \"bad\"",
+      ),
+    );
+    expect(await h.jobRows()).toEqual([]);
+    const dropped: string[] = [];
+    locks.events.on("job:dropped", (e) => dropped.push(e.job.id));
+    await runner({
+      connectionString: db.url,
+      concurrency: 6,
+      taskList: { tiers: task },
+      pollInterval: 100,
+    });
+    await h.utils.addJobs([
+      { identifier: "tiers", payload: { tenant: "big" } },
+      { identifier: "tiers", payload: { tenant: "big" } },
+      { identifier: "tiers", payload: { tenant: "small" } },
+      { identifier: "tiers", payload: { tenant: "small" } },
+    ]);
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "tiers")).length + dropped.length === 4,
+      {
+        message: "every job to start or be dropped",
+      },
+    );
+    const started = await readExecutions(db.pool(), "tiers");
+    expect(started.filter((e) => e.lockKey === "big")).toHaveLength(2);
+    expect(started.filter((e) => e.lockKey === "small")).toHaveLength(1);
+    expect(dropped).toHaveLength(1);
+    gate.resolve();
+    // At run time a bad answer fails the job, naming the task and the option.
+    await h.utils.addJob("tiers", { tenant: "bad" }, { maxAttempts: 1 });
+    await waitFor(
+      async () =>
+        (await h.jobRows()).some((j) => j.last_error?.includes("`limit` of task 'tiers'")),
+      { message: "the job to fail" },
+    );
+  });
+});
+
+describe("validation", () => {
+  const locks = () => newLocks();
+  it.each([
+    [{ limits: [] }, "`limits` must be a non-empty array"],
+    [{ limits: [{ limit: 0 }] }, "`limits[0].limit` must be a positive integer or a function"],
+    [{ limits: [{}, { group: "" }] }, "`limits[1].group` must be a non-empty string"],
+    [{ limits: [{}, { key: 1 }] }, "`limits[1].key` must be a function of the payload"],
+    [{ limits: [{}, { lmit: 2 }] }, "`limits[1]`: unknown option `lmit`"],
+    [{ limit: 2, limits: [{}, {}] }, "`limit` and `limits` cannot both be set"],
+    [{ limit: "2" }, "`limit` must be a positive integer or a function"],
+  ])("%j is refused", (options, message) => {
+    expect(() => locks().exclusive("v", async () => undefined, options as never)).toThrow(message);
+  });
+
+  it("two limits whose keys meet are refused for the job, naming both", async () => {
+    const task = locks().exclusive("same", async () => undefined, {
+      limits: [{ key: (p: Job) => p.tenant }, { key: () => "all" }],
+    });
+    await expect(task.addJob({ tenant: "all" })).rejects.toThrow(
+      "`limits[0]` and `limits[1]` of task 'same' give the same key",
+    );
+  });
+
+  it("a preset or task file's rules are checked at start-up, naming the task and the option", () => {
+    expect(() =>
+      validateTaskRules("t", { limits: [{ key: () => 1 }, { limit: -1 }] }, "worker.locks.tasks"),
+    ).toThrow(
+      "worker.locks.tasks for task 't': `limits[1].limit` must be a positive integer or a function of the key value, got -1",
+    );
+    expect(() => validateTaskRules("t", { lockGroup: 5 }, "worker.locks.tasks")).toThrow(
+      "worker.locks.tasks for task 't': `lockGroup` must be a non-empty string, got 5",
+    );
+    validateTaskRules("t", { lockGroup: "g", limits: [{ limit: (v: never) => v }] }, "x");
+  });
+});
