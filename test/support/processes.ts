@@ -13,6 +13,8 @@ export interface WorkerProcessOptions {
   localQueue?: boolean;
   /** Gives the runner to `locks.attach`. */
   attach?: boolean;
+  /** The worker script, if not test/fixtures/worker.ts. */
+  script?: string;
 }
 
 export interface WorkerProcess {
@@ -32,7 +34,7 @@ export async function startWorkerProcess(
   url: string,
   options: WorkerProcessOptions,
 ): Promise<WorkerProcess> {
-  const child = fork(WORKER, [], {
+  const child = fork(options.script ?? WORKER, [], {
     execArgv: ["--import", "tsx", "--import", GRAPHILE_WORKER_HOOK],
     env: {
       ...process.env,
