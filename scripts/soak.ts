@@ -30,6 +30,7 @@ import { databaseUrl, startPostgres } from "./postgres.js";
 import { between, seeded } from "./soak/random.js";
 import { startProxy } from "./soak/proxy.js";
 import { SOAK_SCHEMA, type SoakMessage, type SoakWorkerStatus } from "./soak/shared.js";
+import { limitsViolations } from "./soak/limits.js";
 
 const WORKER = fileURLToPath(new URL("./soak/worker.ts", import.meta.url));
 const ENQUEUER = fileURLToPath(new URL("./soak/enqueuer.ts", import.meta.url));
@@ -827,6 +828,7 @@ async function analyse(
       }
     }
   }
+  violations.push(...limitsViolations(executions));
   if (overlaps > 0) {
     violations.push(
       `${overlaps} overlap(s) not preceded by a lock:lost abort: ${overlapExamples.join("; ")}`,

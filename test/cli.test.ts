@@ -12,7 +12,8 @@ import { run, type JobHelpers } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { inject } from "vitest";
 import { databaseUrl } from "../scripts/postgres.js";
-import { makeLocks } from "../src/index.js";
+import { lockKey, makeLocks } from "../src/index.js";
+import { slotKeys } from "../src/key.js";
 import { withAdmin } from "./support/admin.js";
 import { buildPackage, type BuiltPackage } from "./support/build.js";
 import { useTestDatabase } from "./support/db.js";
@@ -274,6 +275,52 @@ describe("graphile-worker-locks CLI on a database in use", () => {
       await locks.release();
     }
   }, 90_000);
+
+  it("status of a task with a lock group and several limits shows each limit's group and keys", async () => {
+    const configPath = `${built.dir}graphile.limits.config.mjs`;
+    await writeFile(
+      configPath,
+      `export default {
+  worker: {
+    connectionString: ${JSON.stringify(db.url)},
+    locks: {
+      tasks: {
+        refund_card: { lockGroup: "card", key: (p) => p.userId },
+        send_email: { limits: [{ key: (p) => p.tenant, limit: 2 }, { key: () => "all", limit: 3, group: "mail" }] },
+      },
+    },
+  },
+};
+`,
+    );
+    const grouped = await cli([
+      "status",
+      "refund_card",
+      '{"userId":1}',
+      "-C",
+      configPath,
+      "--json",
+    ]);
+    expect(grouped.stderr).toBe("");
+    const g = JSON.parse(grouped.stdout) as { focus: string; keys: string[] };
+    expect(g.keys).toEqual([lockKey("card", 1).toString()]);
+    expect(g.focus).toContain(`group card, key ${lockKey("card", 1)}`);
+    const stacked = await cli([
+      "status",
+      "send_email",
+      '{"tenant":"t"}',
+      "-C",
+      configPath,
+      "--json",
+    ]);
+    expect(stacked.stderr).toBe("");
+    const s = JSON.parse(stacked.stdout) as { focus: string; keys: string[] };
+    const tenant = slotKeys("send_email", "t", 2);
+    const mail = slotKeys("mail", "all", 3);
+    expect(s.keys).toEqual([...tenant, ...mail].map(String));
+    expect(s.focus).toContain(`limit 0: group send_email, key ${tenant.join(", ")}`);
+    expect(s.focus).toContain(`limit 1: group mail, key ${mail.join(", ")}`);
+  });
 });
 
 describe.skipIf(pgbouncer !== null)("graphile-worker-locks check through PgBouncer", () => {

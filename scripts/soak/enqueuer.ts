@@ -9,6 +9,7 @@ import pg from "pg";
 import { makeLocks, type ExclusiveOptions } from "../../src/index.js";
 import { between, seeded } from "./random.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakPayload } from "./shared.js";
+import { defineLimitsTasks, LIMITS_TASKS } from "./limits.js";
 
 const url = process.env.DATABASE_URL!;
 const until = Number(process.env.SOAK_UNTIL);
@@ -35,6 +36,8 @@ locks.define("soak_dedupe", {
   onConflict: "drop",
   key: (p: SoakPayload) => p.k,
 } as Options & { exclusive: true });
+
+defineLimitsTasks(locks);
 
 let errors = 0;
 async function enqueue(
@@ -80,7 +83,9 @@ process.on("unhandledRejection", (reason) => {
 let n = 0;
 const started = Date.now();
 while (Date.now() < until) {
-  const task = random() < 0.6 ? "soak_serial" : "soak_dedupe";
+  const r = random();
+  const task =
+    r < 0.45 ? "soak_serial" : r < 0.7 ? "soak_dedupe" : LIMITS_TASKS[Math.floor((r - 0.7) * 10)]!;
   const k = `k${between(random, 1, KEYS)}`;
   const ms = between(random, 20, 120);
   const ref = `e${++n}`;

@@ -1,0 +1,216 @@
+/**
+ * Section "limits": what several limits per job (`limits`) cost. In one process, a real graphile-worker
+ * runner (concurrency 8, no lock-ahead):
+ * - no contention: no-op jobs of distinct keys, with 1 limit (a plain exclusive task), 2 and 3 limits:
+ *   jobs/s, lock statements per job (the lock session's count) and PostgreSQL's CPU per job (cpu.ts). The
+ *   variants alternate, BENCH_ROUNDS rounds, medians.
+ * - contended: `reschedule` jobs of 20 ms over 8 tenants with two limits (1 per tenant, a cap of 4 in all,
+ *   a group), against the ideal makespan (jobs × 20 ms / 4); hand-off is the gap from the end that freed a
+ *   cap slot to the next start while jobs waited.
+ */
+import type { Runner } from "graphile-worker";
+import type { ExclusiveOptions, Locks } from "../src/index.js";
+import { cpuBetween, cpuSnapshot } from "./cpu.js";
+import { library } from "./library.js";
+import { fmtFixed, fmtInt, goal, insertJobs, machineClock as clock, median } from "./lib.js";
+import { percentile, quietLogger, resetJobs, sizedSection, startRunner, table } from "./lib.js";
+import { waitUntilNoJobs, type BenchContext, type Goal } from "./lib.js";
+
+const CONCURRENCY = 8;
+const TASK_MS = 20;
+const CAP = 4;
+const TENANTS = 8;
+const SIZES = {
+  full: { jobs: 3000, contended: 400 },
+  quick: { jobs: 300, contended: 80 },
+};
+
+type Payload = { i: number };
+const byJob = (p: Payload) => p.i;
+const VARIANTS: Array<{ label: string; options: ExclusiveOptions<Payload> }> = [
+  { label: "1 limit (plain exclusive)", options: { key: byJob } },
+  {
+    label: "2 limits",
+    options: { limits: [{ key: byJob }, { key: byJob, group: "second" }] },
+  },
+  {
+    label: "3 limits",
+    options: {
+      limits: [{ key: byJob }, { key: byJob, group: "second" }, { key: byJob, group: "third" }],
+    },
+  },
+];
+
+/** One uncontended run of `jobs` no-op jobs of a task under `options`. */
+async function uncontended(ctx: BenchContext, options: ExclusiveOptions<Payload>, jobs: number) {
+  const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+  let runner: Runner | undefined;
+  try {
+    const task = locks.exclusive("limits_bench", async () => undefined, options);
+    await locks.connect();
+    runner = await startRunner({
+      connectionString: ctx.url,
+      concurrency: CONCURRENCY,
+      taskList: { limits_bench: task },
+      pollInterval: 100,
+    });
+    await insertJobs(ctx.pool, "limits_bench", jobs);
+    const statementsBefore = locks.status().statements;
+    const cpuBefore = cpuSnapshot();
+    const started = clock();
+    await runner.addJob("limits_bench", { i: 0 }); // (wakes the runner, whatever its poll)
+    await waitUntilNoJobs(ctx.pool, 300_000);
+    const ms = clock() - started;
+    const cpu = cpuBetween(cpuBefore, cpuSnapshot());
+    // (the last unlocks may still be on their way: let them land before counting)
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    const statements = locks.status().statements - statementsBefore;
+    return {
+      jobsPerSecond: ((jobs + 1) / ms) * 1000,
+      statementsPerJob: statements / (jobs + 1),
+      serverCpuUsPerJob: (cpu.serverMs / (jobs + 1)) * 1000,
+    };
+  } finally {
+    await runner?.stop();
+    await locks.release();
+    await resetJobs(ctx.pool);
+  }
+}
+
+/** The contended run: executions recorded on this process's clock. */
+async function contended(ctx: BenchContext, jobs: number) {
+  const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+  const runs: Array<{ start: number; end: number }> = [];
+  let runner: Runner | undefined;
+  try {
+    const task = locks.exclusive(
+      "limits_contended",
+      async () => {
+        const start = clock();
+        await new Promise((resolve) => setTimeout(resolve, TASK_MS));
+        runs.push({ start, end: clock() });
+      },
+      {
+        onConflict: "reschedule",
+        limits: [
+          { key: (p: { t: number }) => p.t },
+          { key: () => "cap", limit: CAP, group: "bench-cap" },
+        ],
+        reschedule: { minDelay: 1000, maxDelay: 10_000 },
+      },
+    );
+    await locks.connect();
+    runner = await startRunner({
+      connectionString: ctx.url,
+      concurrency: CONCURRENCY,
+      taskList: { limits_contended: task },
+      pollInterval: 2000,
+    });
+    locks.attach(runner);
+    await resetJobs(ctx.pool);
+    const started = clock();
+    await locks.addJobs(
+      Array.from({ length: jobs }, (_, i) => ({
+        identifier: "limits_contended",
+        payload: { t: i % TENANTS },
+      })),
+    );
+    await waitUntilNoJobs(ctx.pool, 300_000);
+    const lastEnd = Math.max(...runs.map((r) => r.end));
+    const makespan = lastEnd - started;
+    // Hand-off: for each start after the first CAP, the gap since the latest end before it.
+    const ends = runs.map((r) => r.end).sort((a, b) => a - b);
+    const starts = runs.map((r) => r.start).sort((a, b) => a - b);
+    const gaps: number[] = [];
+    for (const s of starts.slice(CAP)) {
+      let latest = -Infinity;
+      for (const e of ends) {
+        if (e > s) break;
+        latest = e;
+      }
+      if (latest > -Infinity) gaps.push(s - latest);
+    }
+    return {
+      executions: runs.length,
+      makespanMs: makespan,
+      idealMs: (jobs * TASK_MS) / CAP,
+      handoffP50Ms: percentile(gaps, 50),
+      handoffP90Ms: percentile(gaps, 90),
+    };
+  } finally {
+    await runner?.stop();
+    await locks.release();
+    await resetJobs(ctx.pool);
+  }
+}
+
+export const limits = sizedSection(
+  { id: "limits", title: "Several limits per job", sizes: SIZES, rounds: 3 },
+  async (ctx, size, rounds) => {
+    const results = VARIANTS.map(() => [] as Array<Awaited<ReturnType<typeof uncontended>>>);
+    // (warm-up, then rounds alternating the variants)
+    for (const v of VARIANTS) await uncontended(ctx, v.options, Math.min(300, size.jobs));
+    for (let r = 0; r < rounds; r++) {
+      for (let i = 0; i < VARIANTS.length; i++) {
+        ctx.log(`limits: ${VARIANTS[i]!.label}, round ${r + 1}/${rounds}`);
+        results[i]!.push(await uncontended(ctx, VARIANTS[i]!.options, size.jobs));
+      }
+    }
+    const med = results.map((rs) => ({
+      jobsPerSecond: median(rs.map((x) => x.jobsPerSecond)),
+      statementsPerJob: median(rs.map((x) => x.statementsPerJob)),
+      serverCpuUsPerJob: median(rs.map((x) => x.serverCpuUsPerJob)),
+    }));
+    ctx.log("limits: contended");
+    const c = await contended(ctx, size.contended);
+    const base = med[0]!;
+    const goals: Goal[] = [];
+    for (let i = 1; i < med.length; i++) {
+      goals.push(
+        goal(
+          `limits: ${VARIANTS[i]!.label}, lock statements per job vs 1 limit`,
+          "no more (no extra round trip)",
+          med[i]!.statementsPerJob,
+          med[i]!.statementsPerJob <= base.statementsPerJob * 1.05,
+        ),
+      );
+    }
+    const ratio = c.makespanMs / c.idealMs;
+    goals.push(goal("limits: contended makespan vs ideal", "≤ 1.25×", ratio, ratio <= 1.25));
+    goals.push(
+      goal("limits: contended hand-off p50", "< 5 ms", c.handoffP50Ms, c.handoffP50Ms < 5),
+    );
+    return {
+      tables: [
+        table(
+          `Several limits per job, no contention (${size.jobs} no-op jobs of distinct keys, concurrency ${CONCURRENCY}, medians of ${rounds} alternating rounds)`,
+          "variant | jobs/s | lock statements/job | PostgreSQL CPU µs/job",
+          VARIANTS.map((v, i) => [
+            v.label,
+            fmtInt(med[i]!.jobsPerSecond),
+            fmtFixed(med[i]!.statementsPerJob, 2),
+            fmtInt(med[i]!.serverCpuUsPerJob),
+          ]),
+          [
+            "PostgreSQL CPU is every server process's, over the run (cpu.ts): the lock statements' share of it is what a limit adds.",
+          ],
+        ),
+        table(
+          `Several limits, contended (${size.contended} reschedule jobs of ${TASK_MS} ms, ${TENANTS} tenants, 1 per tenant and ${CAP} in all)`,
+          "makespan ms | ideal ms | ratio | hand-off p50 ms | hand-off p90 ms",
+          [
+            [
+              fmtInt(c.makespanMs),
+              fmtInt(c.idealMs),
+              fmtFixed(ratio, 2),
+              fmtFixed(c.handoffP50Ms, 1),
+              fmtFixed(c.handoffP90Ms, 1),
+            ],
+          ],
+        ),
+      ],
+      goals,
+      figures: { uncontended: { variants: VARIANTS.map((v) => v.label), results }, contended: c },
+    };
+  },
+);
