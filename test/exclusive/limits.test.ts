@@ -130,9 +130,20 @@ describe("lockGroup: tasks that share a key space", () => {
       await waitFor(async () => conflicts.length > 0, { message: "the refund to conflict" });
       expect(conflicts[0]).toBe("refund");
       expect(await readExecutions(db.pool(), "refund")).toEqual([]);
+      if (strategy === "reschedule") {
+        await waitFor(async () => (await h.parkedCount()) === 1, {
+          message: "the refund to be parked",
+        });
+      }
+      const released = new Promise<void>((resolve) =>
+        locks.events.on("lock:released", (e) => e.taskIdentifier === "charge" && resolve()),
+      );
       gate.resolve();
       if (strategy === "reschedule") {
-        // Woken by the release of a `drop` task's hold, long before its safety net.
+        // The release of a `drop` task's hold woke the parked job in its own statement (its safety net
+        // is 15 s or more away): no waiter is left once the release is answered.
+        await released;
+        expect(await h.parkedCount()).toBe(0);
         await waitFor(
           async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
           { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
@@ -248,6 +259,43 @@ describe("limits: several limits per job", () => {
       { message: "the parked job to run once the cap frees", timeoutMs: 20_000 },
     );
     expect(await locks.canStart("waits", { tenant: "t1" })).toEqual({ ok: true, blockers: [] });
+  });
+
+  it("a running job's hold covers one slot of each limit: status, the holder registry and its release", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    const task = locks.exclusive(
+      "held",
+      recording("held", () => gate.promise),
+      { limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", limit: 2, group: "cap" }] },
+    );
+    await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { held: task },
+      pollInterval: 100,
+    });
+    const { job } = await task.addJob({ tenant: "t1" });
+    await waitFor(async () => (await readExecutions(db.pool(), "held")).length === 1, {
+      message: "the job to start",
+    });
+    const keys = [slotKeys("held", "t1", 1)[0]!, slotKeys("cap", "all", 2)[0]!];
+    expect(locks.status().held.map((h) => h.lockKey)).toEqual(keys);
+    await waitFor(
+      async () => {
+        const held = await locks.heldLocks();
+        return keys.every((k) =>
+          held.some((h) => h.lockKey === k && h.taskIdentifier === "held" && h.jobId === job!.id),
+        );
+      },
+      { message: "the registry to show both keys of the job" },
+    );
+    for (const k of keys) expect(await isHeld(k)).toBe(true);
+    gate.resolve();
+    await waitFor(async () => !(await isHeld(keys[0]!)) && !(await isHeld(keys[1]!)), {
+      message: "both keys to be released",
+    });
+    expect(locks.status().held).toEqual([]);
   });
 
   it("drop: a full limit drops the job at run time and up front, naming the limit's key", async () => {
