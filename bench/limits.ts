@@ -21,8 +21,8 @@ const TASK_MS = 20;
 const CAP = 4;
 const TENANTS = 8;
 const SIZES = {
-  full: { jobs: 3000, contended: 400 },
-  quick: { jobs: 300, contended: 80 },
+  full: { jobs: 3000, contended: 800 },
+  quick: { jobs: 300, contended: 160 },
 };
 
 type Payload = { i: number };

@@ -88,11 +88,13 @@ export function makeExclusiveTask<TPayload>(
     return { slots: lines, info: stackedInfo(job, lines), limits };
   };
 
+  /** `others`: for a job with several limits, every limit's slots (their lines are woken when free). */
   const onConflict = async (
     job: Job,
     helpers: JobHelpers,
     slots: readonly bigint[],
     local: boolean,
+    others?: readonly (readonly bigint[])[],
   ) => {
     const lockKey = slots[0]!;
     const strategy = options.onConflict;
@@ -132,6 +134,16 @@ export function makeExclusiveTask<TPayload>(
                 lockKey.toString(),
                 job.id,
               ]);
+              // With several limits, a job woken from the line of one limit that parks in the line of
+              // another passes that wake on: each other limit with a free slot wakes its next waiter.
+              for (const other of others ?? []) {
+                if (other[0] === lockKey) continue;
+                await client.query(ctx.sql.wakeIfFree, [
+                  other.map(String),
+                  other[0]!.toString(),
+                  job.id,
+                ]);
+              }
             } catch (error) {
               helpers.logger.warn(
                 `Could not wake the line of lock ${lockKey} after parking job ${job.id} (its copy runs by its safety net): ${String(error)}`,
@@ -203,7 +215,7 @@ export function makeExclusiveTask<TPayload>(
       const result = await giveBack.acquire(job, helpers, plan.slots, () => plan.info, plan.limits);
       if (result === null) return;
       if (!result.acquired)
-        return onConflict(job, helpers, plan.limits![result.full ?? 0]!, result.local);
+        return onConflict(job, helpers, plan.limits![result.full ?? 0]!, result.local, plan.limits);
       return runHeld(result.hold, payload, helpers);
     }
     const slots = keysOfJob(job);

@@ -298,6 +298,58 @@ describe("limits: several limits per job", () => {
     expect(locks.status().held).toEqual([]);
   });
 
+  it("a job woken from one limit's line that parks in another's passes the wake on to the next in line", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    const body = recording("pass");
+    const task = locks.exclusive(
+      "pass",
+      async (payload: Job, helpers) => {
+        if (payload.tenant === "h") await gate.promise;
+        await body(payload, helpers);
+      },
+      {
+        onConflict: "reschedule",
+        limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", group: "cap" }],
+        // (safety nets far away: only wakes run parked jobs within the test)
+        reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+      },
+    );
+    const [capKey] = slotKeys("cap", "all", 1);
+    const [tenantA] = slotKeys("pass", "a", 1);
+    const parks: Array<{ jobId: string; lockKey: bigint }> = [];
+    locks.events.on("job:rescheduled", (e) => parks.push({ jobId: e.job.id, lockKey: e.lockKey }));
+    await runner({
+      connectionString: db.url,
+      concurrency: 3,
+      taskList: { pass: task },
+      pollInterval: 100,
+    });
+    // h holds the cap; w (tenant a) and then x (tenant b) wait in the cap's line.
+    await task.addJob({ tenant: "h" });
+    await waitFor(async () => locks.status().held.length === 2, { message: "h to hold its slots" });
+    await task.addJob({ tenant: "a" });
+    await waitFor(async () => parks.length === 1, { message: "w to park" });
+    await task.addJob({ tenant: "b" });
+    await waitFor(async () => parks.length === 2, { message: "x to park" });
+    expect(parks.map((p) => p.lockKey)).toEqual([capKey, capKey]);
+    // Another process holds tenant a: woken by h's release, w finds it held and parks in its line.
+    const other = await h.holdExternally(tenantA!);
+    gate.resolve();
+    await waitFor(async () => parks.length === 3, { message: "w to park again" });
+    expect(parks[2]!.lockKey).toBe(tenantA);
+    // The cap's slot is free: w's park woke x, the next in the cap's line.
+    const { rows } = await h.q<{ lock_key: string }>(
+      "select lock_key::text from graphile_worker_locks.waiters",
+    );
+    expect(rows.map((r) => r.lock_key)).toEqual([tenantA!.toString()]);
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "pass")).some((e) => e.lockKey === "b"),
+      { message: "x to run" },
+    );
+    await other.release();
+  });
+
   it("drop: a full limit drops the job at run time and up front, naming the limit's key", async () => {
     const locks = newLocks();
     const task = locks.exclusive("dropper", recording("dropper"), {
@@ -356,7 +408,7 @@ describe("limits: several limits per job", () => {
       taskList: { ab, ba },
       pollInterval: 100,
     });
-    const rounds = 15;
+    const rounds = 8;
     for (let i = 0; i < rounds; i++) {
       await ab.addJob({ tenant: "ab", ms: 5 });
       await ba.addJob({ tenant: "ba", ms: 5 });
