@@ -5,7 +5,6 @@
  * runners. The cross-process proofs are in limits.long.test.ts.
  */
 import { describe, expect, it } from "vitest";
-import type { Locks } from "../../src/index.js";
 import { InvalidArgumentError } from "../../src/index.js";
 import { advisoryParts, lockKey, slotKeys } from "../../src/key.js";
 import { validateTaskRules } from "../../src/preset/rules.js";

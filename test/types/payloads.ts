@@ -95,3 +95,40 @@ const wrongOption: GraphileConfig.Preset = {
 void makeLocksFromPreset(preset);
 void wrongKey;
 void wrongOption;
+
+// Composed limits: each limit's key function sees the declared payload, in code and in the preset.
+locks.exclusive("charge_card", async () => undefined, {
+  lockGroup: "card",
+  limits: [
+    { key: (p) => p.userId, limit: (userId: number) => (userId > 100 ? 2 : 1) },
+    { key: () => "all", limit: 10, group: "payments" },
+  ],
+});
+locks.exclusive("charge_card", async () => undefined, {
+  // @ts-expect-error a limit's key function reads a member the payload does not have
+  limits: [{ key: (p) => p.email }],
+});
+void locks.canStart("charge_card", { userId: 1, amount: 0 });
+// @ts-expect-error a wrong payload for canStart
+void locks.canStart("charge_card", { id: 1 });
+const limitsPreset: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        charge_card: { lockGroup: "card", limits: [{ key: (p) => p.userId }, { group: "all" }] },
+      },
+    },
+  },
+};
+const wrongLimitKey: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        // @ts-expect-error a limit's key function sees charge_card's payload, which has no email
+        charge_card: { limits: [{ key: (p) => p.email }] },
+      },
+    },
+  },
+};
+void limitsPreset;
+void wrongLimitKey;
