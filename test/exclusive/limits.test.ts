@@ -92,7 +92,7 @@ describe("lockGroup: tasks that share a key space", () => {
     );
   });
 
-  it.each(["drop", "raise", "reschedule"] as const)(
+  it.each(["drop", "reschedule"] as const)(
     "a job of one task meets the key held by a job of the other (%s); a parked one is woken by the other task's release",
     async (strategy) => {
       const locks = newLocks();
@@ -165,10 +165,8 @@ describe("limits: several limits per job", () => {
     reschedule: { minDelay: 20, maxDelay: 300 },
   });
 
-  describe.each([
-    { lockAhead: false, name: "without lock-ahead" },
-    { lockAhead: true, name: "with lock-ahead" },
-  ])("$name", ({ lockAhead }) => {
+  // (with lock-ahead: the lock statement of a fetched batch carries its requests of several limits)
+  describe.each([{ lockAhead: true, name: "with lock-ahead" }])("$name", ({ lockAhead }) => {
     it("per tenant 1 and 2 in all: neither is exceeded, and every job runs exactly once", async () => {
       const identifier = `stacked_${lockAhead ? "ahead" : "plain"}`;
       const locks = newLocks();
@@ -291,10 +289,10 @@ describe("limits: several limits per job", () => {
     );
     for (const k of keys) expect(await isHeld(k)).toBe(true);
     gate.resolve();
-    await waitFor(async () => !(await isHeld(keys[0]!)) && !(await isHeld(keys[1]!)), {
-      message: "both keys to be released",
+    await waitFor(async () => locks.status().held.length === 0, {
+      message: "the hold to be released",
     });
-    expect(locks.status().held).toEqual([]);
+    for (const k of keys) expect(await isHeld(k)).toBe(false);
   });
 
   it("a job woken from one limit's line that parks in another's passes the wake on to the next in line", async () => {

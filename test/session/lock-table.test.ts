@@ -8,6 +8,7 @@ import type net from "node:net";
 import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { ErrorCodes, type LocksEvents } from "../../src/index.js";
+import { advisoryParts, slotKeys } from "../../src/key.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { startProxy } from "../support/proxy.js";
@@ -199,5 +200,46 @@ describe("a full lock table", () => {
     expect(executions.filter((e) => e.attempts !== 1 || e.aborted)).toEqual([]);
     // Nothing is left locked: no job row (locked or not), no key held by the session.
     expect(locks.status().held).toEqual([]);
+  });
+
+  it("a request of several limits that meets the full table after taking a slot is left holding none", async () => {
+    const { logger } = warningsLogger();
+    const locks = newLocks({ logger, lockSessionWait: 1000 });
+    const deferrals: Array<LocksEvents["job:deferred"]> = [];
+    locks.events.on("job:deferred", (e) => deferrals.push(e));
+    const ran: string[] = [];
+    const task = locks.exclusive(
+      "stacked_full",
+      async (_p: unknown, helpers) => void ran.push(helpers.job.id),
+      // Eight limits, more than the table has room for.
+      { limits: Array.from({ length: 8 }, (_, i) => ({ key: () => "k", group: `full-${i}` })) },
+    );
+    const keys = Array.from({ length: 8 }, (_, i) => slotKeys(`full-${i}`, "k", 1)[0]!);
+    await locks.connect();
+    const pool = await openPool(2);
+    await runner({ pgPool: await openPool(2), concurrency: 1, taskList: { stacked_full: task } });
+    // (added before the table fills: an insert needs room of its own)
+    await pool.query(
+      "select graphile_worker.add_job('stacked_full', '{}'::json, run_at => now() + interval '2 seconds')",
+    );
+    const filler = await h.connect();
+    // Room for four more locks: the job's first limits take them, the next meets the full table.
+    await fillLockTable(filler, 4);
+    await waitFor(async () => deferrals.length === 1, { message: "the job to go back" });
+    expect(deferrals[0]!.error).toMatchObject({ code: ErrorCodes.LOCK_TABLE_FULL });
+    const parts = keys.map(advisoryParts);
+    const { rows } = await filler.query<{ n: number }>(
+      `select count(*)::int as n from pg_locks l
+         join unnest($1::oid[], $2::oid[]) as k(classid, objid) on l.classid = k.classid and l.objid = k.objid
+         where l.locktype = 'advisory' and l.objsubid = 1`,
+      [parts.map((p) => p.classid), parts.map((p) => p.objid)],
+    );
+    expect(rows[0]!.n).toBe(0);
+    expect(ran).toEqual([]);
+    await filler.end();
+    await waitFor(async () => ran.length === 1, { message: "the job to run once there is room" });
+    await waitFor(async () => locks.status().held.length === 0, {
+      message: "its eight keys to be released",
+    });
   });
 });
