@@ -1,5 +1,6 @@
 /**
- * The abort signal a locked task sees: graphile-worker's own, combined with the lock session's loss.
+ * The abort signal a locked task sees: graphile-worker's own, combined with the lock session's loss and, for
+ * a job of a `reschedule` task, its supersession by a newer job of its key (`supersede`).
  */
 import type { JobHelpers } from "graphile-worker";
 import type { Hold } from "../session/holds.js";
@@ -15,28 +16,49 @@ interface LockedAbort {
  * The task's abort signal fires on graphile-worker's own abort (the worker's signal, shared by its jobs) and
  * when the lock session is lost (one signal per connection, shared by its holds). Both are long-lived and
  * shared, so their combination is made once per worker and connection, not per job: a job pays for a
- * spread of its helpers and nothing else.
+ * spread of its helpers and nothing else. A job of a `reschedule` task may also be superseded, which is its
+ * own: its combination is made per job, on the task's first look at its signal.
  */
 export class LockedAborts {
   private readonly byWorker = new WeakMap<object, LockedAbort>();
   private readonly noWorkerSignal = {};
 
   helpers(helpers: JobHelpers, hold: Hold): JobHelpers {
+    if (hold.info.reschedule) return supersedable(helpers, hold);
     const lost = hold.sessionSignal;
     const workerSignal: AbortSignal | undefined = helpers.abortSignal;
     const owner = workerSignal ?? this.noWorkerSignal;
     let abort = this.byWorker.get(owner);
     if (abort?.lost !== lost) {
-      abort = combine(lost, workerSignal);
+      abort = combine(lost, workerSignal ? [workerSignal, lost] : [lost]);
       this.byWorker.set(owner, abort);
     }
     return { ...helpers, abortSignal: abort.signal, abortPromise: abort.promise };
   }
 }
 
-function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): LockedAbort {
+/** Helpers whose abort signal also fires when `hold`'s job is superseded, made when first read. */
+function supersedable(helpers: JobHelpers, hold: Hold): JobHelpers {
+  const workerSignal: AbortSignal | undefined = helpers.abortSignal;
+  let abort: LockedAbort | undefined;
+  const made = () => {
+    if (abort) return abort;
+    const lost = hold.sessionSignal;
+    const sources = [lost, hold.supersedeSignal];
+    if (workerSignal) sources.push(workerSignal);
+    return (abort = combine(lost, sources));
+  };
+  return Object.defineProperties(
+    { ...helpers },
+    {
+      abortSignal: { get: () => made().signal, enumerable: true },
+      abortPromise: { get: () => made().promise, enumerable: true },
+    },
+  );
+}
+
+function combine(lost: AbortSignal, sources: AbortSignal[]): LockedAbort {
   const controller = new AbortController();
-  const sources = workerSignal ? [workerSignal, lost] : [lost];
   const onAbort = (event: Event) => {
     for (const source of sources) source.removeEventListener("abort", onAbort);
     controller.abort((event.target as AbortSignal).reason);

@@ -43,7 +43,14 @@ const UNIQUE_KEYS = [
   "uniqueByQueue",
   "onDuplicate",
 ] as const;
-const EXCLUSIVE_KEYS = ["onConflict", "key", "limit", "preemptive", "reschedule"] as const;
+const EXCLUSIVE_KEYS = [
+  "onConflict",
+  "key",
+  "limit",
+  "preemptive",
+  "reschedule",
+  "supersede",
+] as const;
 const KNOWN_KEYS = new Set<string>(["exclusive", ...UNIQUE_KEYS, ...EXCLUSIVE_KEYS]);
 
 /** Where a task's rules come from, for error messages. */
