@@ -13,6 +13,8 @@ export interface WorkerProcessOptions {
   localQueue?: boolean;
   /** Gives the runner to `locks.attach`. */
   attach?: boolean;
+  /** Another worker script of test/fixtures/ (file name) than worker.ts. */
+  script?: string;
 }
 
 export interface WorkerProcess {
@@ -32,7 +34,10 @@ export async function startWorkerProcess(
   url: string,
   options: WorkerProcessOptions,
 ): Promise<WorkerProcess> {
-  const child = fork(WORKER, [], {
+  const script = options.script
+    ? fileURLToPath(new URL(`../fixtures/${options.script}`, import.meta.url))
+    : WORKER;
+  const child = fork(script, [], {
     execArgv: ["--import", "tsx", "--import", GRAPHILE_WORKER_HOOK],
     env: {
       ...process.env,
