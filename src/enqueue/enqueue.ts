@@ -121,7 +121,9 @@ function superseding(
   if (exclusive?.onConflict !== "reschedule") {
     throw new InvalidArgumentError(
       `task '${taskIdentifier}': \`supersede\` needs a task defined on this instance with \`onConflict: "reschedule"\` (the new job waits for the one it stops), ` +
-        (exclusive ? `got \`onConflict: "${exclusive.onConflict}"\`` : "and it is not exclusive here"),
+        (exclusive
+          ? `got \`onConflict: "${exclusive.onConflict}"\``
+          : "and it is not exclusive here"),
     );
   }
   if (bulk) {
@@ -201,7 +203,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       lockKeys,
       unique,
       line,
-      supersede: supersede ? (keys?.[0] ?? slotKeys(taskIdentifier, keyOfPayload!.value, 1, null)[0]!) : null,
+      supersede: supersede
+        ? (keys?.[0] ?? slotKeys(taskIdentifier, keyOfPayload!.value, 1, null)[0]!)
+        : null,
     };
   };
 

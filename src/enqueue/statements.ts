@@ -125,7 +125,11 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   // uniqueness for a null key); with one, graphile-worker's add_job, which owns job keys.
   if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
     const superseding = plan.supersede != null;
-    name = superseding ? "enqueue_job_superseding" : lockKeys ? "enqueue_job_checked" : "enqueue_job";
+    name = superseding
+      ? "enqueue_job_superseding"
+      : lockKeys
+        ? "enqueue_job_checked"
+        : "enqueue_job";
     text = sql.enqueueJob(lockKeys !== null, superseding);
     values.push(
       // (none: the JSON text null)

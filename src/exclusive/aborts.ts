@@ -10,6 +10,8 @@ interface LockedAbort {
   readonly lost: AbortSignal;
   readonly signal: AbortSignal;
   readonly promise: Promise<void>;
+  /** Stops listening to the sources (they outlive the job). */
+  detach(): void;
 }
 
 /**
@@ -17,14 +19,26 @@ interface LockedAbort {
  * when the lock session is lost (one signal per connection, shared by its holds). Both are long-lived and
  * shared, so their combination is made once per worker and connection, not per job: a job pays for a
  * spread of its helpers and nothing else. A job of a `reschedule` task may also be superseded, which is its
- * own: its combination is made per job, on the task's first look at its signal.
+ * own: its combination is made per job, on the task's first look at its signal, and stops listening to the
+ * shared signals when the job ends (`done`).
  */
 export class LockedAborts {
   private readonly byWorker = new WeakMap<object, LockedAbort>();
   private readonly noWorkerSignal = {};
+  private readonly perJob = new WeakMap<Hold, () => LockedAbort | undefined>();
+
+  /** The job of `hold` has ended: its own combination, if it made one, stops listening. */
+  done(hold: Hold): void {
+    this.perJob.get(hold)?.()?.detach();
+    this.perJob.delete(hold);
+  }
 
   helpers(helpers: JobHelpers, hold: Hold): JobHelpers {
-    if (hold.info.reschedule) return supersedable(helpers, hold);
+    if (hold.info.reschedule) {
+      const { helpers: own, made } = supersedable(helpers, hold);
+      this.perJob.set(hold, made);
+      return own;
+    }
     const lost = hold.sessionSignal;
     const workerSignal: AbortSignal | undefined = helpers.abortSignal;
     const owner = workerSignal ?? this.noWorkerSignal;
@@ -37,30 +51,40 @@ export class LockedAborts {
   }
 }
 
-/** Helpers whose abort signal also fires when `hold`'s job is superseded, made when first read. */
-function supersedable(helpers: JobHelpers, hold: Hold): JobHelpers {
+/**
+ * Helpers whose abort signal also fires when `hold`'s job is superseded, made when first read; and `made`,
+ * the combination if it was made.
+ */
+function supersedable(
+  helpers: JobHelpers,
+  hold: Hold,
+): { helpers: JobHelpers; made: () => LockedAbort | undefined } {
   const workerSignal: AbortSignal | undefined = helpers.abortSignal;
   let abort: LockedAbort | undefined;
-  const made = () => {
+  const make = () => {
     if (abort) return abort;
     const lost = hold.sessionSignal;
     const sources = [lost, hold.supersedeSignal];
     if (workerSignal) sources.push(workerSignal);
     return (abort = combine(lost, sources));
   };
-  return Object.defineProperties(
+  const own = Object.defineProperties(
     { ...helpers },
     {
-      abortSignal: { get: () => made().signal, enumerable: true },
-      abortPromise: { get: () => made().promise, enumerable: true },
+      abortSignal: { get: () => make().signal, enumerable: true },
+      abortPromise: { get: () => make().promise, enumerable: true },
     },
   );
+  return { helpers: own, made: () => abort };
 }
 
 function combine(lost: AbortSignal, sources: AbortSignal[]): LockedAbort {
   const controller = new AbortController();
-  const onAbort = (event: Event) => {
+  const detach = () => {
     for (const source of sources) source.removeEventListener("abort", onAbort);
+  };
+  const onAbort = (event: Event) => {
+    detach();
     controller.abort((event.target as AbortSignal).reason);
   };
   const aborted = sources.find((source) => source.aborted);
@@ -72,5 +96,5 @@ function combine(lost: AbortSignal, sources: AbortSignal[]): LockedAbort {
     else signal.addEventListener("abort", () => reject(signal.reason), { once: true });
   });
   promise.catch(() => undefined);
-  return { lost, signal, promise };
+  return { lost, signal, promise, detach };
 }

@@ -64,7 +64,12 @@ export function makeExclusiveTask<TPayload>(
         // A job fetched before a newer job of its key superseded it does not park ahead of that job.
         const by = ctx.session.supersededBy(lockKey, job.id);
         if (by !== null) {
-          return ended(new SupersededError(taskIdentifier, lockKey, job.id, by), job, helpers, "starting");
+          return ended(
+            new SupersededError(taskIdentifier, lockKey, job.id, by),
+            job,
+            helpers,
+            "starting",
+          );
         }
         const { minDelay, maxDelay, jitter } = options.reschedule;
         const n = conflicts.next(lockKey.toString());
@@ -177,6 +182,7 @@ export function makeExclusiveTask<TPayload>(
       if (hold.supersededBy) return ended(hold.supersededBy, helpers.job, helpers, "running");
       return value as ReturnType<Task>;
     } finally {
+      if (info.reschedule) aborts.done(hold);
       // The unlock goes in the lock session's next statement; the job need not wait for it. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op. (Waiting for it before returning, as

@@ -240,8 +240,7 @@ export class LockConnection {
       client.on("notification", (message) => {
         if (!message.payload) return;
         if (message.channel === releaseChannel) this.host.onReleaseNotice(message.payload);
-        else if (message.channel === supersedeChannel)
-          this.host.onSupersedeNotice(message.payload);
+        else if (message.channel === supersedeChannel) this.host.onSupersedeNotice(message.payload);
       });
       await client.query(`listen ${releaseChannel}; listen ${supersedeChannel}`);
       const after = await backendPid(client);

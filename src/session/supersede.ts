@@ -33,7 +33,10 @@ export class Supersessions {
     const now = performance.now();
     const known = this.byKey.get(notice.key);
     this.byKey.delete(notice.key);
-    this.byKey.set(notice.key, { by: known && known.by > notice.by ? known.by : notice.by, at: now });
+    this.byKey.set(notice.key, {
+      by: known && known.by > notice.by ? known.by : notice.by,
+      at: now,
+    });
     for (const [key, entry] of this.byKey) {
       if (now - entry.at < REMEMBER_MS) break;
       this.byKey.delete(key);

@@ -279,6 +279,32 @@ describe("supersede in this process", () => {
   });
 });
 
+describe("the abort signal of a job that may be superseded", () => {
+  it("stops listening to the worker's and the session's signals when its job ends", async () => {
+    const warnings: string[] = [];
+    const onWarning = (warning: Error) => warnings.push(`${warning.name}: ${warning.message}`);
+    process.on("warning", onWarning);
+    cleanups.push(async () => void process.off("warning", onWarning));
+    const locks = newLocks();
+    let reads = 0;
+    const task = locks.exclusive(
+      "sup_signal",
+      async (_p: { n: number }, helpers) => {
+        if (helpers.abortSignal && !helpers.abortSignal.aborted) reads++;
+      },
+      { key: () => "one", onConflict: "reschedule" },
+    );
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { sup_signal: task } });
+    // (more jobs than an AbortSignal's 10 listeners before Node warns of a leak)
+    for (let n = 0; n < 15; n++) await task.addJob({ n });
+    await drained();
+    // (a warning is emitted on the next turn)
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(reads).toBe(15);
+    expect(warnings.filter((w) => w.includes("MaxListenersExceeded"))).toEqual([]);
+  });
+});
+
 describe("supersede options", () => {
   it("is refused on a task that does not wait (`onConflict` other than reschedule), naming the task", () => {
     const locks = newLocks();
