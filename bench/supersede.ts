@@ -40,7 +40,7 @@ export const supersede: Section = {
       await withWorkers(
         new URL("./supersede-worker.ts", import.meta.url),
         2,
-        {},
+        { DATABASE_URL: ctx.url },
         async (workers) => {
           const startedJobs = new Set<string>();
           for (const w of workers) {
