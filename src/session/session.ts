@@ -34,6 +34,8 @@
  *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
+ * - A supersede notice (supersede.ts) only aborts the signals of the holds of the key's older jobs: it never
+ *   releases a key, which stays held until its job returns.
  */
 import { batchQuery, makeBatch, type BatchRow } from "./batch.js";
 import { SessionBook } from "./book.js";

@@ -9,6 +9,7 @@ import {
   ErrorCodes,
   InvalidArgumentError,
   lockKey,
+  makeLocksFromPreset,
   type Locks,
   type LocksEvents,
 } from "../../src/index.js";
@@ -333,6 +334,14 @@ describe("supersede options", () => {
         "worker.locks.tasks",
       ),
     ).not.toThrow();
+    expect(() =>
+      makeLocksFromPreset({
+        worker: {
+          connectionString: db.url,
+          locks: { tasks: { sup_preset: { onConflict: "drop", supersede: true } } },
+        },
+      }),
+    ).toThrow(/task 'sup_preset'.*`supersede` needs `onConflict: "reschedule"`/);
   });
 
   it("`spec.supersede` is refused before anything is written where it cannot apply", async () => {
