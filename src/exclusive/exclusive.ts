@@ -163,10 +163,13 @@ export function makeExclusiveTask<TPayload>(
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
     const measured = timed || listening();
     const started = measured ? performance.now() : 0;
+    // (a job that ends without running says nothing of how long the task's jobs hold their key)
+    let ran = true;
     try {
       if (info.reschedule) {
         const by = ctx.session.supersededBy(info.wakeKey, helpers.job.id);
         if (by !== null) {
+          ran = false;
           const reason = new SupersededError(taskIdentifier, info.wakeKey, helpers.job.id, by);
           return ended(reason, helpers.job, helpers, "starting");
         }
@@ -188,7 +191,7 @@ export function makeExclusiveTask<TPayload>(
       // can overlap; a late unlock of a lost session is a no-op. (Waiting for it before returning, as
       // que-locks does, is no faster: see bench/README.md, section "Unlock without waiting".)
       const heldMs = measured ? performance.now() - started : 0;
-      if (timed) holdTime.record(heldMs);
+      if (timed && ran) holdTime.record(heldMs);
       if (!listening()) hold.releaseQuietly();
       else {
         const job = helpers.job;
