@@ -16,8 +16,9 @@ import { enqueue } from "./enqueue.js";
 import { peers } from "./peers.js";
 import { latency } from "./latency.js";
 import { limits } from "./limits.js";
+import { supersede } from "./supersede.js";
 
-const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency, limits];
+const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency, limits, supersede];
 
 const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");
 const log = (message: string): void => void process.stderr.write(`[bench] ${message}\n`);

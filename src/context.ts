@@ -22,6 +22,11 @@ export interface LockService {
   ): Promise<AcquireResult>;
   /** True as soon as the session is ready, false when it is still not after `timeoutMs` or is closed. */
   whenReady(timeoutMs: number): Promise<boolean>;
+  /**
+   * The id of the job that superseded job `jobId` of `key` (slot 0 of its task's key), if the session heard
+   * of one lately (`supersede`); else null.
+   */
+  supersededBy(key: bigint, jobId: string): string | null;
   /** The backend pid of the session's connection, if connected. */
   readonly pid: number | null;
   readonly state: ConnectionState;

@@ -18,6 +18,11 @@ export const ErrorCodes = {
    * the queue without its attempt counted; see {@link lockTableFull}.
    */
   LOCK_TABLE_FULL: "GWL_LOCK_TABLE_FULL",
+  /**
+   * A newer job of the same key superseded this one (`supersede`): the reason of its abort signal; see
+   * {@link SupersededError}.
+   */
+  SUPERSEDED: "GWL_SUPERSEDED",
   /** A unique job already exists; thrown by the `raise` unique conflict strategy. */
   UNIQUE_CONFLICT: "GWL_UNIQUE_CONFLICT",
   /** Bad options or a value that cannot be turned into a key. */
@@ -65,6 +70,38 @@ export class LockConflictError extends LocksError {
     );
     this.taskIdentifier = taskIdentifier;
     this.lockKey = lockKey;
+  }
+}
+
+/**
+ * The reason a superseded job's `helpers.abortSignal` fires with: a newer job of its key was enqueued with
+ * `supersede` (the task's option, or the enqueue's). The job should stop; it ends as completed whether it
+ * stops or not (not failed, not retried), and keeps its key until it returns.
+ */
+export class SupersededError extends LocksError {
+  readonly taskIdentifier: string;
+  /** The key whose newer job superseded this one (slot 0 of the task's key). */
+  readonly lockKey: bigint;
+  /** The superseded job. */
+  readonly jobId: string | null;
+  /** The job that superseded it. */
+  readonly byJobId: string;
+  constructor(
+    taskIdentifier: string,
+    lockKey: bigint,
+    jobId: string | null,
+    byJobId: string,
+    options?: { cause?: unknown },
+  ) {
+    super(
+      ErrorCodes.SUPERSEDED,
+      `Job ${jobId ?? "(none)"} of task '${taskIdentifier}' was superseded by job ${byJobId} of its key ${lockKey}: stop; it ends as completed`,
+      options,
+    );
+    this.taskIdentifier = taskIdentifier;
+    this.lockKey = lockKey;
+    this.jobId = jobId;
+    this.byJobId = byJobId;
   }
 }
 

@@ -55,6 +55,28 @@ export interface LocksEvents {
     delayMs: number;
   };
   /**
+   * A job was superseded by a newer job of its key (`supersede`), and ended as completed: not failed, not
+   * retried. `state` says where it was:
+   * - `running`: it held the key; its `abortSignal` fired with a `SupersededError`, and it ended when it
+   *   returned or threw (emitted by its own process, once it returned; it kept its key until then);
+   * - `starting`: fetched before the superseding enqueue, it met the supersession before its task started
+   *   (it had just taken the key, or was about to park), and ended without running;
+   * - `waiting`: not yet fetched (queued, scheduled, waiting to retry, or parked in the key's line), it was
+   *   removed by the superseding enqueue (emitted by the enqueuing process when the enqueue answered: inside
+   *   a transaction of yours, before it commits). `job` is null then.
+   */
+  "job:superseded": {
+    /** The task of the superseded job (for a `waiting` one, the superseding job's). */
+    taskIdentifier: string;
+    /** The key (slot 0 of the task's key). */
+    lockKey: bigint;
+    jobId: string;
+    /** The job that superseded it. */
+    byJobId: string;
+    state: "running" | "starting" | "waiting";
+    job: Job | null;
+  };
+  /**
    * A job went back to the queue without its attempt counted: it met an unavailable lock session and waited
    * `lockSessionWait` for it in vain (its copy `newJobId` runs at `runAt`, or as soon as the session is back),
    * or PostgreSQL could not take its lock for want of lock memory (`error.code` GWL_LOCK_TABLE_FULL, whose

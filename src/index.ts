@@ -24,5 +24,5 @@ export { uniqueJobKey } from "./enqueue/unique.js";
 export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
 export { lockKey, lockFlag } from "./key.js";
 export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
-export { UniqueConflictError, UntestedWorkerSchemaError } from "./errors.js";
+export { SupersededError, UniqueConflictError, UntestedWorkerSchemaError } from "./errors.js";
 export { LocksPreset, makeLocksFromPreset } from "./preset/preset.js";

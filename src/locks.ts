@@ -256,7 +256,7 @@ export function makeLocks(options: LocksOptions): Locks {
       // eslint-disable-next-line @typescript-eslint/no-explicit-any -- one implementation of both overloads
     ): ExclusiveTask<any> {
       assertTask(taskIdentifier, task);
-      const resolved = resolveExclusiveOptions(taskOptions, options.defaults);
+      const resolved = resolveExclusiveOptions(taskOptions, options.defaults, taskIdentifier);
       define(
         taskIdentifier,
         resolved as ResolvedExclusiveOptions<never>,
@@ -285,7 +285,11 @@ export function makeLocks(options: LocksOptions): Locks {
       define(
         taskIdentifier,
         exclusive
-          ? (resolveExclusiveOptions(rest, options.defaults) as ResolvedExclusiveOptions<never>)
+          ? (resolveExclusiveOptions(
+              rest,
+              options.defaults,
+              taskIdentifier,
+            ) as ResolvedExclusiveOptions<never>)
           : null,
         { ...options.defaults, ...rest } as UniqueOptions<never>,
       );

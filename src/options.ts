@@ -62,6 +62,15 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
   preemptive?: boolean;
   /** Backoff of the `reschedule` strategy. */
   reschedule?: RescheduleOptions;
+  /**
+   * Whether a new job of a key stops the job running for it (latest wins): the running job's
+   * `helpers.abortSignal` fires with a `SupersededError`, in whatever process it runs; it ends as completed
+   * (not failed, not retried) whether it stops or not, and keeps its key until it returns; the new job runs
+   * as soon as it lets go. Jobs of the key still waiting (queued or parked) are removed by the enqueue. Needs
+   * `onConflict: "reschedule"` (the new job waits for the one it stops). Per enqueue: `spec.supersede`.
+   * @defaultValue `false`
+   */
+  supersede?: boolean;
 }
 
 /** One limit of `limits`. */
@@ -86,6 +95,7 @@ export interface ResolvedExclusiveOptions<TPayload = unknown> {
   limits: readonly LimitRule[] | null;
   preemptive: boolean;
   reschedule: Required<RescheduleOptions>;
+  supersede: boolean;
 }
 
 /** Options of `locks.define`: a task's rules without its function, for processes that only enqueue. */
@@ -172,6 +182,14 @@ export interface AddJobSpec extends TaskSpec, UniqueOptions<never> {
    * instance checks the lock of the default derivation (whole payload, limit 1).
    */
   preemptive?: boolean;
+  /**
+   * Whether this job supersedes the jobs of its key: the running one is told to stop, the waiting ones are
+   * removed (see the exclusive option `supersede`). Only on a task defined with `onConflict: "reschedule"`;
+   * `false` turns the task's `supersede` off for this enqueue. A superseding enqueue has no preemptive
+   * check, and is told at commit: inside a transaction that rolls back, nothing is stopped or removed.
+   * @defaultValue the task's `supersede`
+   */
+  supersede?: boolean;
   /** Enqueue on this client, e.g. inside your own transaction. @defaultValue the Locks pool */
   pgClient?: PoolClient | Client;
 }
@@ -285,9 +303,14 @@ function assertNonNegative(name: string, value: unknown): asserts value is numbe
   }
 }
 
+/**
+ * `options` over `defaults`, checked and with their defaults filled in. `taskIdentifier`, when given, is named
+ * by the errors that concern the task as a whole (`supersede` without `onConflict: "reschedule"`).
+ */
 export function resolveExclusiveOptions<TPayload>(
   options: ExclusiveOptions<TPayload> | undefined,
   defaults: ExclusiveOptions | undefined,
+  taskIdentifier?: string,
 ): ResolvedExclusiveOptions<TPayload> {
   const merged = { ...defaults, ...options } as ExclusiveOptions<TPayload>;
   validateUniqueOptions(merged as UniqueOptions<never>, "task options");
@@ -347,6 +370,15 @@ export function resolveExclusiveOptions<TPayload>(
       `\`reschedule.maxDelay\` (${reschedule.maxDelay}) must not be below \`reschedule.minDelay\` (${reschedule.minDelay})`,
     );
   }
+  const supersede = merged.supersede ?? false;
+  if (typeof supersede !== "boolean") {
+    throw new InvalidArgumentError(`\`supersede\` must be a boolean, got ${typeof supersede}`);
+  }
+  if (supersede && onConflict !== "reschedule") {
+    throw new InvalidArgumentError(
+      `${taskIdentifier === undefined ? "" : `task '${taskIdentifier}': `}\`supersede\` needs \`onConflict: "reschedule"\` (the new job waits for the one it stops; "${onConflict}" would drop it or fail it instead), got \`onConflict: "${onConflict}"\``,
+    );
+  }
   return {
     onConflict,
     key: key ?? ((payload: TPayload) => payload),
@@ -356,6 +388,7 @@ export function resolveExclusiveOptions<TPayload>(
     limits,
     preemptive,
     reschedule,
+    supersede,
   };
 }
 

@@ -146,8 +146,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
    * `columns` first, then `outcome`, the job's task identifier and the job's columns, expanded from the
    * function's result so that a new column of graphile-worker's table comes along without a change here.
    */
-  const enqueueAnswer = (columns: string, call: string) =>
-    `select ${columns}r.outcome, r.task_identifier, (r.job).* from ${call} r`;
+  const enqueueAnswer = (columns: string, call: string, after = "") =>
+    `select ${columns}r.outcome, r.task_identifier, (r.job).*${after} from ${call} r`;
   /**
    * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) before
    * its wakes.
@@ -287,6 +287,12 @@ ${stacked}      union all
     /** The channel on which a release tells the session of a job woken early that its key is free. */
     releaseChannel: "gwl_release",
 
+    /**
+     * The channel on which a superseding enqueue tells every lock session that the jobs of a key older than
+     * the new one are superseded (payload `<key>:<new job id>`; `supersede` in sql/000003.sql).
+     */
+    supersedeChannel: "gwl_supersede",
+
     /** Replaces this session's rows in the holder registry with the locks it holds now. */
     writeHolders: `with gone as (
         delete from ${s}.lock_holders
@@ -353,12 +359,17 @@ ${stacked}      union all
 
     /**
      * One enqueue (enqueue_job in sql/000001.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
-     * of `lockAvailable`). Answers as `enqueueJobs` does, without `ord`.
+     * of `lockAvailable`), or superseding (`supersede` in sql/000003.sql, for a job added: $12 its key; the
+     * answer's `superseded` column lists the waiting jobs it removed). Answers as `enqueueJobs` does, without
+     * `ord`.
      */
-    enqueueJob: (gated: boolean) => `${enqueueAnswer(
+    enqueueJob: (gated: boolean, superseding = false) => `${enqueueAnswer(
       "",
       `${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
         $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true)`,
+      superseding
+        ? `, case when r.outcome = 'added' then ${s}.supersede($12::bigint, (r.job).id) end::text[] as superseded`
+        : "",
     )}
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
 

@@ -184,6 +184,12 @@ export interface AddJobResult {
    * - `dropped`: the preemptive check found the key's lock held; `job` is null.
    */
   outcome: "added" | "duplicate" | "replaced" | "dropped";
+  /**
+   * A superseding enqueue (`supersede`) that added its job: the ids of the jobs of its key that waited (not
+   * yet fetched) and that it removed, each also told by a `job:superseded` event. The job running for the key
+   * is told to stop when the enqueue commits.
+   */
+  superseded?: string[];
 }
 
 /** A graphile-worker task that runs at most `limit` jobs per key at a time. */

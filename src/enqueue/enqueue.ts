@@ -114,6 +114,45 @@ async function addJobsRetryingDeadlocks(
   }
 }
 
+/**
+ * Whether an enqueue supersedes the older jobs of its key: `spec.supersede`, else the task's `supersede`.
+ * Refused (before anything is written) on a task not defined with `onConflict: "reschedule"` here, with a
+ * job key of the caller's, and in a bulk enqueue.
+ */
+function superseding(
+  taskIdentifier: string,
+  exclusive: ResolvedExclusiveOptions<never> | null,
+  spec: AddJobSpec | undefined,
+  bulk: boolean,
+): boolean {
+  const supersede = spec?.supersede ?? exclusive?.supersede ?? false;
+  if (typeof supersede !== "boolean") {
+    throw new InvalidArgumentError(
+      `task '${taskIdentifier}': \`supersede\` must be a boolean, got ${typeof supersede}`,
+    );
+  }
+  if (!supersede) return false;
+  if (exclusive?.onConflict !== "reschedule") {
+    throw new InvalidArgumentError(
+      `task '${taskIdentifier}': \`supersede\` needs a task defined on this instance with \`onConflict: "reschedule"\` (the new job waits for the one it stops), ` +
+        (exclusive
+          ? `got \`onConflict: "${exclusive.onConflict}"\``
+          : "and it is not exclusive here"),
+    );
+  }
+  if (bulk) {
+    throw new InvalidArgumentError(
+      `task '${taskIdentifier}': \`supersede\` is not taken by \`addJobs\`; add a superseding job with \`addJob\`, or pass \`supersede: false\``,
+    );
+  }
+  if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
+    throw new InvalidArgumentError(
+      `task '${taskIdentifier}': \`supersede\` cannot be combined with a \`jobKey\` of yours`,
+    );
+  }
+  return true;
+}
+
 export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   const { pool, sql, rules: definitions, defaultExclusive, emit } = options;
 
@@ -132,13 +171,17 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     payload: unknown,
     spec: AddJobSpec | undefined,
     preemptiveCheck?: boolean,
+    bulk = false,
   ): EnqueuePlan => {
     assertIdentifier(taskIdentifier);
     assertJsonSafe(payload);
     const definition = definitions.get(taskIdentifier);
     const exclusive = definition?.exclusive ?? null;
-    const preemptive =
-      preemptiveCheck ?? spec?.preemptive ?? (exclusive ? exclusive.preemptive : false);
+    const supersede = superseding(taskIdentifier, exclusive, spec, bulk);
+    // (a superseding job waits for the job it stops: never dropped up front)
+    const preemptive = supersede
+      ? false
+      : (preemptiveCheck ?? spec?.preemptive ?? (exclusive ? exclusive.preemptive : false));
     // An exclusive task's key is evaluated at every enqueue, whether a check uses it or not, so that a key
     // function that fails does so before anything is written (and not only once a worker runs the job).
     const rules = exclusive ?? (preemptive ? defaultExclusive : null);
@@ -182,6 +225,11 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       limitKeys: preemptive ? limitKeys : null,
       unique,
       line,
+      supersede: supersede
+        ? (keys?.[0] ??
+          limitKeys?.[0]?.slots[0] ??
+          slotKeys(rules!.lockGroup ?? taskIdentifier, keyOfPayload!.value, 1, null)[0]!)
+        : null,
     };
   };
 
@@ -216,6 +264,18 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         });
         break;
       case "added":
+        if (result.superseded) {
+          for (const jobId of result.superseded) {
+            emit("job:superseded", {
+              taskIdentifier,
+              lockKey: p.supersede!,
+              jobId,
+              byJobId: result.job!.id,
+              state: "waiting",
+              job: null,
+            });
+          }
+        }
         break;
     }
   };
@@ -286,7 +346,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         // enqueue has no preemptive check. What is wrong with an item names its index; the cause is the
         // original error (a key function's own, when it threw).
         try {
-          return plan(item.identifier, item.payload, item, false);
+          return plan(item.identifier, item.payload, item, false, true);
         } catch (error) {
           if (!(error instanceof InvalidArgumentError)) throw error;
           throw new InvalidArgumentError(`addJobs: item ${index}: ${error.message}`, {

@@ -47,6 +47,11 @@ export interface EnqueuePlan {
    * after the first of its key is added waiting in line (enqueue_jobs in sql/000001.sql).
    */
   line?: { key: bigint; safetyNetMs: number } | null;
+  /**
+   * A superseding enqueue (`supersede`): the key (slot 0) whose older jobs the new job supersedes, in the
+   * same statement (no preemptive check then).
+   */
+  supersede?: bigint | null;
 }
 
 /** pg_locks coordinates of keys, as the `lockAvailable` statement takes them. */
@@ -87,7 +92,7 @@ export async function limitsHeld(
  * A row of an enqueue statement: the item's place (from 1; bulk only), its outcome (none from
  * graphile-worker's add_job: added) and the job's columns, all null for no job.
  */
-type EnqueueRow = Job & { ord?: number; outcome?: string };
+type EnqueueRow = Job & { ord?: number; outcome?: string; superseded?: string[] | null };
 
 /**
  * graphile-worker's flags object for a job: the caller's flags plus, for a unique job, the one that records
@@ -113,11 +118,13 @@ const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>>
 
 /** A row's outcome and job (the row without its `ord` and `outcome`). */
 function toResult(row: EnqueueRow, taskIdentifier: string): AddJobResult {
-  const { ord: _ord, outcome = "added", ...job } = row;
+  const { ord: _ord, outcome = "added", superseded, ...job } = row;
   if (job.id === null) return { job: null, outcome: outcome as AddJobResult["outcome"] };
   // (a row of graphile-worker's add_job has no task identifier of its own: it is the item's)
   job.task_identifier ??= taskIdentifier;
-  return { job, outcome: outcome as AddJobResult["outcome"] };
+  const result: AddJobResult = { job, outcome: outcome as AddJobResult["outcome"] };
+  if (superseded) result.superseded = superseded;
+  return result;
 }
 
 export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promise<AddJobResult> {
@@ -136,8 +143,13 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   // Without a job key of the caller's, the library's own direct insert (enqueue_job, which bypasses
   // uniqueness for a null key); with one, graphile-worker's add_job, which owns job keys.
   if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
-    name = lockKeys ? "enqueue_job_checked" : "enqueue_job";
-    text = sql.enqueueJob(lockKeys !== null);
+    const superseding = plan.supersede != null;
+    name = superseding
+      ? "enqueue_job_superseding"
+      : lockKeys
+        ? "enqueue_job_checked"
+        : "enqueue_job";
+    text = sql.enqueueJob(lockKeys !== null, superseding);
     values.push(
       // (none: the JSON text null)
       JSON.stringify(jobFlags(spec?.flags, unique)),
@@ -152,6 +164,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     values.push(spec?.flags ?? null, spec?.jobKey ?? null, spec?.jobKeyMode ?? null);
   }
   if (lockKeys) values.push(...lockCoordinates(lockKeys));
+  else if (plan.supersede != null) values.push(plan.supersede.toString());
   const { rows } = await explaining(db).query<EnqueueRow>(sql.statement(name, text, values));
   const row = rows[0];
   if (!row) return { job: null, outcome: "dropped" };

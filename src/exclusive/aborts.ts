@@ -1,5 +1,6 @@
 /**
- * The abort signal a locked task sees: graphile-worker's own, combined with the lock session's loss.
+ * The abort signal a locked task sees: graphile-worker's own, combined with the lock session's loss and, for
+ * a job of a `reschedule` task, its supersession by a newer job of its key (`supersede`).
  */
 import type { JobHelpers } from "graphile-worker";
 import type { Hold } from "../session/holds.js";
@@ -9,36 +10,81 @@ interface LockedAbort {
   readonly lost: AbortSignal;
   readonly signal: AbortSignal;
   readonly promise: Promise<void>;
+  /** Stops listening to the sources (they outlive the job). */
+  detach(): void;
 }
 
 /**
  * The task's abort signal fires on graphile-worker's own abort (the worker's signal, shared by its jobs) and
  * when the lock session is lost (one signal per connection, shared by its holds). Both are long-lived and
  * shared, so their combination is made once per worker and connection, not per job: a job pays for a
- * spread of its helpers and nothing else.
+ * spread of its helpers and nothing else. A job of a `reschedule` task may also be superseded, which is its
+ * own: its combination is made per job, on the task's first look at its signal, and stops listening to the
+ * shared signals when the job ends (`done`).
  */
 export class LockedAborts {
   private readonly byWorker = new WeakMap<object, LockedAbort>();
   private readonly noWorkerSignal = {};
+  private readonly perJob = new WeakMap<Hold, () => LockedAbort | undefined>();
+
+  /** The job of `hold` has ended: its own combination, if it made one, stops listening. */
+  done(hold: Hold): void {
+    this.perJob.get(hold)?.()?.detach();
+    this.perJob.delete(hold);
+  }
 
   helpers(helpers: JobHelpers, hold: Hold): JobHelpers {
+    if (hold.info.reschedule) {
+      const { helpers: own, made } = supersedable(helpers, hold);
+      this.perJob.set(hold, made);
+      return own;
+    }
     const lost = hold.sessionSignal;
     const workerSignal: AbortSignal | undefined = helpers.abortSignal;
     const owner = workerSignal ?? this.noWorkerSignal;
     let abort = this.byWorker.get(owner);
     if (abort?.lost !== lost) {
-      abort = combine(lost, workerSignal);
+      abort = combine(lost, workerSignal ? [workerSignal, lost] : [lost]);
       this.byWorker.set(owner, abort);
     }
     return { ...helpers, abortSignal: abort.signal, abortPromise: abort.promise };
   }
 }
 
-function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): LockedAbort {
+/**
+ * Helpers whose abort signal also fires when `hold`'s job is superseded, made when first read; and `made`,
+ * the combination if it was made.
+ */
+function supersedable(
+  helpers: JobHelpers,
+  hold: Hold,
+): { helpers: JobHelpers; made: () => LockedAbort | undefined } {
+  const workerSignal: AbortSignal | undefined = helpers.abortSignal;
+  let abort: LockedAbort | undefined;
+  const make = () => {
+    if (abort) return abort;
+    const lost = hold.sessionSignal;
+    const sources = [lost, hold.supersedeSignal];
+    if (workerSignal) sources.push(workerSignal);
+    return (abort = combine(lost, sources));
+  };
+  const own = Object.defineProperties(
+    { ...helpers },
+    {
+      abortSignal: { get: () => make().signal, enumerable: true },
+      abortPromise: { get: () => make().promise, enumerable: true },
+    },
+  );
+  return { helpers: own, made: () => abort };
+}
+
+function combine(lost: AbortSignal, sources: AbortSignal[]): LockedAbort {
   const controller = new AbortController();
-  const sources = workerSignal ? [workerSignal, lost] : [lost];
-  const onAbort = (event: Event) => {
+  const detach = () => {
     for (const source of sources) source.removeEventListener("abort", onAbort);
+  };
+  const onAbort = (event: Event) => {
+    detach();
     controller.abort((event.target as AbortSignal).reason);
   };
   const aborted = sources.find((source) => source.aborted);
@@ -50,5 +96,5 @@ function combine(lost: AbortSignal, workerSignal: AbortSignal | undefined): Lock
     else signal.addEventListener("abort", () => reject(signal.reason), { once: true });
   });
   promise.catch(() => undefined);
-  return { lost, signal, promise };
+  return { lost, signal, promise, detach };
 }

@@ -3,7 +3,7 @@
  * and applies the conflict strategy when the key is held.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
-import { LockConflictError } from "../errors.js";
+import { LockConflictError, SupersededError } from "../errors.js";
 import type { LocksContext } from "../context.js";
 import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
 import { jobLimitKeys, jobLockKeys } from "../key.js";
@@ -107,6 +107,16 @@ export function makeExclusiveTask<TPayload>(
       case "raise":
         throw new LockConflictError(taskIdentifier, lockKey);
       case "reschedule": {
+        // A job fetched before a newer job of its key superseded it does not park ahead of that job.
+        const by = ctx.session.supersededBy(lockKey, job.id);
+        if (by !== null) {
+          return ended(
+            new SupersededError(taskIdentifier, lockKey, job.id, by),
+            job,
+            helpers,
+            "starting",
+          );
+        }
         const { minDelay, maxDelay, jitter } = options.reschedule;
         const n = conflicts.next(lockKey.toString());
         const base = Math.min(maxDelay, minDelay * 2 ** Math.min(n, 30));
@@ -173,28 +183,74 @@ export function makeExclusiveTask<TPayload>(
   const timed = options.onConflict === "reschedule";
   const listening = () => ctx.listening("lock:released");
 
-  /** Runs the task while `hold` is held, then releases it. */
+  /**
+   * A superseded job ends as completed, whatever its task did: an info log and `job:superseded`. Its key is
+   * released by the caller, after this.
+   */
+  const ended = (
+    reason: SupersededError,
+    job: Job,
+    helpers: JobHelpers,
+    state: "running" | "starting",
+  ): undefined => {
+    helpers.logger.info(
+      `Job ${job.id} was superseded by job ${reason.byJobId} of lock ${reason.lockKey}${state === "running" ? "" : " before it started"}; it ends as completed`,
+    );
+    ctx.emit("job:superseded", {
+      taskIdentifier,
+      lockKey: reason.lockKey,
+      jobId: job.id,
+      byJobId: reason.byJobId,
+      state,
+      job,
+    });
+    return undefined;
+  };
+
+  /**
+   * Runs the task while `hold` is held, then releases it. A job of a `reschedule` task superseded meanwhile
+   * (its signal aborted) ends as completed whether its task returned or threw; one superseded while it was
+   * on its way to the key ends without running.
+   */
   const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
-    if (hold.info.reschedule) {
-      if (hold.info.wakeKeys) for (const key of hold.info.wakeKeys) conflicts.clear(key.toString());
-      else conflicts.clear(hold.info.wakeKey.toString());
+    const { info } = hold;
+    if (info.reschedule) {
+      if (info.wakeKeys) for (const key of info.wakeKeys) conflicts.clear(key.toString());
+      else conflicts.clear(info.wakeKey.toString());
     }
     if (ctx.listening("lock:acquired"))
       ctx.emit("lock:acquired", { taskIdentifier, lockKey: hold.key, job: helpers.job });
     const measured = timed || listening();
     const started = measured ? performance.now() : 0;
+    // (a job that ends without running says nothing of how long the task's jobs hold their key)
+    let ran = true;
     try {
-      const value = await task(payload as TPayload, aborts.helpers(helpers, hold));
-      // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
-      if (Array.isArray(value)) await Promise.allSettled(value);
+      if (info.reschedule) {
+        const by = ctx.session.supersededBy(info.wakeKey, helpers.job.id);
+        if (by !== null) {
+          ran = false;
+          const reason = new SupersededError(taskIdentifier, info.wakeKey, helpers.job.id, by);
+          return ended(reason, helpers.job, helpers, "starting");
+        }
+      }
+      let value: unknown;
+      try {
+        value = await task(payload as TPayload, aborts.helpers(helpers, hold));
+        // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
+        if (Array.isArray(value)) await Promise.allSettled(value);
+      } catch (error) {
+        if (!hold.supersededBy) throw error;
+      }
+      if (hold.supersededBy) return ended(hold.supersededBy, helpers.job, helpers, "running");
       return value as ReturnType<Task>;
     } finally {
+      if (info.reschedule) aborts.done(hold);
       // The unlock goes in the lock session's next statement; the job need not wait for it. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op. (Waiting for it before returning, as
       // que-locks does, is no faster: see bench/README.md, section "Unlock without waiting".)
       const heldMs = measured ? performance.now() - started : 0;
-      if (timed) holdTime.record(heldMs);
+      if (timed && ran) holdTime.record(heldMs);
       if (!listening()) hold.releaseQuietly();
       else {
         const job = helpers.job;

@@ -51,6 +51,7 @@ const EXCLUSIVE_KEYS = [
   "limits",
   "preemptive",
   "reschedule",
+  "supersede",
 ] as const;
 const KNOWN_KEYS = new Set<string>(["exclusive", ...UNIQUE_KEYS, ...EXCLUSIVE_KEYS]);
 

@@ -66,6 +66,8 @@ export interface ConnectionHost {
   onRefused(refusal: LocksError): void;
   /** A release notice on the release channel (hand-offs between processes). */
   onReleaseNotice(payload: string): void;
+  /** A notice on the supersede channel (`supersede`: a key's older jobs are superseded). */
+  onSupersedeNotice(payload: string): void;
 }
 
 export interface LockConnectionOptions {
@@ -234,11 +236,13 @@ export class LockConnection {
       // re-planning it for each call (see bench/README.md, section "Generic plans").
       await client.query("set synchronous_commit = off; set plan_cache_mode = force_generic_plan");
       await client.query(this.options.sql.registerSession, [process.pid, hostname()]);
+      const { releaseChannel, supersedeChannel } = this.options.sql;
       client.on("notification", (message) => {
-        if (message.channel === this.options.sql.releaseChannel && message.payload)
-          this.host.onReleaseNotice(message.payload);
+        if (!message.payload) return;
+        if (message.channel === releaseChannel) this.host.onReleaseNotice(message.payload);
+        else if (message.channel === supersedeChannel) this.host.onSupersedeNotice(message.payload);
       });
-      await client.query(`listen ${this.options.sql.releaseChannel}`);
+      await client.query(`listen ${releaseChannel}; listen ${supersedeChannel}`);
       const after = await backendPid(client);
       if (died) throw died;
       if (pooled === null && after !== pid)

@@ -3,6 +3,7 @@
  * lock request on its way to PostgreSQL (`Acquisition`). They keep their own state and settle their own
  * promises; the session (session.ts) decides when.
  */
+import type { SupersededError } from "../errors.js";
 
 /** What a hold is for, written to the holder registry for operators. */
 export type HoldInfo = PlainHoldInfo | RescheduleHoldInfo;
@@ -67,6 +68,10 @@ export interface Hold {
    * shared by every hold of that connection, so it may also abort after this hold was released.
    */
   readonly sessionSignal: AbortSignal;
+  /** Why a newer job of the key superseded this hold's job (`supersede`), or null. */
+  readonly supersededBy: SupersededError | null;
+  /** Aborts (with a GWL_SUPERSEDED error) when a newer job of the key supersedes this hold's job. */
+  readonly supersedeSignal: AbortSignal;
   /** Releases the key. Idempotent; resolves once PostgreSQL answered (or at once if the hold was lost). */
   release(): Promise<ReleaseResult>;
   /** Releases the key like `release()`, for a caller that does not wait for the answer (no promise made). */
@@ -93,6 +98,8 @@ export interface HoldOwner {
 
 export class HoldImpl implements Hold {
   private controller: AbortController | undefined;
+  private supersedeController: AbortController | undefined;
+  supersededBy: SupersededError | null = null;
   /** The timer of this hold's early wake of the next job in line (see Handoff.planPrewake). */
   prewakeTimer: NodeJS.Timeout | undefined;
   /** The statement carrying this hold's early wake, until it answered. */
@@ -131,6 +138,20 @@ export class HoldImpl implements Hold {
   }
   get sessionSignal(): AbortSignal {
     return this.lost ? this.signal : this.owner.lossSignal();
+  }
+  /** Made on first use: only a job of a `reschedule` task that looks at its abort signal asks for it. */
+  get supersedeSignal(): AbortSignal {
+    if (!this.supersedeController) {
+      this.supersedeController = new AbortController();
+      if (this.supersededBy) this.supersedeController.abort(this.supersededBy);
+    }
+    return this.supersedeController.signal;
+  }
+  /** A newer job of the key superseded this hold's job: its signal aborts with `reason` (the first counts). */
+  supersede(reason: SupersededError): void {
+    if (this.supersededBy) return;
+    this.supersededBy = reason;
+    this.supersedeController?.abort(reason);
   }
   cancelPrewake(): void {
     if (this.prewakeTimer) clearTimeout(this.prewakeTimer);

@@ -34,11 +34,13 @@
  *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
+ * - A supersede notice (supersede.ts) only aborts the signals of the holds of the key's older jobs: it never
+ *   releases a key, which stays held until its job returns.
  */
 import { batchQuery, makeBatch, type BatchRow } from "./batch.js";
 import { SessionBook } from "./book.js";
 import { LockConnection, type ConnectionState, type LockConnectionOptions } from "./connection.js";
-import { lockLost, lockSessionUnavailable, type LocksError } from "../errors.js";
+import { lockLost, lockSessionUnavailable, SupersededError, type LocksError } from "../errors.js";
 import { Handoff, type HandoffCounts } from "./handoff.js";
 import {
   Acquisition,
@@ -52,6 +54,7 @@ import {
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
 import { QuietUnlocks } from "./quiet-unlocks.js";
+import { parseSupersedeNotice, Supersessions } from "./supersede.js";
 import { probeQueued } from "./timing-probe.js";
 import type { Sql } from "../sql.js";
 
@@ -102,6 +105,8 @@ export class LockSession extends SessionBook {
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
   protected override readonly handoff: Handoff;
+  /** Supersessions noticed lately (supersede.ts). */
+  private readonly supersessions = new Supersessions();
 
   constructor(protected override readonly options: LockSessionOptions) {
     super(options);
@@ -119,6 +124,7 @@ export class LockSession extends SessionBook {
         for (const request of this.lockQueue.splice(0)) request.reject(refusal);
       },
       onReleaseNotice: (payload) => this.handoff.onReleaseNotice(payload),
+      onSupersedeNotice: (payload) => this.onSupersedeNotice(payload),
     });
     this.handoff = new Handoff(
       {
@@ -141,6 +147,30 @@ export class LockSession extends SessionBook {
       },
       options.idleWorkers,
     );
+  }
+
+  /**
+   * A superseding enqueue committed: the holds of this process for jobs of its key older than the new one
+   * abort their jobs' signals with a `SupersededError` (the jobs keep their keys until they return), and the
+   * notice is remembered for the jobs of the key still on their way to it (supersede.ts).
+   */
+  private onSupersedeNotice(payload: string): void {
+    const notice = parseSupersedeNotice(payload);
+    if (!notice) return;
+    this.supersessions.record(notice);
+    for (const hold of this.holds.values()) {
+      const { info } = hold;
+      if (!info.reschedule || info.jobId === null || hold.releaseRequested) continue;
+      if (info.wakeKey.toString() !== notice.key || BigInt(info.jobId) >= notice.by) continue;
+      hold.supersede(
+        new SupersededError(info.taskIdentifier, info.wakeKey, info.jobId, notice.by.toString()),
+      );
+    }
+  }
+
+  /** The id of the job that superseded job `jobId` of `key` (slot 0), if this session heard of one lately. */
+  supersededBy(key: bigint, jobId: string): string | null {
+    return this.supersessions.supersededBy(key.toString(), jobId);
   }
 
   /** The connection's state. */

@@ -7,7 +7,6 @@
  * it waits (pg_locks sampled throughout). And two jobs taking the same two keys in opposite orders never
  * deadlock: thousands of rounds of the lock function on two connections, and jobs across processes.
  */
-import { fileURLToPath } from "node:url";
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -16,7 +15,7 @@ import { highestConcurrency } from "../../scripts/overlap.js";
 import { useTestDatabase, waitFor } from "../support/db.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
 
-const SCRIPT = fileURLToPath(new URL("../fixtures/limits-worker.ts", import.meta.url));
+const SCRIPT = "limits-worker.ts";
 const db = useTestDatabase();
 let utils: WorkerUtils;
 

@@ -13,7 +13,7 @@ export interface WorkerProcessOptions {
   localQueue?: boolean;
   /** Gives the runner to `locks.attach`. */
   attach?: boolean;
-  /** The worker script, if not test/fixtures/worker.ts. */
+  /** Another worker script of test/fixtures/ (file name) than worker.ts. */
   script?: string;
 }
 
@@ -34,7 +34,10 @@ export async function startWorkerProcess(
   url: string,
   options: WorkerProcessOptions,
 ): Promise<WorkerProcess> {
-  const child = fork(options.script ?? WORKER, [], {
+  const script = options.script
+    ? fileURLToPath(new URL(`../fixtures/${options.script}`, import.meta.url))
+    : WORKER;
+  const child = fork(script, [], {
     execArgv: ["--import", "tsx", "--import", GRAPHILE_WORKER_HOOK],
     env: {
       ...process.env,

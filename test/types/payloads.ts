@@ -65,7 +65,11 @@ const preset: GraphileConfig.Preset = {
   worker: {
     locks: {
       tasks: {
-        charge_card: { onConflict: "reschedule", key: (p) => ({ userId: p.userId }) },
+        charge_card: {
+          onConflict: "reschedule",
+          supersede: true,
+          key: (p) => ({ userId: p.userId }),
+        },
         send_welcome: { unique: "queued", uniqueKey: (p) => p.email.toLowerCase() },
         undeclared: { key: (p: { region: string }) => p.region },
       },
@@ -92,6 +96,18 @@ const wrongOption: GraphileConfig.Preset = {
     },
   },
 };
+const wrongSupersede: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        // @ts-expect-error supersede is a boolean
+        charge_card: { onConflict: "reschedule", supersede: "yes" },
+      },
+    },
+  },
+};
+// Per enqueue.
+void locks.addJob("charge_card", { userId: 1, amount: 5 }, { supersede: true });
 void makeLocksFromPreset(preset);
 void wrongKey;
 void wrongOption;
@@ -132,3 +148,4 @@ const wrongLimitKey: GraphileConfig.Preset = {
 };
 void limitsPreset;
 void wrongLimitKey;
+void wrongSupersede;
