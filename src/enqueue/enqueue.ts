@@ -14,7 +14,7 @@
  * tested with (TESTED_WORKER_SCHEMAS) unless told otherwise, and the tests run against each tested version. A job with a job key of the caller's still goes through
  * `add_job`, which owns job-key semantics.
  */
-import type { Job } from "graphile-worker";
+import type { Job, TaskSpec } from "graphile-worker";
 import type { Pool, PoolClient, Client } from "pg";
 import type { LocksContext } from "../context.js";
 import { InvalidArgumentError, UniqueConflictError } from "../errors.js";
@@ -28,7 +28,15 @@ import {
 } from "../key.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
 import type { Sql } from "../sql.js";
-import { addJob, addJobs, lockAvailable, type EnqueuePlan, type Queryable } from "./statements.js";
+import {
+  addJob,
+  addJobs,
+  batchIndexOf,
+  lockAvailable,
+  type EnqueuePlan,
+  type Queryable,
+} from "./statements.js";
+import { resolveLimits } from "./limits.js";
 import type { AddJobResult, AddJobsItem } from "../types.js";
 import { resolveUnique, type UniqueOptions } from "./unique.js";
 
@@ -64,11 +72,14 @@ export interface Enqueuer {
   /** The slot keys a job of this task with this payload takes. */
   keysOf(taskIdentifier: string, payload: unknown): bigint[];
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
-  /** Removes expired `uniqueFor` windows now; resolves how many. */
+  /** Removes expired `uniqueFor` windows, rate logs and debounce rows now; resolves how many. */
   sweep(): Promise<number>;
 }
 
-/** How often an enqueue with a `uniqueFor` window also removes expired windows. */
+/**
+ * How often an enqueue with a `uniqueFor` window, a rate or a debounce also removes expired windows, rate
+ * logs and debounce rows.
+ */
 const SWEEP_INTERVAL_MS = 60_000;
 
 const DEADLOCK_DETECTED = "40P01";
@@ -100,6 +111,13 @@ async function addJobsRetryingDeadlocks(
   }
 }
 
+/** An enqueue's spec as events show it: without its client. */
+function publicSpec(spec: AddJobSpec | undefined): TaskSpec | undefined {
+  if (!spec) return undefined;
+  const { pgClient: _client, ...rest } = spec;
+  return rest;
+}
+
 export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   const { pool, sql, rules: definitions, defaultExclusive, emit } = options;
 
@@ -110,6 +128,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     pool
       .query({ text: sql.sweepUniqueWindows })
       .catch((error: unknown) => options.warn("sweeping unique windows failed", error));
+    pool
+      .query({ text: sql.sweepEnqueueLimits })
+      .catch((error: unknown) => options.warn("sweeping rate logs and debounces failed", error));
   };
 
   /** Resolves an enqueue, validating everything before anything is written. */
@@ -144,32 +165,39 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       spec,
       exclusive ? keyOfPayload! : undefined,
     );
+    const limits = resolveLimits(
+      taskIdentifier,
+      payload,
+      definition?.unique,
+      spec,
+      exclusive ? keyOfPayload! : undefined,
+      unique !== null,
+    );
+    const limited = limits.rate !== null || limits.debounce !== null;
     // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
     let line: EnqueuePlan["line"] = null;
     if (flagged) {
       const key = keys![0]!;
       // (with no safety net to speak of, a job added parked would be fetched at once: no line then)
       const safetyNetMs = exclusive.reschedule.maxDelay;
-      if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
+      if (!unique && !limited && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
-    return { taskIdentifier, payload, spec, lockKeys, unique, line };
+    return { taskIdentifier, payload, spec, lockKeys, unique, line, limits };
   };
 
   /** Tells listeners what became of a job that was not simply added. */
   const report = (result: AddJobResult, p: EnqueuePlan) => {
     const { taskIdentifier, payload, spec } = p;
     switch (result.outcome) {
-      case "dropped": {
-        const { pgClient: _client, ...rest } = spec ?? {};
+      case "dropped":
         emit("enqueue:dropped", {
           taskIdentifier,
           lockKey: p.lockKeys![0]!,
           payload,
-          spec: spec ? rest : undefined,
+          spec: publicSpec(spec),
         });
         break;
-      }
       case "duplicate":
         emit("enqueue:duplicate", {
           taskIdentifier,
@@ -182,6 +210,22 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         emit("enqueue:replaced", {
           taskIdentifier,
           uniqueKey: p.unique!.key,
+          payload,
+          job: result.job!,
+        });
+        break;
+      case "rateLimited":
+        emit("job:rateLimited", {
+          taskIdentifier,
+          rateKey: p.limits!.rate!.key,
+          payload,
+          spec: publicSpec(spec),
+        });
+        break;
+      case "debounced":
+        emit("job:debounced", {
+          taskIdentifier,
+          debounceKey: p.limits!.debounce!.key,
           payload,
           job: result.job!,
         });
@@ -199,7 +243,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   ): Promise<unknown> => {
     const e = error as { code?: string; detail?: string; hint?: string };
     if (e.code !== UNIQUE_RAISED) return error;
-    const p = plans[Number(e.hint) - 1]!;
+    const p = plans[batchIndexOf(plans, Number(e.hint))]!;
     const existingJobId = e.detail || null;
     // (the caller's transaction is aborted: the existing job is only read on the pool)
     const existing =
@@ -220,7 +264,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       const db: Queryable = spec?.pgClient ?? pool;
       const result = await addJob(db, sql, p);
       report(result, p);
-      if (p.unique?.windowSeconds) maybeSweep();
+      if (p.unique?.windowSeconds || p.limits?.rate || p.limits?.debounce) maybeSweep();
       if (result.outcome === "duplicate" && p.unique?.onDuplicate === "raise") {
         throw new UniqueConflictError(
           taskIdentifier,
@@ -268,7 +312,8 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         throw await uniqueRaised(error, plans, ownTransaction);
       }
       results.forEach((result, index) => report(result, plans[index]!));
-      if (plans.some((p) => p.unique?.windowSeconds)) maybeSweep();
+      if (plans.some((p) => p.unique?.windowSeconds || p.limits?.rate || p.limits?.debounce))
+        maybeSweep();
       return results;
     },
 
@@ -287,8 +332,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     async sweep() {
       await options.ready();
       lastSweep = Date.now();
-      const { rows } = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
-      return rows[0]!.removed;
+      const windows = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
+      const limits = await pool.query<{ removed: number }>(sql.sweepEnqueueLimits);
+      return windows.rows[0]!.removed + limits.rows[0]!.removed;
     },
   };
 }
