@@ -155,6 +155,8 @@ describe("a burst", () => {
       started.resolve(helpers.job.id);
       await release.promise;
     });
+    // (a failed check must not leave the runner waiting on its job)
+    cleanups.push(async () => release.resolve());
     const debounce = { delay: 200, maxWait: 1000, key: () => "ends" };
     const first = await h.locks.addJob("ends", { n: 1 }, { debounce });
     expect(first.outcome).toBe("added");
@@ -200,6 +202,8 @@ describe("leading mode", () => {
       started.resolve(helpers.job.id);
       await release.promise;
     });
+    // (a failed check must not leave the runner waiting on its job)
+    cleanups.push(async () => release.resolve());
     expect(await started.promise).toBe(first.job!.id);
     // The leading run started, the key is not quiet: the trailing run, then collapses into it.
     const third = await h.locks.addJob("lead", { n: 3 }, { debounce });
