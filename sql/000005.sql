@@ -17,12 +17,16 @@
 
 -- 1. The data model ---------------------------------------------------------------------------------------
 
--- A rate-limited key's enqueues that added a job within the last period (the sliding log): their stamps,
--- oldest first, at most `limit` of them. Removed once the newest is older than the period (`expires_at`),
--- by sweep_enqueue_limits; a missing row is an empty log.
+-- A rate-limited key's last `limit` enqueues that added a job: their stamps, as a ring (`stamps` in the order
+-- they were written; once it holds `lim` of them, the oldest is at `pos`, and the next stamp replaces it).
+-- `lim` is the limit the ring was written under; a ring met under another limit is rebuilt first. Removed
+-- once its newest stamp is older than the period (`expires_at`), by sweep_enqueue_limits; a missing row is
+-- an empty log.
 create table :GWL_SCHEMA.enqueue_rates (
   rate_key text primary key,
   stamps timestamptz[] not null,
+  pos int not null,
+  lim int,
   expires_at timestamptz not null
 );
 create index enqueue_rates_expires_at on :GWL_SCHEMA.enqueue_rates (expires_at);
@@ -47,16 +51,28 @@ create index debounces_quiet_at on :GWL_SCHEMA.debounces (quiet_at);
 --
 -- The window slides: at most `limit` jobs of a key are added in any `period`. Precisely, each enqueue that
 -- adds a job is stamped with the database's clock when it holds the key's row; an enqueue at t is admitted
--- only if fewer than `limit` stamps are later than t - period. So for every instant t, the stamps in
--- (t - period, t] number at most `limit`. A refused enqueue is not stamped, nor is one that added no job (a
--- duplicate of a unique job, a replacement, a collapsed debounce).
+-- only if fewer than `limit` stamps are later than t - period, that is, if the key has fewer than `limit`
+-- stamps or the oldest of its last `limit` is at most t - period (the stamps of a key grow with the order in
+-- which its enqueues held the row). So for every instant t, the stamps in (t - period, t] number at most
+-- `limit`. A refused enqueue is not stamped, nor is one that added no job (a duplicate of a unique job, a
+-- replacement, a collapsed debounce). A key's log is its last `limit` stamps only: an admission reads one
+-- of them and writes one.
 
--- How many of `p_stamps` are within the period before `p_at`.
-create function :GWL_SCHEMA.rate_used(p_stamps timestamptz[], p_period_ms float8, p_at timestamptz)
-returns int
-language sql immutable as $$
-  select count(*)::int from unnest(p_stamps) as u(t)
-  where u.t > p_at - p_period_ms * interval '1 millisecond'
+-- A key's log (`p_rate`, its row) under `p_limit`: its stamps in the ring's order, and its oldest's place
+-- (`pos`), the ring rebuilt (its last `p_limit` stamps, oldest first) if it was written under another limit.
+create function :GWL_SCHEMA.rate_ring(p_rate :GWL_SCHEMA.enqueue_rates, p_limit int,
+  out stamps timestamptz[], out pos int)
+language plpgsql immutable as $$
+begin
+  if p_rate.lim is not distinct from p_limit then
+    stamps := p_rate.stamps;
+    pos := p_rate.pos;
+  else
+    stamps := array(select x.t from (select u.t from unnest(p_rate.stamps) as u(t) order by u.t desc
+      limit p_limit) x order by x.t);
+    pos := 1;
+  end if;
+end;
 $$;
 
 -- Locks the rate rows of `p_keys`, in key order (C collation), making the missing ones (empty logs).
@@ -69,40 +85,11 @@ begin
     loop
       perform 1 from :GWL_SCHEMA.enqueue_rates r where r.rate_key = v_key for update;
       exit when found;
-      insert into :GWL_SCHEMA.enqueue_rates (rate_key, stamps, expires_at)
-        values (v_key, '{}', '-infinity') on conflict do nothing;
+      insert into :GWL_SCHEMA.enqueue_rates (rate_key, stamps, pos, lim, expires_at)
+        values (v_key, '{}', 1, null, '-infinity') on conflict do nothing;
     end loop;
   end loop;
 end;
-$$;
-
--- Whether the key has room for one more job now, holding its row when it has. A key whose window is full as
--- last committed is refused without locking anything (the count only grows until a stamp ages out), so that
--- refusals inside a caller's open transaction hold up nobody.
-create function :GWL_SCHEMA.rate_room(p_key text, p_limit int, p_period_ms float8) returns boolean
-language plpgsql volatile as $$
-declare
-  v_stamps timestamptz[];
-begin
-  select r.stamps into v_stamps from :GWL_SCHEMA.enqueue_rates r where r.rate_key = p_key;
-  if found and :GWL_SCHEMA.rate_used(v_stamps, p_period_ms, clock_timestamp()) >= p_limit then
-    return false;
-  end if;
-  perform :GWL_SCHEMA.lock_rates(array[p_key]);
-  select r.stamps into v_stamps from :GWL_SCHEMA.enqueue_rates r where r.rate_key = p_key;
-  return :GWL_SCHEMA.rate_used(v_stamps, p_period_ms, clock_timestamp()) < p_limit;
-end;
-$$;
-
--- Stamps an enqueue that added a job on its key's log (whose row the caller holds), at `p_at`; drops the
--- stamps that left the window.
-create function :GWL_SCHEMA.rate_record(p_key text, p_period_ms float8, p_at timestamptz) returns void
-language sql volatile as $$
-  update :GWL_SCHEMA.enqueue_rates r
-    set stamps = array(select u.t from unnest(r.stamps) as u(t)
-        where u.t > p_at - p_period_ms * interval '1 millisecond' order by u.t) || p_at,
-      expires_at = p_at + p_period_ms * interval '1 millisecond'
-    where r.rate_key = p_key
 $$;
 
 
@@ -210,6 +197,12 @@ $$;
 -- One enqueue under a rate (p_rate_key not null) and/or a debounce (p_debounce_key not null), answered as
 -- enqueue_job answers, with the outcome 'rateLimited' (no job) for an enqueue the rate refused. Announced to
 -- the workers when `p_notify` and the job is due now.
+--
+-- The rate: a key whose window is full as last committed is refused without locking anything (its count
+-- only grows until a stamp ages out), so that refusals inside a caller's open transaction hold up nobody.
+-- A key without a row gets one with this enqueue's stamp (the insert locks it); if the enqueue then adds no
+-- job, the row is removed again. Otherwise the row is locked, the room checked again, and the stamp written
+-- once the job is added.
 create function :GWL_SCHEMA.enqueue_job_limited(s :GWL_SCHEMA.job_spec, p_notify boolean,
   p_rate_key text, p_rate_limit int, p_rate_period_ms float8,
   p_debounce_key text, p_delay_ms float8, p_max_wait_ms float8, p_leading boolean,
@@ -217,11 +210,43 @@ create function :GWL_SCHEMA.enqueue_job_limited(s :GWL_SCHEMA.job_spec, p_notify
 language plpgsql volatile as $$
 declare
   v_one record;
+  v_rate :GWL_SCHEMA.enqueue_rates;
+  v_stamps timestamptz[];
+  v_pos int;
+  v_at timestamptz;
+  v_period interval := p_rate_period_ms * interval '1 millisecond';
+  v_fresh boolean := false;
 begin
-  if p_rate_key is not null and not :GWL_SCHEMA.rate_room(p_rate_key, p_rate_limit, p_rate_period_ms) then
-    outcome := 'rateLimited';
-    task_identifier := s.identifier;
-    return;
+  if p_rate_key is not null then
+    loop
+      v_at := clock_timestamp();
+      select * into v_rate from :GWL_SCHEMA.enqueue_rates r where r.rate_key = p_rate_key;
+      if not found then
+        insert into :GWL_SCHEMA.enqueue_rates (rate_key, stamps, pos, lim, expires_at)
+          values (p_rate_key, array[v_at], 1, p_rate_limit, v_at + v_period) on conflict do nothing;
+        v_fresh := found;
+        exit when v_fresh;
+      end if;
+      select r.stamps, r.pos into v_stamps, v_pos from :GWL_SCHEMA.rate_ring(v_rate, p_rate_limit) r;
+      if v_rate.rate_key is not null and cardinality(v_stamps) >= p_rate_limit
+        and v_stamps[v_pos] > v_at - v_period then
+        outcome := 'rateLimited';
+        task_identifier := s.identifier;
+        return;
+      end if;
+      select * into v_rate from :GWL_SCHEMA.enqueue_rates r where r.rate_key = p_rate_key for update;
+      -- (not found: its inserter rolled back; try again)
+      exit when found;
+    end loop;
+    if not v_fresh then
+      v_at := clock_timestamp();
+      select r.stamps, r.pos into v_stamps, v_pos from :GWL_SCHEMA.rate_ring(v_rate, p_rate_limit) r;
+      if cardinality(v_stamps) >= p_rate_limit and v_stamps[v_pos] > v_at - v_period then
+        outcome := 'rateLimited';
+        task_identifier := s.identifier;
+        return;
+      end if;
+    end if;
   end if;
   if p_debounce_key is null then
     select * into v_one from :GWL_SCHEMA.enqueue_job(s, false);
@@ -232,8 +257,18 @@ begin
   outcome := v_one.outcome;
   task_identifier := v_one.task_identifier;
   job := v_one.job;
-  if p_rate_key is not null and outcome = 'added' then
-    perform :GWL_SCHEMA.rate_record(p_rate_key, p_rate_period_ms, clock_timestamp());
+  if p_rate_key is not null and outcome <> 'added' and v_fresh then
+    delete from :GWL_SCHEMA.enqueue_rates r where r.rate_key = p_rate_key;
+  elsif p_rate_key is not null and outcome = 'added' and not v_fresh then
+    if cardinality(v_stamps) < p_rate_limit then
+      v_stamps := v_stamps || v_at;
+    else
+      v_stamps[v_pos] := v_at;
+      v_pos := v_pos % p_rate_limit + 1;
+    end if;
+    update :GWL_SCHEMA.enqueue_rates r
+      set stamps = v_stamps, pos = v_pos, lim = p_rate_limit, expires_at = v_at + v_period
+      where r.rate_key = p_rate_key;
   end if;
   if p_notify and outcome = 'added' and job.run_at <= now() then
     perform :GWL_SCHEMA.announce_jobs(1);

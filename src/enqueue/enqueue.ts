@@ -1,8 +1,8 @@
 /**
  * Enqueueing, from a call to its answer: `makeEnqueuer` plans each job (its lock keys for the preemptive
- * check, its uniqueness, its place in a line) from the task's rules, validating everything before anything
- * is written; sends the statement (enqueue/statements.ts); reports duplicates, replacements and drops as
- * events; and turns what the database refused into typed errors (`UniqueConflictError` for
+ * check, its uniqueness, its rate and debounce (enqueue/limits.ts), its place in a line) from the task's
+ * rules, validating everything before anything is written; sends the statement (enqueue/statements.ts);
+ * reports duplicates, replacements, drops, rate refusals and debounces as events; and turns what the database refused into typed errors (`UniqueConflictError` for
  * `onDuplicate: "raise"`, deadlocks of a bulk enqueue retried on the pool).
  *
  * The insert path. Jobs without a job key of the caller's go into graphile-worker's job table through this

@@ -2,6 +2,7 @@
  * The enqueue statements: an `EnqueuePlan` (enqueue.ts) as the parameters of one statement, and its rows
  * as `AddJobResult`s. A job with a job key of the caller's goes through graphile-worker's public `add_job`;
  * every other job (unique or not) through this library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql),
+ * or, under a rate or a debounce, `enqueue_job_limited` / `enqueue_jobs_limited` (sql/000005.sql),
  * which insert into graphile-worker's job table directly (enqueue.ts says why). Both answer rows of one
  * shape: the item's place (bulk only), its outcome, its job's task and the job's columns. The preemptive
  * check is part of the same statement: a condition that does not depend on the function's result, which

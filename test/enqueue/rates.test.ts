@@ -27,8 +27,12 @@ beforeAll(async () => {
       stamp timestamptz not null);
     create function test_record_rate_stamp() returns trigger language plpgsql as $$
     begin
+      -- (each write of a log adds one stamp, its newest)
+      if tg_op = 'UPDATE' and old.stamps is not distinct from new.stamps then
+        return null;
+      end if;
       insert into test_rate_stamps (rate_key, stamp)
-        values (new.rate_key, new.stamps[cardinality(new.stamps)]);
+        values (new.rate_key, (select max(u.t) from unnest(new.stamps) as u(t)));
       return null;
     end;
     $$;
@@ -214,6 +218,16 @@ describe("what counts", () => {
     expect((await task.addJob({ list: 1 }, { onDuplicate: "replace" })).outcome).toBe("replaced");
     expect((await task.addJob({ list: 2 })).outcome).toBe("added");
     expect((await task.addJob({ list: 3 })).outcome).toBe("rateLimited");
+    // A duplicate on a key the rate has not seen yet leaves no stamp either.
+    const once = { enqueueRate: { limit: 1, period: 600_000, key: () => "once" } };
+    expect((await h.locks.addJob("digest2", { list: 1 }, { unique: "queued" })).outcome).toBe(
+      "added",
+    );
+    expect(
+      (await h.locks.addJob("digest2", { list: 1 }, { unique: "queued", ...once })).outcome,
+    ).toBe("duplicate");
+    expect((await h.locks.addJob("digest2", { list: 2 }, once)).outcome).toBe("added");
+    expect((await h.locks.addJob("digest2", { list: 3 }, once)).outcome).toBe("rateLimited");
     // The N = 1 case stays `uniqueFor`'s: a duplicate, answered with the window's job.
     const windowed = await h.locks.addJob("win", { a: 1 }, { uniqueFor: 600 });
     const again = await h.locks.addJob("win", { a: 1 }, { uniqueFor: 600 });
@@ -266,6 +280,24 @@ describe("keys, groups and overrides", () => {
         spec: undefined,
       },
     ]);
+  });
+
+  it("a key's log met under another limit counts the same stamps", async () => {
+    const under = (limit: number) => ({
+      enqueueRate: { limit, period: 600_000, key: () => "changed" },
+    });
+    const outcomesUnder = async (limit: number, count: number) => {
+      const out: string[] = [];
+      for (let i = 0; i < count; i++) {
+        out.push((await h.locks.addJob("changed", { limit, i }, under(limit))).outcome);
+      }
+      return out;
+    };
+    expect(await outcomesUnder(3, 4)).toEqual(["added", "added", "added", "rateLimited"]);
+    expect(await outcomesUnder(2, 1)).toEqual(["rateLimited"]);
+    expect(await outcomesUnder(5, 3)).toEqual(["added", "added", "rateLimited"]);
+    expect(await outcomesUnder(3, 1)).toEqual(["rateLimited"]);
+    expect(await jobCount("task_identifier = 'changed'")).toBe(5);
   });
 
   it("in a batch: items in input order, limited ones beside plain and unique ones", async () => {
