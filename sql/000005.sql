@@ -2,16 +2,17 @@
 --
 -- Placeholders as in 000001.sql. Contents, in order:
 --   1. The data model: each key's recent enqueues (enqueue_rates) and each key's burst (debounces).
---   2. Rate-limited enqueue: the key's room, its record.
+--   2. Rate-limited enqueue: the window, a key's ring of stamps, locking keys in order.
 --   3. Debounce.
 --   4. Enqueueing with either, one job or in a batch.
 --   5. Sweep.
 --
 -- Both are serialized per key by the key's row, locked `for update` until the enqueuing transaction ends (the
 -- caller's, inside `pgClient`): two enqueuers of one key take turns, and what a rolled-back transaction did
--- to the row is rolled back with it. Every time is the database's clock at the moment the enqueue holds the
--- key's row (clock_timestamp(), not the transaction's start), so that the stamps of a key follow the order
--- in which its enqueues took turns. Where more than one kind of row is locked, the order is: rate rows, then
+-- to the row is rolled back with it. Every stamp and burst time is the database's clock at the moment the
+-- enqueue holds the key's row (clock_timestamp(), not the transaction's start), so that the stamps of a key follow the order
+-- in which its enqueues took turns. A rate-limited key whose window is full as last committed is refused
+-- without locking anything. Where more than one kind of row is locked, the order is: rate rows, then
 -- debounce rows, then unique keys (000001.sql), each kind in key order.
 
 
@@ -29,7 +30,6 @@ create table :GWL_SCHEMA.enqueue_rates (
   lim int,
   expires_at timestamptz not null
 );
-create index enqueue_rates_expires_at on :GWL_SCHEMA.enqueue_rates (expires_at);
 
 -- A debounced key's burst: its pending run (the job the key's next enqueues collapse into, while it has not
 -- started), when the burst began (`first_at`, from which `maxWait` counts), when its last enqueue came
@@ -44,7 +44,6 @@ create table :GWL_SCHEMA.debounces (
   quiet_at timestamptz not null,
   trailing_run boolean not null
 );
-create index debounces_quiet_at on :GWL_SCHEMA.debounces (quiet_at);
 
 
 -- 2. Rate-limited enqueue ---------------------------------------------------------------------------------
@@ -337,6 +336,10 @@ $$;
 
 
 -- 5. Sweep ------------------------------------------------------------------------------------------------
+--
+-- Neither table has an index on its time column: every admission or collapse changes that column, and an
+-- index on it would make each of those updates write new index entries instead of a heap-only (HOT) update.
+-- The sweep, at most once a minute per enqueuing process, reads the table instead.
 
 -- Removes rate logs whose every stamp left the window and debounce rows whose key is quiet and whose run
 -- started (or is gone); returns how many. Rows an enqueue holds right now are left for the next sweep.

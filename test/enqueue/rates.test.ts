@@ -330,6 +330,26 @@ describe("keys, groups and overrides", () => {
   });
 });
 
+describe("sweep", () => {
+  it("removes a key's log once its newest stamp is a period old, not before", async () => {
+    const enqueueRate = { limit: 2, period: 300, key: () => "swept" };
+    const logOf = async () =>
+      (
+        await db
+          .pool()
+          .query("select 1 from graphile_worker_locks.enqueue_rates where rate_key = $1", [
+            enqueueRateKey("swept", "swept"),
+          ])
+      ).rows.length;
+    expect((await h.locks.addJob("swept", { n: 1 }, { enqueueRate })).outcome).toBe("added");
+    await h.locks.sweep();
+    expect(await logOf()).toBe(1);
+    await db.pool().query("select pg_sleep(0.4)");
+    await h.locks.sweep();
+    expect(await logOf()).toBe(0);
+  });
+});
+
 describe("validation", () => {
   it("refuses bad values naming the option, before anything is written", async () => {
     const bad: Array<[unknown, RegExp]> = [
