@@ -433,13 +433,6 @@ export const enqueue = sizedSection(
           0.8,
         ),
         ratio(
-          "rate-limited enqueue, bulk",
-          "locks.addJobs enqueueRate (fresh keys) / locks.addJobs plain",
-          "bulk-rate/fresh",
-          "bulk-locks-plain",
-          0.8,
-        ),
-        ratio(
           "unique bulk, fresh keys",
           "locks.addJobs unique / graphile-worker addJobs with job keys",
           "bulk-unique/fresh",
