@@ -28,7 +28,19 @@ const EXCLUSIVE_TASKS = { preemptive: "enq_exclusive", unchecked: "enq_exclusive
 const WINDOW_SECONDS = 3600;
 
 type Keys = "fresh" | "duplicate";
-type UniqueSpec = { unique?: "queued" | "active" | "exists"; uniqueFor?: number };
+type UniqueSpec = {
+  unique?: "queued" | "active" | "exists";
+  uniqueFor?: number;
+  enqueueRate?: { limit: number; period: number; key?: (p: { k: string }) => unknown };
+  debounce?: { delay: number; maxWait: number };
+};
+/** Rate-limited enqueues that all pass: a fresh key each, or one key whose log grows to `limit` stamps. */
+const RATE_FRESH = { enqueueRate: { limit: 1000, period: WINDOW_SECONDS * 1000 } };
+/**
+ * One key under a limit of 100 per millisecond: its log fills to 100 stamps, then every enqueue replaces the
+ * oldest (100 enqueues take well over a millisecond), so every enqueue is admitted with a full log.
+ */
+const RATE_ONE_KEY = { enqueueRate: { limit: 100, period: 1, key: () => "one" } };
 
 interface Tools {
   pool: pg.Pool;
@@ -196,6 +208,25 @@ const VARIANTS: Variant[] = [
   ...uniqueSingle("uniqueFor", `locks.addJob uniqueFor: ${WINDOW_SECONDS} (alone)`, {
     uniqueFor: WINDOW_SECONDS,
   }),
+  variant("locks-plain", "locks.addJob, no options (reference)", "addJob", locksOne({})),
+  variant(
+    "rate/fresh",
+    "locks.addJob enqueueRate, a fresh key each",
+    "locks-plain",
+    locksOne(RATE_FRESH),
+  ),
+  variant(
+    "rate/one-key",
+    "locks.addJob enqueueRate, one key, a full log of 100",
+    "locks-plain",
+    locksOne(RATE_ONE_KEY),
+  ),
+  variant(
+    "debounce/fresh",
+    "locks.addJob debounce, a fresh key each",
+    "locks-plain",
+    locksOne({ debounce: { delay: 60_000, maxWait: 60_000 } }),
+  ),
   variant("bulk-gw-plain", "graphile-worker addJobs, no job keys", KEYED, gwBulk(false)),
   variant(KEYED, GW_KEYS, "", gwBulk(true)),
   variant(
@@ -212,6 +243,12 @@ const VARIANTS: Variant[] = [
     seedWith(gwBulk(true)),
   ),
   variant("bulk-locks-plain", "locks.addJobs, no uniqueness (reference)", KEYED, locksBulk({})),
+  variant(
+    "bulk-rate/fresh",
+    "locks.addJobs enqueueRate, a fresh key each",
+    "bulk-locks-plain",
+    locksBulk(RATE_FRESH),
+  ),
   variant("bulk-unique/fresh", UNIQUE_ACTIVE, LIBRARY_KEYED, uniqueActive),
   variant("bulk-unique/duplicate", UNIQUE_ACTIVE, KEYED, uniqueActive, seedWith(uniqueActive)),
 ].map((v, i) => ({
@@ -226,6 +263,8 @@ const SHORT: Record<string, string> = {
   "dedupe/duplicate": "unsafe_dedupe dup.",
   [KEYED]: "gw addJobs keys",
   [LIBRARY_KEYED]: "gw addJobs same keys",
+  "locks-plain": "locks.addJob plain",
+  "bulk-locks-plain": "locks.addJobs plain",
 };
 
 /** Rows in the job table per task identifier. */
@@ -255,7 +294,9 @@ async function phase(
     variants.map((v) => [v.id, Array.from({ length: count }, (_, i) => `${v.id}:${i + 1}`)]),
   );
   await resetJobs(ctx.pool);
-  await ctx.pool.query("truncate graphile_worker_locks.unique_windows");
+  await ctx.pool.query(
+    "truncate graphile_worker_locks.unique_windows, graphile_worker_locks.enqueue_rates, graphile_worker_locks.debounces",
+  );
   for (const v of variants) {
     if (v.keys === "duplicate") await v.seed!(seedTools, v.task, keysOf.get(v.id)!);
   }
@@ -383,6 +424,13 @@ export const enqueue = sizedSection(
               1,
             ),
           ),
+        ),
+        ratio(
+          "rate-limited enqueue, single",
+          "locks.addJob enqueueRate (fresh keys) / locks.addJob plain",
+          "rate/fresh",
+          "locks-plain",
+          0.8,
         ),
         ratio(
           "unique bulk, fresh keys",

@@ -112,6 +112,22 @@ export interface LocksEvents {
   };
   /** `onDuplicate: "replace"` updated the waiting job with this enqueue's payload, `runAt` and `priority`. */
   "enqueue:replaced": { taskIdentifier: string; uniqueKey: string; payload: unknown; job: Job };
+  /** `enqueueRate` refused an enqueue: its key had `limit` jobs added in the last `period`. Nothing was added. */
+  "job:rateLimited": {
+    taskIdentifier: string;
+    /** The rate's key (`gwl:r:<sha-256 hex>`). */
+    rateKey: string;
+    payload: unknown;
+    spec: TaskSpec | undefined;
+  };
+  /** `debounce` collapsed an enqueue into its key's pending run, `job`, which now carries its payload. */
+  "job:debounced": {
+    taskIdentifier: string;
+    /** The debounce's key (`gwl:d:<sha-256 hex>`). */
+    debounceKey: string;
+    payload: unknown;
+    job: Job;
+  };
 }
 
 export type LocksEventName = keyof LocksEvents;

@@ -19,7 +19,10 @@ export type {
   UniqueOptions,
   UniqueScope,
   DuplicateStrategy,
+  EnqueueRateOptions,
+  DebounceOptions,
 } from "./options.js";
+export { enqueueRateKey, debounceKey } from "./enqueue/limits.js";
 export { uniqueJobKey } from "./enqueue/unique.js";
 export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
 export { lockKey, lockFlag } from "./key.js";

@@ -411,7 +411,59 @@ const DUPLICATE_STRATEGIES = ["reject", "raise", "replace"] as const;
  */
 export type DuplicateStrategy = (typeof DUPLICATE_STRATEGIES)[number];
 
+/**
+ * `enqueueRate`: at most `limit` jobs of a key added in any `period` (a sliding window, counted on the
+ * database's clock at each enqueue); an enqueue over it adds nothing and answers `outcome: "rateLimited"`.
+ */
+export interface EnqueueRateOptions<TPayload = unknown> {
+  /** How many jobs of a key may be added in any `period`. A positive integer. */
+  limit: number;
+  /** The window, in milliseconds. */
+  period: number;
+  /** What identifies a key. @defaultValue the task's `key` option if it is exclusive, else the whole payload */
+  key?: (payload: TPayload) => unknown;
+  /** Shares the count across tasks that name the same group. @defaultValue the task identifier */
+  group?: string;
+}
+
+/**
+ * `debounce`: the jobs of a key enqueued in a burst collapse into one run, `delay` after the last enqueue
+ * but never later than `maxWait` after the first; the run gets the last enqueue's payload (and its task,
+ * queue, priority, `maxAttempts` and flags). A collapsed enqueue answers `outcome: "debounced"` with the
+ * job that will run. A burst ends when its run starts.
+ */
+export interface DebounceOptions<TPayload = unknown> {
+  /** How long after the last enqueue of a burst its run starts, in milliseconds. */
+  delay: number;
+  /** The latest the run starts after the first enqueue of its burst, in milliseconds; at least `delay`. */
+  maxWait: number;
+  /**
+   * Whether an enqueue that finds its key quiet (no enqueue for `delay`, no pending run) runs at once; the
+   * enqueues that follow it collapse into one trailing run. @defaultValue `false`
+   */
+  leading?: boolean;
+  /** What identifies a key. @defaultValue the task's `key` option if it is exclusive, else the whole payload */
+  key?: (payload: TPayload) => unknown;
+  /** Shares bursts across tasks that name the same group. @defaultValue the task identifier */
+  group?: string;
+}
+
+/**
+ * Options that shape what an enqueue adds (uniqueness, rates, debounce): each a task option, and each also
+ * per enqueue, where it overrides the task's.
+ */
 export interface UniqueOptions<TPayload = unknown> {
+  /**
+   * At most `limit` jobs of a key added in any `period`; the excess is refused (`outcome: "rateLimited"`,
+   * event `job:rateLimited`). Per enqueue, `false` bypasses the task's. @defaultValue none
+   */
+  enqueueRate?: EnqueueRateOptions<TPayload> | false;
+  /**
+   * Collapses the enqueues of a key into one run (`outcome: "debounced"`, event `job:debounced`). Cannot be
+   * combined with `unique`, `uniqueFor`, `enqueueRate`, `runAt` or a job key. Per enqueue, `false` bypasses
+   * the task's. @defaultValue none
+   */
+  debounce?: DebounceOptions<TPayload> | false;
   /** The uniqueness scope, or `false` for none (per enqueue: bypasses the task's uniqueness). @defaultValue none */
   unique?: UniqueScope | false;
   /**
@@ -435,6 +487,7 @@ export function validateUniqueOptions(
 ): void {
   if (!options) return;
   const { unique, uniqueFor, uniqueKey, uniqueGroup, uniqueByQueue, onDuplicate } = options;
+  validateEnqueueLimits(options, where);
   if (unique !== undefined && unique !== false && !UNIQUE_SCOPES.includes(unique)) {
     throw new InvalidArgumentError(
       `${where}: \`unique\` must be one of ${UNIQUE_SCOPES.map((s) => `"${s}"`).join(", ")} or false, got ${JSON.stringify(unique)}`,
@@ -466,5 +519,98 @@ export function validateUniqueOptions(
     throw new InvalidArgumentError(
       `${where}: \`onDuplicate\` must be one of ${DUPLICATE_STRATEGIES.map((s) => `"${s}"`).join(", ")}, got ${JSON.stringify(onDuplicate)}`,
     );
+  }
+}
+
+const RATE_FIELDS = ["limit", "period", "key", "group"];
+const DEBOUNCE_FIELDS = ["delay", "maxWait", "leading", "key", "group"];
+
+/** Checks an object option's fields against the known ones, and its `key` and `group`. */
+function assertLimitObject(
+  value: unknown,
+  name: string,
+  fields: readonly string[],
+  where: string,
+): asserts value is { key?: unknown; group?: unknown } {
+  if (!value || typeof value !== "object" || Array.isArray(value)) {
+    throw new InvalidArgumentError(
+      `${where}: \`${name}\` must be an object or false, got ${String(value)}`,
+    );
+  }
+  for (const field of Object.keys(value)) {
+    if (!fields.includes(field)) {
+      throw new InvalidArgumentError(
+        `${where}: unknown option \`${name}.${field}\` (known: ${fields.join(", ")})`,
+      );
+    }
+  }
+  const { key, group } = value as { key?: unknown; group?: unknown };
+  if (key !== undefined && typeof key !== "function") {
+    throw new InvalidArgumentError(
+      `${where}: \`${name}.key\` must be a function of the payload, got ${typeof key}`,
+    );
+  }
+  if (group !== undefined && (typeof group !== "string" || group.length === 0)) {
+    throw new InvalidArgumentError(
+      `${where}: \`${name}.group\` must be a non-empty string, got ${String(group)}`,
+    );
+  }
+}
+
+function assertMilliseconds(value: unknown, name: string, where: string): asserts value is number {
+  if (typeof value !== "number" || !Number.isFinite(value) || value <= 0) {
+    throw new InvalidArgumentError(
+      `${where}: \`${name}\` must be a positive number of milliseconds, got ${String(value)}`,
+    );
+  }
+}
+
+/** Checks `enqueueRate` and `debounce` of a task's options or an enqueue's. */
+function validateEnqueueLimits(options: UniqueOptions<never>, where: string): void {
+  const { enqueueRate, debounce } = options;
+  if (enqueueRate !== undefined && enqueueRate !== false) {
+    assertLimitObject(enqueueRate, "enqueueRate", RATE_FIELDS, where);
+    const { limit, period } = enqueueRate as EnqueueRateOptions<never>;
+    if (typeof limit !== "number" || !Number.isInteger(limit) || limit < 1) {
+      throw new InvalidArgumentError(
+        `${where}: \`enqueueRate.limit\` must be a positive integer, got ${String(limit)}`,
+      );
+    }
+    assertMilliseconds(period, "enqueueRate.period", where);
+  }
+  if (debounce !== undefined && debounce !== false) {
+    assertLimitObject(debounce, "debounce", DEBOUNCE_FIELDS, where);
+    const { delay, maxWait, leading } = debounce as DebounceOptions<never>;
+    assertMilliseconds(delay, "debounce.delay", where);
+    assertMilliseconds(maxWait, "debounce.maxWait", where);
+    if (maxWait < delay) {
+      throw new InvalidArgumentError(
+        `${where}: \`debounce.maxWait\` (${maxWait}) must not be below \`debounce.delay\` (${delay})`,
+      );
+    }
+    if (leading !== undefined && typeof leading !== "boolean") {
+      throw new InvalidArgumentError(
+        `${where}: \`debounce.leading\` must be a boolean, got ${typeof leading}`,
+      );
+    }
+  }
+  assertDebounceAlone(options, where);
+}
+
+/**
+ * Refuses `debounce` beside what it cannot be combined with: uniqueness (a debounced key is its own kind
+ * of uniqueness) and `enqueueRate` (whether a collapsed enqueue counts would be a guess).
+ */
+export function assertDebounceAlone(options: UniqueOptions<never>, where: string): void {
+  if (!options.debounce) return;
+  const other = options.enqueueRate
+    ? "enqueueRate"
+    : options.unique
+      ? "unique"
+      : options.uniqueFor != null
+        ? "uniqueFor"
+        : null;
+  if (other) {
+    throw new InvalidArgumentError(`${where}: \`debounce\` cannot be combined with \`${other}\``);
   }
 }

@@ -386,7 +386,35 @@ ${stacked}      union all
       `${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[])`,
     ),
 
+    /**
+     * One enqueue under a rate and/or a debounce (enqueue_job_limited in sql/000005.sql): $1-$11 as
+     * `enqueueJob`, then the rate ($12 key, $13 limit, $14 period in ms) and the debounce ($15 key, $16
+     * delay and $17 maxWait in ms, $18 leading), nulls for none; optionally gated by the preemptive check
+     * ($19-$21 as $1-$3 of `lockAvailable`). Answers as `enqueueJob` does.
+     */
+    enqueueJobLimited: (gated: boolean) => `${enqueueAnswer(
+      "",
+      `${s}.enqueue_job_limited(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
+        $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true,
+        $12::text, $13::int, $14::float8, $15::text, $16::float8, $17::float8, $18::boolean)`,
+    )}
+      ${gated ? `where ${heldCount("$19", "$20")} < $21::int` : ""}`,
+
+    /**
+     * `enqueueJobs` for a batch with rate-limited or debounced items (enqueue_jobs_limited in
+     * sql/000005.sql): $1-$7 as `enqueueJobs` for the other items, $8 a JSON array of the limited ones.
+     * Answers as `enqueueJobs` does, the limited items placed after the others.
+     */
+    enqueueJobsLimited: enqueueAnswer(
+      "r.ord, ",
+      `${s}.enqueue_jobs_limited($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[],
+        $8::json)`,
+    ),
+
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
+
+    /** Removes rate logs and debounce rows that no longer count (sweep_enqueue_limits in sql/000005.sql). */
+    sweepEnqueueLimits: `select ${s}.sweep_enqueue_limits()::int as removed`,
 
     jobById: `select j.*, t.identifier as task_identifier from ${w}._private_jobs j
       join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,

@@ -117,7 +117,10 @@ export interface Locks {
     items: readonly AddJobsItem[],
     options?: { pgClient?: PoolClient | Client },
   ): Promise<AddJobResult[]>;
-  /** Removes expired `uniqueFor` windows now (it also happens on its own); resolves how many. */
+  /**
+   * Removes expired `uniqueFor` windows, and rate logs and debounce rows that no longer count, now (it also
+   * happens on its own); resolves how many.
+   */
   sweep(): Promise<number>;
   /** Every advisory lock held in the database, with its holder. */
   heldLocks(): Promise<HeldLock[]>;
@@ -182,8 +185,10 @@ export interface AddJobResult {
    * - `duplicate`: a unique job with the same key refused it; `job` is that job.
    * - `replaced`: `onDuplicate: "replace"` updated the waiting duplicate; `job` is it, updated.
    * - `dropped`: the preemptive check found the key's lock held; `job` is null.
+   * - `rateLimited`: `enqueueRate` refused it (its key's window is full); `job` is null.
+   * - `debounced`: `debounce` collapsed it into its key's pending run; `job` is that job, updated.
    */
-  outcome: "added" | "duplicate" | "replaced" | "dropped";
+  outcome: "added" | "duplicate" | "replaced" | "dropped" | "rateLimited" | "debounced";
   /**
    * A superseding enqueue (`supersede`) that added its job: the ids of the jobs of its key that waited (not
    * yet fetched) and that it removed, each also told by a `job:superseded` event. The job running for the key

@@ -1,8 +1,8 @@
 /**
  * Enqueueing, from a call to its answer: `makeEnqueuer` plans each job (its lock keys for the preemptive
- * check, its uniqueness, its place in a line) from the task's rules, validating everything before anything
- * is written; sends the statement (enqueue/statements.ts); reports duplicates, replacements and drops as
- * events; and turns what the database refused into typed errors (`UniqueConflictError` for
+ * check, its uniqueness, its rate and debounce (enqueue/limits.ts), its place in a line) from the task's
+ * rules, validating everything before anything is written; sends the statement (enqueue/statements.ts);
+ * reports duplicates, replacements, drops, rate refusals and debounces as events; and turns what the database refused into typed errors (`UniqueConflictError` for
  * `onDuplicate: "raise"`, deadlocks of a bulk enqueue retried on the pool).
  *
  * The insert path. Jobs without a job key of the caller's go into graphile-worker's job table through this
@@ -14,7 +14,7 @@
  * tested with (TESTED_WORKER_SCHEMAS) unless told otherwise, and the tests run against each tested version. A job with a job key of the caller's still goes through
  * `add_job`, which owns job-key semantics.
  */
-import type { Job } from "graphile-worker";
+import type { Job, TaskSpec } from "graphile-worker";
 import type { Pool, PoolClient, Client } from "pg";
 import type { LocksContext } from "../context.js";
 import { InvalidArgumentError, UniqueConflictError } from "../errors.js";
@@ -35,10 +35,12 @@ import {
   addJob,
   addJobs,
   limitsHeld,
+  batchIndexOf,
   lockAvailable,
   type EnqueuePlan,
   type Queryable,
 } from "./statements.js";
+import { resolveLimits } from "./limits.js";
 import type { AddJobResult, AddJobsItem } from "../types.js";
 import { resolveUnique, type UniqueOptions } from "./unique.js";
 
@@ -78,11 +80,14 @@ export interface Enqueuer {
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
   /** How many slots of each limit are held right now (by any session). */
   limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
-  /** Removes expired `uniqueFor` windows now; resolves how many. */
+  /** Removes expired `uniqueFor` windows, rate logs and debounce rows now; resolves how many. */
   sweep(): Promise<number>;
 }
 
-/** How often an enqueue with a `uniqueFor` window also removes expired windows. */
+/**
+ * How often an enqueue with a `uniqueFor` window, a rate or a debounce also removes expired windows, rate
+ * logs and debounce rows.
+ */
 const SWEEP_INTERVAL_MS = 60_000;
 
 const DEADLOCK_DETECTED = "40P01";
@@ -153,6 +158,13 @@ function superseding(
   return true;
 }
 
+/** An enqueue's spec as events show it: without its client. */
+function publicSpec(spec: AddJobSpec | undefined): TaskSpec | undefined {
+  if (!spec) return undefined;
+  const { pgClient: _client, ...rest } = spec;
+  return rest;
+}
+
 export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   const { pool, sql, rules: definitions, defaultExclusive, emit } = options;
 
@@ -163,6 +175,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     pool
       .query({ text: sql.sweepUniqueWindows })
       .catch((error: unknown) => options.warn("sweeping unique windows failed", error));
+    pool
+      .query({ text: sql.sweepEnqueueLimits })
+      .catch((error: unknown) => options.warn("sweeping rate logs and debounces failed", error));
   };
 
   /** Resolves an enqueue, validating everything before anything is written. */
@@ -208,13 +223,27 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       spec,
       exclusive ? keyOfPayload! : undefined,
     );
+    const limits = resolveLimits(
+      taskIdentifier,
+      payload,
+      definition?.unique,
+      spec,
+      exclusive ? keyOfPayload! : undefined,
+      unique !== null,
+    );
+    const limited = limits.rate !== null || limits.debounce !== null;
+    if (supersede && limited) {
+      throw new InvalidArgumentError(
+        `task '${taskIdentifier}': \`supersede\` cannot be combined with \`enqueueRate\` or \`debounce\` (a superseding job is always added)`,
+      );
+    }
     // A job that waits its turn carries its key as a flag, for runners that skip held keys at fetch.
     let line: EnqueuePlan["line"] = null;
     if (flagged) {
       const key = keys![0]!;
       // (with no safety net to speak of, a job added parked would be fetched at once: no line then)
       const safetyNetMs = exclusive.reschedule.maxDelay;
-      if (!unique && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
+      if (!unique && !limited && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
     return {
@@ -225,6 +254,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       limitKeys: preemptive ? limitKeys : null,
       unique,
       line,
+      limits,
       supersede: supersede
         ? (keys?.[0] ??
           limitKeys?.[0]?.slots[0] ??
@@ -237,16 +267,14 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   const report = (result: AddJobResult, p: EnqueuePlan) => {
     const { taskIdentifier, payload, spec } = p;
     switch (result.outcome) {
-      case "dropped": {
-        const { pgClient: _client, ...rest } = spec ?? {};
+      case "dropped":
         emit("enqueue:dropped", {
           taskIdentifier,
           lockKey: p.lockKeys![0]!,
           payload,
-          spec: spec ? rest : undefined,
+          spec: publicSpec(spec),
         });
         break;
-      }
       case "duplicate":
         emit("enqueue:duplicate", {
           taskIdentifier,
@@ -259,6 +287,22 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         emit("enqueue:replaced", {
           taskIdentifier,
           uniqueKey: p.unique!.key,
+          payload,
+          job: result.job!,
+        });
+        break;
+      case "rateLimited":
+        emit("job:rateLimited", {
+          taskIdentifier,
+          rateKey: p.limits!.rate!.key,
+          payload,
+          spec: publicSpec(spec),
+        });
+        break;
+      case "debounced":
+        emit("job:debounced", {
+          taskIdentifier,
+          debounceKey: p.limits!.debounce!.key,
           payload,
           job: result.job!,
         });
@@ -288,7 +332,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
   ): Promise<unknown> => {
     const e = error as { code?: string; detail?: string; hint?: string };
     if (e.code !== UNIQUE_RAISED) return error;
-    const p = plans[Number(e.hint) - 1]!;
+    const p = plans[batchIndexOf(plans, Number(e.hint))]!;
     const existingJobId = e.detail || null;
     // (the caller's transaction is aborted: the existing job is only read on the pool)
     const existing =
@@ -321,7 +365,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       }
       const result = await addJob(db, sql, p);
       report(result, p);
-      if (p.unique?.windowSeconds) maybeSweep();
+      if (p.unique?.windowSeconds || p.limits?.rate || p.limits?.debounce) maybeSweep();
       if (result.outcome === "duplicate" && p.unique?.onDuplicate === "raise") {
         throw new UniqueConflictError(
           taskIdentifier,
@@ -369,7 +413,8 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         throw await uniqueRaised(error, plans, ownTransaction);
       }
       results.forEach((result, index) => report(result, plans[index]!));
-      if (plans.some((p) => p.unique?.windowSeconds)) maybeSweep();
+      if (plans.some((p) => p.unique?.windowSeconds || p.limits?.rate || p.limits?.debounce))
+        maybeSweep();
       return results;
     },
 
@@ -400,8 +445,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     async sweep() {
       await options.ready();
       lastSweep = Date.now();
-      const { rows } = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
-      return rows[0]!.removed;
+      const windows = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
+      const limits = await pool.query<{ removed: number }>(sql.sweepEnqueueLimits);
+      return windows.rows[0]!.removed + limits.rows[0]!.removed;
     },
   };
 }

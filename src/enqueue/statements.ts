@@ -2,6 +2,7 @@
  * The enqueue statements: an `EnqueuePlan` (enqueue.ts) as the parameters of one statement, and its rows
  * as `AddJobResult`s. A job with a job key of the caller's goes through graphile-worker's public `add_job`;
  * every other job (unique or not) through this library's `enqueue_job` / `enqueue_jobs` (sql/000001.sql),
+ * or, under a rate or a debounce, `enqueue_job_limited` / `enqueue_jobs_limited` (sql/000005.sql),
  * which insert into graphile-worker's job table directly (enqueue.ts says why). Both answer rows of one
  * shape: the item's place (bulk only), its outcome, its job's task and the job's columns. The preemptive
  * check is part of the same statement: a condition that does not depend on the function's result, which
@@ -14,6 +15,7 @@ import type { AddJobSpec } from "../options.js";
 import type { Sql } from "../sql.js";
 import type { AddJobResult } from "../types.js";
 import type { DuplicateStrategy, ResolvedUnique, UniqueScope } from "./unique.js";
+import type { ResolvedLimits } from "./limits.js";
 
 export interface Queryable {
   query<R extends object>(config: {
@@ -52,6 +54,13 @@ export interface EnqueuePlan {
    * same statement (no preemptive check then).
    */
   supersede?: bigint | null;
+  /** Its rate and debounce, if any (such a job has no line). */
+  limits?: ResolvedLimits;
+}
+
+/** Whether a plan goes through the rate-limited and debounced path (sql/000005.sql). */
+function isLimited(plan: EnqueuePlan): boolean {
+  return !!(plan.limits?.rate || plan.limits?.debounce);
 }
 
 /** pg_locks coordinates of keys, as the `lockAvailable` statement takes them. */
@@ -142,7 +151,25 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
   let text: string;
   // Without a job key of the caller's, the library's own direct insert (enqueue_job, which bypasses
   // uniqueness for a null key); with one, graphile-worker's add_job, which owns job keys.
-  if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
+  if (isLimited(plan)) {
+    const { rate, debounce } = plan.limits!;
+    name = lockKeys ? "enqueue_job_limited_checked" : "enqueue_job_limited";
+    text = sql.enqueueJobLimited(lockKeys !== null);
+    values.push(
+      JSON.stringify(jobFlags(spec?.flags, unique)),
+      unique?.key ?? null,
+      unique?.scope ?? null,
+      unique?.windowSeconds ?? null,
+      unique?.onDuplicate ?? null,
+      rate?.key ?? null,
+      rate?.limit ?? null,
+      rate?.periodMs ?? null,
+      debounce?.key ?? null,
+      debounce?.delayMs ?? null,
+      debounce?.maxWaitMs ?? null,
+      debounce?.leading ?? null,
+    );
+  } else if (unique || (spec?.jobKey === undefined && spec?.jobKeyMode === undefined)) {
     const superseding = plan.supersede != null;
     name = superseding
       ? "enqueue_job_superseding"
@@ -198,9 +225,16 @@ interface BulkItem {
 export async function addJobs(
   db: Queryable,
   sql: Sql,
-  plans: readonly EnqueuePlan[],
+  allPlans: readonly EnqueuePlan[],
 ): Promise<AddJobResult[]> {
-  if (plans.length === 0) return [];
+  if (allPlans.length === 0) return [];
+  // Rate-limited and debounced items go one by one after the others (enqueue_jobs_limited): `order` is the
+  // batch as the database answers it, the others first, each with its place in `allPlans`.
+  const indexed = allPlans.map((plan, index) => ({ plan, index }));
+  const limited = indexed.filter((o) => isLimited(o.plan));
+  const others = indexed.filter((o) => !isLimited(o.plan));
+  const order = [...others, ...limited];
+  const plans = others.map((o) => o.plan);
   // Tasks and queues go once each; an item names them by their place (from 1).
   const tasks = new Map<string, number>();
   const queues = new Map<string, number>();
@@ -217,13 +251,15 @@ export async function addJobs(
   let plain = 0;
   const parkPos: number[] = [];
   const parkKeys: string[] = [];
-  const items = plans.map((plan, index): BulkItem => {
-    const { spec, unique } = plan;
+  allPlans.forEach(({ spec }, index) => {
     if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
         `addJobs: item ${index} has a \`jobKey\`; use graphile-worker's own addJobs for jobs with your own job keys`,
       );
     }
+  });
+  const items = plans.map((plan): BulkItem => {
+    const { spec, unique } = plan;
     const item: BulkItem = {
       task: placeOf(tasks, plan.taskIdentifier),
       queue: spec?.queueName != null ? placeOf(queues, spec.queueName) : undefined,
@@ -256,26 +292,69 @@ export async function addJobs(
     }
     return item;
   });
+  const values: unknown[] = [
+    JSON.stringify(items),
+    items.length,
+    firstOfKey.size,
+    [...tasks.keys()],
+    [...queues.keys()],
+    parkPos.length > 0 ? parkPos : null,
+    parkPos.length > 0 ? parkKeys : null,
+  ];
+  if (limited.length) values.push(JSON.stringify(limited.map((o) => limitedItem(o.plan))));
   const { rows } = await explaining(db).query<EnqueueRow>(
-    sql.statement("enqueue_jobs", sql.enqueueJobs, [
-      JSON.stringify(items),
-      items.length,
-      firstOfKey.size,
-      [...tasks.keys()],
-      [...queues.keys()],
-      parkPos.length > 0 ? parkPos : null,
-      parkPos.length > 0 ? parkKeys : null,
-    ]),
+    limited.length
+      ? sql.statement("enqueue_jobs_limited", sql.enqueueJobsLimited, values)
+      : sql.statement("enqueue_jobs", sql.enqueueJobs, values),
   );
-  if (rows.length !== plans.length) {
+  if (rows.length !== allPlans.length) {
     throw new Error(
-      `graphile-worker-locks: the bulk enqueue answered ${rows.length} rows for ${plans.length} items`,
+      `graphile-worker-locks: the bulk enqueue answered ${rows.length} rows for ${allPlans.length} items`,
     );
   }
-  const results: AddJobResult[] = new Array(plans.length);
+  const results: AddJobResult[] = new Array(allPlans.length);
   for (const row of rows) {
-    const index = row.ord! - 1;
-    results[index] = toResult(row, plans[index]!.taskIdentifier);
+    const index = order[row.ord! - 1]!.index;
+    results[index] = toResult(row, allPlans[index]!.taskIdentifier);
   }
   return results;
+}
+
+/**
+ * The place in the database's answer of each item of a batch: the same as in the batch, unless it has
+ * rate-limited or debounced items, which come after the others. Maps a GWLUQ hint back to its item.
+ */
+export function batchIndexOf(plans: readonly EnqueuePlan[], ord: number): number {
+  const places = [...plans.keys()];
+  const order = [
+    ...places.filter((i) => !isLimited(plans[i]!)),
+    ...places.filter((i) => isLimited(plans[i]!)),
+  ];
+  return order[ord - 1]!;
+}
+
+/** A rate-limited or debounced item of a batch, as enqueue_jobs_limited reads it (undefined: null). */
+function limitedItem(plan: EnqueuePlan) {
+  const { spec, unique } = plan;
+  const { rate, debounce } = plan.limits!;
+  return {
+    identifier: plan.taskIdentifier,
+    payload: plan.payload ?? {},
+    queue_name: spec?.queueName ?? undefined,
+    run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
+    max_attempts: spec?.maxAttempts ?? undefined,
+    priority: spec?.priority ?? undefined,
+    flags: jobFlags(spec?.flags, unique) ?? undefined,
+    unique_key: unique?.key,
+    scope: unique?.scope ?? undefined,
+    window_seconds: unique?.windowSeconds ?? undefined,
+    on_duplicate: unique?.onDuplicate,
+    rate_key: rate?.key,
+    rate_limit: rate?.limit,
+    rate_period_ms: rate?.periodMs,
+    debounce_key: debounce?.key,
+    delay_ms: debounce?.delayMs,
+    max_wait_ms: debounce?.maxWaitMs,
+    leading_edge: debounce?.leading,
+  };
 }

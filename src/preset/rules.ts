@@ -21,8 +21,9 @@ export interface TaskLocksOptions<TPayload = unknown> extends ExclusiveOptions<T
   /**
    * Whether the task's jobs take a lock (`locks.exclusive`), or only have their enqueues deduplicated
    * (`locks.unique`).
-   * @defaultValue `false` when the entry sets only unique options (`unique`, `uniqueFor`, `uniqueKey`,
-   * `uniqueGroup`, `uniqueByQueue`, `onDuplicate`), `true` otherwise (an empty entry is exclusive)
+   * @defaultValue `false` when the entry sets only enqueue options (`unique`, `uniqueFor`, `uniqueKey`,
+   * `uniqueGroup`, `uniqueByQueue`, `onDuplicate`, `enqueueRate`, `debounce`), `true` otherwise (an empty
+   * entry is exclusive)
    */
   exclusive?: boolean;
 }
@@ -42,6 +43,8 @@ const UNIQUE_KEYS = [
   "uniqueGroup",
   "uniqueByQueue",
   "onDuplicate",
+  "enqueueRate",
+  "debounce",
 ] as const;
 const EXCLUSIVE_KEYS = [
   "onConflict",

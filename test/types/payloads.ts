@@ -106,9 +106,32 @@ const wrongSupersede: GraphileConfig.Preset = {
     },
   },
 };
+// `enqueueRate` and `debounce` key functions see the declared payload too.
+const limitedPreset: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        charge_card: { enqueueRate: { limit: 100, period: 60_000, key: (p) => p.userId } },
+        send_welcome: { debounce: { delay: 5000, maxWait: 60_000, key: (p) => p.email } },
+      },
+    },
+  },
+};
+const wrongDebounceKey: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        // @ts-expect-error send_welcome's payload has no userId
+        send_welcome: { debounce: { delay: 5000, maxWait: 60_000, key: (p) => p.userId } },
+      },
+    },
+  },
+};
 // Per enqueue.
 void locks.addJob("charge_card", { userId: 1, amount: 5 }, { supersede: true });
 void makeLocksFromPreset(preset);
+void limitedPreset;
+void wrongDebounceKey;
 void wrongKey;
 void wrongOption;
 
