@@ -34,6 +34,11 @@ export interface LocksContext {
   lockAvailable(keys: readonly bigint[]): Promise<boolean>;
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
+  /**
+   * Makes a worker fetch in `delayMs` (a job given back becomes runnable then): an idle worker of an attached
+   * runner of this process, else every worker is told, as for a new job.
+   */
+  wakeIn(delayMs: number): void;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

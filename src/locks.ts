@@ -28,6 +28,8 @@ import {
   validateUniqueOptions,
 } from "./options.js";
 import { readHeldLocks } from "./held-locks.js";
+import { rateBlockers, readPaused, readThrottled } from "./rates/status.js";
+import { Wakes } from "./rates/wakes.js";
 import { IdleWorkers } from "./session/idle.js";
 import { LockAhead } from "./session/lock-ahead.js";
 import { LockSession } from "./session/session.js";
@@ -206,7 +208,12 @@ export function makeLocks(options: LocksOptions): Locks {
     (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
   );
 
+  const wakes = new Wakes(idleWorkers, (count) => {
+    if (!released) pool.query(sql.rates.announce, [count]).catch(() => undefined);
+  });
+
   const ctx: LocksContext = {
+    wakeIn: (delayMs) => wakes.in(delayMs),
     session,
     sql,
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
@@ -258,7 +265,10 @@ export function makeLocks(options: LocksOptions): Locks {
         { ...options.defaults, ...taskOptions } as UniqueOptions<never>,
       );
       const exclusive = makeExclusiveTask(ctx, taskIdentifier, task, resolved);
-      exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTaskImpl<never>);
+      // (a task without a lock has nothing to take ahead)
+      if (resolved.lock)
+        exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTaskImpl<never>);
+      else exclusiveTasks.delete(taskIdentifier);
       // eslint-disable-next-line @typescript-eslint/no-explicit-any -- see the signature
       return exclusive as unknown as ExclusiveTask<any>;
     },
@@ -304,6 +314,24 @@ export function makeLocks(options: LocksOptions): Locks {
       await ensureMigrated();
       return readHeldLocks(pool, sql);
     },
+    async canStart(taskIdentifier, payload) {
+      assertOpen();
+      assertIdentifier(taskIdentifier);
+      const rules = definitions.get(taskIdentifier)?.exclusive;
+      if (!rules) return { ok: true, blockers: [] };
+      await ensureMigrated();
+      const blockers = await rateBlockers(pool, sql.rates, taskIdentifier, rules, payload);
+      return { ok: blockers.length === 0, blockers };
+    },
+    async rateStatus() {
+      assertOpen();
+      await ensureMigrated();
+      const throttled = await readThrottled(pool, sql.rates, null);
+      return {
+        throttled: throttled.map(({ now: _now, ...key }) => key),
+        paused: await readPaused(pool, sql.rates, null),
+      };
+    },
     migrate: ensureMigrated,
     forbiddenFlags: () => session.heldFlags(),
     async connect() {
@@ -346,6 +374,7 @@ export function makeLocks(options: LocksOptions): Locks {
       if (released) return;
       released = true;
       clearInterval(cleanTimer);
+      wakes.clear();
       await session.close();
       if (ownPool) await pool.end();
     },

@@ -3,6 +3,7 @@
  */
 import { createHash } from "node:crypto";
 import { InvalidArgumentError } from "./errors.js";
+import { rateStatements } from "./rates/statements.js";
 
 /** Quotes a PostgreSQL identifier. */
 export function escapeIdentifier(name: string): string {
@@ -144,6 +145,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   const enqueueAnswer = (columns: string, call: string) =>
     `select ${columns}r.outcome, r.task_identifier, (r.job).* from ${call} r`;
   return {
+    /** Rates, snooze and pause (rates/statements.ts). */
+    rates: rateStatements(s, w),
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
      * statements are off. Names include both schemas (as a digest): one pool may serve several `Locks`

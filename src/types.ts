@@ -9,6 +9,7 @@ import type { Client, PoolClient } from "pg";
 import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import type { LocksEventEmitter } from "./events.js";
 import type { HandoffCounts } from "./session/handoff.js";
+import type { PausedBlocker, PausedKey, RateBlocker, ThrottledKey } from "./rates/status.js";
 import type {
   AddJobSpec,
   DefineOptions,
@@ -107,6 +108,20 @@ export interface Locks {
     items: readonly AddJobsItem[],
     options?: { pgClient?: PoolClient | Client },
   ): Promise<AddJobResult[]>;
+  /**
+   * Whether a job of this task with this payload could start now and, if not, why: its rate's slots of the
+   * current period are used or reserved (`rate`, with when the next frees), or its key is paused (`paused`,
+   * until when). Advisory, side-effect free.
+   */
+  canStart<TIdentifier extends string>(
+    taskIdentifier: TIdentifier,
+    payload: TaskPayload<TIdentifier>,
+  ): Promise<{ ok: boolean; blockers: Blocker[] }>;
+  /**
+   * The throttled keys (a start in their current period, or jobs waiting for a slot): used/limit in the
+   * current period and when the next slot frees; and the keys paused now, with their end.
+   */
+  rateStatus(): Promise<{ throttled: ThrottledKey[]; paused: PausedKey[] }>;
   /** Removes expired `uniqueFor` windows now (it also happens on its own); resolves how many. */
   sweep(): Promise<number>;
   /** Every advisory lock held in the database, with its holder. */
@@ -163,6 +178,10 @@ export interface Locks {
    */
   release(): Promise<void>;
 }
+
+/** What keeps a job from starting now (see `locks.canStart`). */
+export type Blocker = RateBlocker | PausedBlocker;
+export type { RateBlocker, PausedBlocker, ThrottledKey, PausedKey };
 
 export interface AddJobResult {
   /** The job added, or for a duplicate the existing job (null if a `uniqueFor` window outlived it). */
