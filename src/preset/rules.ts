@@ -4,7 +4,8 @@
  */
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
-import { jobLockKeys } from "../key.js";
+import { jobLockKeys, lockKeyValue } from "../key.js";
+import { rateKeyOf } from "../rates/options.js";
 import type { Locks } from "../types.js";
 import {
   resolveExclusiveOptions,
@@ -43,7 +44,16 @@ const UNIQUE_KEYS = [
   "uniqueByQueue",
   "onDuplicate",
 ] as const;
-const EXCLUSIVE_KEYS = ["onConflict", "key", "limit", "preemptive", "reschedule"] as const;
+const EXCLUSIVE_KEYS = [
+  "onConflict",
+  "key",
+  "limit",
+  "preemptive",
+  "reschedule",
+  "rate",
+  "lock",
+  "pausable",
+] as const;
 const KNOWN_KEYS = new Set<string>(["exclusive", ...UNIQUE_KEYS, ...EXCLUSIVE_KEYS]);
 
 /** Where a task's rules come from, for error messages. */
@@ -162,4 +172,22 @@ export function ruledLockKeys(
   if (!isExclusive(rules)) return null;
   const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
   return jobLockKeys(taskIdentifier, resolved, payload);
+}
+
+/**
+ * The rate key of a job of this task with this payload under `rules` (and `worker.locks.defaults`), as the
+ * wrapped task derives it; null without a rate.
+ */
+export function ruledRateKey(
+  taskIdentifier: string,
+  rules: TaskLocksOptions,
+  payload: unknown,
+  defaults: ExclusiveOptions | undefined,
+): bigint | null {
+  if (!isExclusive(rules)) return null;
+  const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
+  if (!resolved.rate) return null;
+  return rateKeyOf(taskIdentifier, resolved.rate, payload, () =>
+    lockKeyValue(taskIdentifier, resolved, payload),
+  ).key;
 }

@@ -6,6 +6,7 @@
 import { describe, expect, it } from "vitest";
 import {
   InvalidArgumentError,
+  makeLocksFromPreset,
   NotPausableError,
   PauseError,
   pause,
@@ -345,5 +346,14 @@ describe("canStart, rateStatus, validation", () => {
       expect(() => locks.exclusive("t", async () => undefined, options)).toThrow(message);
     }
     expect(() => snooze(-1)).toThrow("`snooze` needs a non-negative number");
+    // The preset (and a task file) refuse them at start-up, naming the task.
+    expect(() =>
+      makeLocksFromPreset({
+        worker: {
+          connectionString: db.url,
+          locks: { tasks: { api_call: { rate: { limit: 10, period: -1 } } } },
+        },
+      }),
+    ).toThrow(/task 'api_call'.*`rate.period`/);
   });
 });

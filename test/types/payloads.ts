@@ -95,3 +95,26 @@ const wrongOption: GraphileConfig.Preset = {
 void makeLocksFromPreset(preset);
 void wrongKey;
 void wrongOption;
+
+// `rate.key` sees the declared payload too.
+const rated: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        charge_card: { lock: false, rate: { limit: 100, period: 60_000, key: (p) => p.userId } },
+      },
+    },
+  },
+};
+const wrongRateKey: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        // @ts-expect-error charge_card's payload has no email
+        charge_card: { rate: { limit: 100, period: 60_000, key: (p) => p.email } },
+      },
+    },
+  },
+};
+void rated;
+void wrongRateKey;
