@@ -17,8 +17,9 @@
 -- at the moment its slot frees, and reserves that moment (a reservation). Its copy's run_at is a little
 -- ahead of the slot (`p_lead`), and a job whose slot is that near (within `p_wait`) keeps its reservation and
 -- waits for the slot in its worker instead of being given back: so a job starts at its slot, not one fetch
--- after it, and a job fetched a little late (its slot a little later than planned, because the jobs before it
--- started late) is not given back a second time. Reservations count as starts when
+-- after it. A job that comes for its reserved slot waits longer (`p_wait_reserved`): when the jobs before it
+-- started late (a busy server, busy workers), its slot is later than planned, and giving it back again would
+-- cost a fetch and add to the load that made them late. Reservations count as starts when
 -- the next one is planned, so each job of a backlog is fetched about twice (once to reserve, once to run)
 -- rather than once per freed slot. When a job is about to start, it is admitted only if its start fits the
 -- actual starts (exactness rests on them alone) and also fits the plan of the reservations ahead of it: a
@@ -42,10 +43,13 @@ create table :GWL_SCHEMA.rates (
 );
 
 -- A job given back over the rate, to run at `at`: one per job (the copy that waits), in line by `pos`.
+-- `run_at` is the job's run_at when it first met the rate: when its slot comes, its copy gets it back (less a
+-- millisecond, wake_reserved), so that graphile-worker fetches it ahead of the jobs queued after it.
 create table :GWL_SCHEMA.rate_reservations (
   job_id bigint primary key,
   rate_key bigint not null,
   at timestamptz not null,
+  run_at timestamptz not null,
   pos bigint generated always as identity
 );
 create index on :GWL_SCHEMA.rate_reservations (rate_key, pos);
@@ -95,6 +99,7 @@ create function :GWL_SCHEMA.rate_start(
   p_pause_keys bigint[],
   p_owner_pid int,
   p_wait interval,
+  p_wait_reserved interval,
   p_lead interval
 ) returns table (admitted boolean, at timestamptz, copy_id bigint, reason text, now timestamptz)
 language plpgsql volatile as $$
@@ -106,6 +111,7 @@ declare
   v_actual timestamptz;
   v_plan timestamptz;
   v_copy bigint;
+  v_run_at timestamptz;
 begin
   if p_rate_key is not null then
     loop
@@ -163,24 +169,53 @@ begin
   end if;
 
   v_plan := greatest(v_actual, v_plan);
-  if v_plan - v_now <= p_wait then
+  if v_plan - v_now <= (case when v_pos is null then p_wait else p_wait_reserved end) then
     -- Its slot is near: the job keeps it under its own id and waits for it where it is (no give-back).
-    insert into :GWL_SCHEMA.rate_reservations as r (job_id, rate_key, at) values (p_job_id, p_rate_key, v_plan)
+    insert into :GWL_SCHEMA.rate_reservations as r (job_id, rate_key, at, run_at)
+      select p_job_id, p_rate_key, v_plan, j.run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j
+      where j.id = p_job_id
       on conflict (job_id) do update set at = excluded.at;
     return query select false, v_plan, null::bigint, 'wait'::text, v_now;
     return;
   end if;
   -- The copy is fetched a little ahead of its slot (p_lead), and waits for it as above.
+  select j.run_at into v_run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = p_job_id;
   v_copy := :GWL_SCHEMA.give_back_job(p_job_id, v_plan - p_lead, p_owner_pid);
   if v_copy is not null then
+    -- (the flag tells the worker that fetches the copy that it comes for a reserved slot)
+    update :GRAPHILE_WORKER_SCHEMA._private_jobs j
+      set flags = coalesce(j.flags, '{}'::jsonb) || '{"gwl:rate": true}'::jsonb
+      where j.id = v_copy;
     if v_pos is null then
-      insert into :GWL_SCHEMA.rate_reservations (job_id, rate_key, at) values (v_copy, p_rate_key, v_plan);
+      insert into :GWL_SCHEMA.rate_reservations (job_id, rate_key, at, run_at)
+        values (v_copy, p_rate_key, v_plan, v_run_at);
     else
       update :GWL_SCHEMA.rate_reservations r set job_id = v_copy, at = v_plan
         where r.job_id = p_job_id;
     end if;
   end if;
   return query select false, v_plan - p_lead, v_copy, 'rate'::text, v_now;
+end;
+$$;
+
+-- Makes the copies `p_job_ids`, given back over their rate, runnable now with the run_at their jobs had when
+-- they first met the rate, less a millisecond (as a woken parked job gets back its own): graphile-worker
+-- fetches by priority, then run_at, so they go ahead of the jobs queued after them, which would otherwise
+-- all be fetched (each only to reserve a later slot) before a copy whose slot has come. Called by the process
+-- that gave them back, a little ahead of their slots; a copy nobody wakes runs at its own run_at. Announces
+-- them to every worker; returns how many were woken.
+create function :GWL_SCHEMA.wake_reserved(p_job_ids bigint[]) returns int
+language plpgsql volatile as $$
+declare
+  v_woken int;
+begin
+  update :GRAPHILE_WORKER_SCHEMA._private_jobs j
+    set run_at = least(j.run_at, r.run_at - interval '1 millisecond')
+    from :GWL_SCHEMA.rate_reservations r
+    where r.job_id = j.id and j.id = any(p_job_ids) and j.locked_at is null;
+  get diagnostics v_woken = row_count;
+  perform :GWL_SCHEMA.announce_jobs(v_woken);
+  return v_woken;
 end;
 $$;
 

@@ -35,10 +35,10 @@ export interface LocksContext {
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
   /**
-   * Makes a worker fetch in `delayMs` (a job given back becomes runnable then): an idle worker of an attached
-   * runner of this process, else every worker is told, as for a new job.
+   * Wakes a job given back to run in `delayMs` at that moment (rates/wakes.ts); `reservedCopy`: the copy's id,
+   * when it was given back over its rate.
    */
-  wakeIn(delayMs: number): void;
+  wakeIn(delayMs: number, reservedCopy?: string): void;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

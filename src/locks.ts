@@ -208,12 +208,14 @@ export function makeLocks(options: LocksOptions): Locks {
     (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
   );
 
-  const wakes = new Wakes(idleWorkers, (count) => {
-    if (!released) pool.query(sql.rates.announce, [count]).catch(() => undefined);
+  const wakes = new Wakes(idleWorkers, (reserved, count) => {
+    if (released) return;
+    if (reserved.length > 0) pool.query(sql.rates.wakeReserved, [reserved]).catch(() => undefined);
+    if (count > 0) pool.query(sql.rates.announce, [count]).catch(() => undefined);
   });
 
   const ctx: LocksContext = {
-    wakeIn: (delayMs) => wakes.in(delayMs),
+    wakeIn: (delayMs, reservedCopy) => wakes.in(delayMs, reservedCopy),
     session,
     sql,
     lockSessionWaitMs: options.lockSessionWait ?? 5000,

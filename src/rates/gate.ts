@@ -11,6 +11,7 @@ import { NotPausableError, PauseError, SnoozeError, type PauseScope } from "../e
 import type { ResolvedExclusiveOptions } from "../options.js";
 import type { RateKey } from "./options.js";
 import type { RateStatements } from "./statements.js";
+import { RESERVED_FLAG, Turns } from "./turns.js";
 
 /** The keys of one job as the gate sees them. */
 export interface GateKeys {
@@ -35,6 +36,11 @@ interface StartRow {
  * going back to the queue (one more statement instead of one more fetch).
  */
 const RATE_WAIT_MS = 250;
+/**
+ * A job that comes for its reserved slot and finds it later than planned (the jobs before it started late)
+ * waits this long for it before it goes back to the queue again.
+ */
+const RATE_WAIT_RESERVED_MS = 1000;
 /** A job given back over its rate becomes runnable this much before its slot, and waits for it as above. */
 const RATE_LEAD_MS = 20;
 
@@ -57,6 +63,7 @@ async function query<T>(
 
 export class RateGate {
   private readonly sql: RateStatements;
+  private readonly turns = new Turns();
 
   constructor(
     private readonly ctx: LocksContext,
@@ -96,10 +103,17 @@ export class RateGate {
       this.pauseKeys(keys),
       ctx.session.pid,
       `${RATE_WAIT_MS} milliseconds`,
+      `${RATE_WAIT_RESERVED_MS} milliseconds`,
       `${RATE_LEAD_MS} milliseconds`,
     ];
+    const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
+    const turn = keys.rate?.key.toString();
     for (;;) {
-      const row = await query<StartRow>(helpers, this.sql.rateStart, values);
+      const row = await (turn === undefined
+        ? query<StartRow>(helpers, this.sql.rateStart, values)
+        : this.turns.run(turn, reserved, () =>
+            query<StartRow>(helpers, this.sql.rateStart, values),
+          ));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
       if (row.admitted) {
         if (keys.rate && ctx.listening("rate:admitted"))
@@ -114,7 +128,7 @@ export class RateGate {
       }
       if (row.copy_id === null)
         throw new Error(`Could not give job ${job.id} back: it no longer exists`);
-      ctx.wakeIn(delayMs);
+      ctx.wakeIn(delayMs, row.reason === "rate" ? row.copy_id : undefined);
       helpers.logger.debug(
         `Job ${job.id} ${row.reason === "paused" ? "meets a paused key" : "is over its rate"}: its copy ${row.copy_id} runs at ${row.at.toISOString()}`,
       );

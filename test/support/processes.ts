@@ -13,6 +13,8 @@ export interface WorkerProcessOptions {
   localQueue?: boolean;
   /** Gives the runner to `locks.attach`. */
   attach?: boolean;
+  /** Adds the task `rated` with this rate (see test/fixtures/worker.ts). */
+  rate?: { limit: number; period: number; lock?: boolean };
 }
 
 export interface WorkerProcess {
@@ -43,6 +45,7 @@ export async function startWorkerProcess(
       LIMIT: String(options.limit ?? 1),
       LOCAL_QUEUE: options.localQueue ? "1" : "0",
       ATTACH: options.attach ? "1" : "0",
+      RATE: options.rate ? JSON.stringify(options.rate) : "",
     },
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });

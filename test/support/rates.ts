@@ -18,14 +18,16 @@ export function maxStartsInWindow(starts: readonly number[], periodMs: number): 
 
 /**
  * The fewest starts a window [s, s + period) holds, s a start, over the windows that end by the last start
- * (while a backlog exists, each of them should be nearly full).
+ * (while a backlog exists, each of them should be nearly full), and start no sooner than `fromMs` after the
+ * first start.
  */
-export function minStartsInWindow(starts: readonly number[], periodMs: number): number {
+export function minStartsInWindow(starts: readonly number[], periodMs: number, fromMs = 0): number {
   const sorted = [...starts].sort((a, b) => a - b);
   const last = sorted[sorted.length - 1]!;
   let fewest = Number.POSITIVE_INFINITY;
   let end = 0;
   for (let i = 0; i < sorted.length && sorted[i]! + periodMs <= last; i++) {
+    if (sorted[i]! < sorted[0]! + fromMs) continue;
     while (end < sorted.length && sorted[end]! < sorted[i]! + periodMs) end++;
     fewest = Math.min(fewest, end - i);
   }
