@@ -15,8 +15,9 @@ import { contention } from "./contention.js";
 import { enqueue } from "./enqueue.js";
 import { peers } from "./peers.js";
 import { latency } from "./latency.js";
+import { rates } from "./rates.js";
 
-const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency];
+const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency, rates];
 
 const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");
 const log = (message: string): void => void process.stderr.write(`[bench] ${message}\n`);

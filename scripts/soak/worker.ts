@@ -16,6 +16,7 @@ import { EventEmitter } from "node:events";
 import { run, type JobHelpers, type Task, type WorkerEvents } from "graphile-worker";
 import { makeLocks } from "../../src/index.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakMessage, type SoakPayload } from "./shared.js";
+import { ratedTask } from "./rated.js";
 
 const url = process.env.DATABASE_URL;
 if (!url) throw new Error("soak worker: DATABASE_URL is not set");
@@ -207,7 +208,11 @@ process.on("unhandledRejection", (reason) => {
 const runner = await run({
   pgPool: workerPool,
   concurrency,
-  taskList: { soak_serial: breakMode === "nolock" ? unlocked : serial, soak_dedupe: dedupe },
+  taskList: {
+    soak_serial: breakMode === "nolock" ? unlocked : serial,
+    soak_dedupe: dedupe,
+    ...ratedTask(locks, record),
+  },
   noHandleSignals: true,
   pollInterval: 100,
   logger,
