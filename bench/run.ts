@@ -17,8 +17,18 @@ import { peers } from "./peers.js";
 import { latency } from "./latency.js";
 import { limits } from "./limits.js";
 import { supersede } from "./supersede.js";
+import { rates } from "./rates.js";
 
-const SECTIONS: Section[] = [throughput, contention, enqueue, peers, latency, limits, supersede];
+const SECTIONS: Section[] = [
+  throughput,
+  contention,
+  enqueue,
+  peers,
+  latency,
+  limits,
+  supersede,
+  rates,
+];
 
 const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");
 const log = (message: string): void => void process.stderr.write(`[bench] ${message}\n`);

@@ -31,6 +31,7 @@ import { between, seeded } from "./soak/random.js";
 import { startProxy } from "./soak/proxy.js";
 import { SOAK_SCHEMA, type SoakMessage, type SoakWorkerStatus } from "./soak/shared.js";
 import { limitsViolations } from "./soak/limits.js";
+import { RATED_SCHEMA, rateViolations } from "./soak/rated.js";
 
 const WORKER = fileURLToPath(new URL("./soak/worker.ts", import.meta.url));
 const ENQUEUER = fileURLToPath(new URL("./soak/enqueuer.ts", import.meta.url));
@@ -221,7 +222,8 @@ async function main(): Promise<number> {
         at timestamptz not null default clock_timestamp());
       create table ${SOAK_SCHEMA}.enqueues (
         ref text primary key, task text not null, k text not null, unique_key text, outcome text not null,
-        job_id bigint, at timestamptz not null default clock_timestamp());`);
+        job_id bigint, at timestamptz not null default clock_timestamp());
+      ${RATED_SCHEMA}`);
 
     // Database clock, in microseconds since the epoch; null while PostgreSQL is away.
     const dbNow = async (): Promise<bigint | null> => {
@@ -639,7 +641,11 @@ async function main(): Promise<number> {
       completionLostIds,
       queuedAfterRestart,
     });
+    const rates = await rateViolations(admin);
+    if (rates.violations > 0)
+      violations.push(`${rates.violations} rate violation(s) of soak_rated`);
     const report = {
+      rates,
       seed: options.seed,
       durationS: options.duration,
       workers: options.workers,

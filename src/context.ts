@@ -47,6 +47,11 @@ export interface LocksContext {
   limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
+  /**
+   * Wakes a job given back to run in `delayMs` at that moment (rates/wakes.ts); `reservedCopy`: the copy's id,
+   * when it was given back over its rate.
+   */
+  wakeIn(delayMs: number, reservedCopy?: string): void;
   /** Enqueues with the rules of the task defined under `taskIdentifier`. */
   addJob(
     taskIdentifier: string,

@@ -44,6 +44,12 @@ export const ErrorCodes = {
   LOCK_SESSION_POOLED: "GWL_LOCK_SESSION_POOLED",
   /** A named prepared statement failed behind a pooler that does not carry prepared statements. */
   PREPARED_STATEMENTS_UNSUPPORTED: "GWL_PREPARED_STATEMENTS_UNSUPPORTED",
+  /** Thrown by a task to give its job back to the queue for a while; see {@link SnoozeError}. */
+  SNOOZE: "GWL_SNOOZE",
+  /** Thrown by a task to pause its key; see {@link PauseError}. */
+  PAUSE: "GWL_PAUSE",
+  /** A task threw a `PauseError` but its task has neither a `rate` nor `pausable: true`. */
+  NOT_PAUSABLE: "GWL_NOT_PAUSABLE",
 } as const;
 
 export type ErrorCode = (typeof ErrorCodes)[keyof typeof ErrorCodes];
@@ -320,5 +326,78 @@ export class UntestedWorkerSchemaError extends LocksError {
     this.workerSchema = workerSchema;
     this.level = level;
     this.tested = tested;
+  }
+}
+
+/** Checks a delay given to `snooze` or `pause`: a non-negative finite number of milliseconds. */
+function assertDelay(name: string, ms: unknown): asserts ms is number {
+  if (typeof ms !== "number" || !Number.isFinite(ms) || ms < 0) {
+    throw new InvalidArgumentError(
+      `\`${name}\` needs a non-negative number of milliseconds, got ${String(ms)}`,
+    );
+  }
+}
+
+/**
+ * Thrown by a task (of `locks.exclusive`) to give its job back to the queue to run `ms` from now (on the
+ * database's clock), without counting an attempt. The job completes without running further; its copy
+ * runs later. See also {@link snooze}.
+ */
+export class SnoozeError extends LocksError {
+  readonly ms: number;
+  constructor(ms: number) {
+    assertDelay("snooze", ms);
+    super(ErrorCodes.SNOOZE, `Snoozed for ${ms} ms`);
+    this.ms = ms;
+  }
+}
+
+/** Gives the running job back to the queue to run `ms` from now, without counting an attempt: throws a {@link SnoozeError}. */
+export function snooze(ms: number): never {
+  throw new SnoozeError(ms);
+}
+
+/** Which key a pause stops: the job's rate key, or its (lock) key. */
+export type PauseScope = "rate" | "key";
+
+/**
+ * Thrown by a task (of `locks.exclusive` with a `rate` or `pausable: true`) to pause its key for `ms`: no
+ * job of that key starts before then, in any process (the pause lives in the database, so it survives a
+ * restart of the worker, and ends on its own). The job itself goes back to the queue, without counting an
+ * attempt, to run when the pause ends. `scope`: `"rate"` pauses the job's rate key (the default when the
+ * task has a `rate`), `"key"` its lock key (the task's `key` option). See also {@link pause}.
+ */
+export class PauseError extends LocksError {
+  readonly ms: number;
+  readonly scope: PauseScope | undefined;
+  constructor(ms: number, options?: { scope?: PauseScope }) {
+    assertDelay("pause", ms);
+    const scope = options?.scope;
+    if (scope !== undefined && scope !== "rate" && scope !== "key") {
+      throw new InvalidArgumentError(
+        `\`pause\`: \`scope\` must be "rate" or "key", got ${JSON.stringify(scope)}`,
+      );
+    }
+    super(ErrorCodes.PAUSE, `Paused for ${ms} ms`);
+    this.ms = ms;
+    this.scope = scope;
+  }
+}
+
+/** Pauses the running job's key for `ms` and gives the job back to run then: throws a {@link PauseError}. */
+export function pause(ms: number, options?: { scope?: PauseScope }): never {
+  throw new PauseError(ms, options);
+}
+
+/** A task threw a {@link PauseError} that its task's options cannot carry out; the job fails with this. */
+export class NotPausableError extends LocksError {
+  readonly taskIdentifier: string;
+  constructor(taskIdentifier: string, reason: string, options?: { cause?: unknown }) {
+    super(
+      ErrorCodes.NOT_PAUSABLE,
+      `Task '${taskIdentifier}' threw a PauseError, but ${reason}`,
+      options,
+    );
+    this.taskIdentifier = taskIdentifier;
   }
 }

@@ -95,6 +95,34 @@ export interface LocksEvents {
    * the job failed after it was given back) were deleted: their copies carry on.
    */
   "givenBack:cleaned": { jobIds: string[] };
+  /**
+   * A job of a task with a `rate` was admitted: `at` is its start on the database's clock, the instant the
+   * rate counts (a job that then fails still counted its start).
+   */
+  "rate:admitted": { taskIdentifier: string; rateKey: bigint; job: Job; at: Date };
+  /**
+   * A job did not start: it went over its rate (`reason: "rate"`; its copy `newJobId` has the slot reserved
+   * at `runAt`), or its key is paused (`reason: "paused"`; its copy runs when the pause ends, `runAt`). No
+   * attempt was counted.
+   */
+  "job:throttled": {
+    taskIdentifier: string;
+    job: Job;
+    reason: "rate" | "paused";
+    newJobId: string;
+    runAt: Date;
+  };
+  /** A task snoozed its job (`SnoozeError`): its copy `newJobId` runs at `runAt`, no attempt counted. */
+  "job:snoozed": { taskIdentifier: string; job: Job; newJobId: string; runAt: Date };
+  /** A task paused its key (`PauseError`) until `until`; its job's copy `newJobId` runs then. */
+  "job:paused": {
+    taskIdentifier: string;
+    job: Job;
+    pauseKey: bigint;
+    scope: "rate" | "key";
+    newJobId: string;
+    until: Date;
+  };
   /** `addJob` did not add a job because its key was held (the preemptive check). */
   "enqueue:dropped": {
     taskIdentifier: string;

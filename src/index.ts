@@ -28,4 +28,7 @@ export { migrate, TESTED_WORKER_SCHEMAS } from "./migrate.js";
 export { lockKey, lockFlag } from "./key.js";
 export { ErrorCodes, LocksError, LockConflictError, InvalidArgumentError } from "./errors.js";
 export { SupersededError, UniqueConflictError, UntestedWorkerSchemaError } from "./errors.js";
+export { SnoozeError, snooze, PauseError, pause, NotPausableError } from "./errors.js";
+export type { PauseScope } from "./errors.js";
+export type { RateOptions } from "./rates/options.js";
 export { LocksPreset, makeLocksFromPreset } from "./preset/preset.js";

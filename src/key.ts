@@ -108,7 +108,7 @@ export function assertIdentifier(taskIdentifier: unknown): asserts taskIdentifie
 }
 
 /** The options whose functions turn a payload into a key, as errors name them. */
-export type KeyFunctionName = "key" | "uniqueKey" | "enqueueRate.key" | "debounce.key";
+export type KeyFunctionName = "key" | "uniqueKey" | "enqueueRate.key" | "debounce.key" | "rate.key";
 
 /**
  * Calls a task's `key` or `uniqueKey` function on a payload and checks that JSON can carry what it returns.

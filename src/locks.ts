@@ -29,6 +29,8 @@ import {
   validateUniqueOptions,
 } from "./options.js";
 import { readHeldLocks } from "./held-locks.js";
+import { rateBlockers, readPaused, readThrottled } from "./rates/status.js";
+import { Wakes } from "./rates/wakes.js";
 import { IdleWorkers } from "./session/idle.js";
 import { LockAhead } from "./session/lock-ahead.js";
 import { LockSession } from "./session/session.js";
@@ -202,12 +204,20 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
-  const lockAhead = new LockAhead(
-    session,
-    (job) => exclusiveTasks.get(job.task_identifier)?.lockPlan(job) ?? null,
-  );
+  const lockAhead = new LockAhead(session, (job) => {
+    // (a task without an execution lock takes none ahead either)
+    const task = exclusiveTasks.get(job.task_identifier);
+    return task?.options.lock ? task.lockPlan(job) : null;
+  });
+
+  const wakes = new Wakes(idleWorkers, (reserved, count) => {
+    if (released) return;
+    if (reserved.length > 0) pool.query(sql.rates.wakeReserved, [reserved]).catch(() => undefined);
+    if (count > 0) pool.query(sql.rates.announce, [count]).catch(() => undefined);
+  });
 
   const ctx: LocksContext = {
+    wakeIn: (delayMs, reservedCopy) => wakes.in(delayMs, reservedCopy),
     session,
     sql,
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
@@ -263,7 +273,10 @@ export function makeLocks(options: LocksOptions): Locks {
         { ...options.defaults, ...taskOptions } as UniqueOptions<never>,
       );
       const exclusive = makeExclusiveTask(ctx, taskIdentifier, task, resolved);
-      exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTaskImpl<never>);
+      // (a task without a lock has nothing to take ahead)
+      if (resolved.lock)
+        exclusiveTasks.set(taskIdentifier, exclusive as unknown as ExclusiveTaskImpl<never>);
+      else exclusiveTasks.delete(taskIdentifier);
       // eslint-disable-next-line @typescript-eslint/no-explicit-any -- see the signature
       return exclusive as unknown as ExclusiveTask<any>;
     },
@@ -299,9 +312,6 @@ export function makeLocks(options: LocksOptions): Locks {
       if (limits.length === 1) return ctx.lockAvailable(limits[0]!.slots);
       return (await canStart(limits, ctx.limitsHeld)).ok;
     },
-    async canStart(taskIdentifier, payload) {
-      return canStart(enqueuer.limitKeysOf(taskIdentifier, payload), ctx.limitsHeld);
-    },
     addJob(taskIdentifier, payload, spec) {
       return ctx.addJob(taskIdentifier, payload, spec);
     },
@@ -317,6 +327,31 @@ export function makeLocks(options: LocksOptions): Locks {
       assertOpen();
       await ensureMigrated();
       return readHeldLocks(pool, sql);
+    },
+    async canStart(taskIdentifier, payload) {
+      assertOpen();
+      assertIdentifier(taskIdentifier);
+      const rules = definitions.get(taskIdentifier)?.exclusive;
+      // Its limits (none for a task without an execution lock), then its rate and pauses.
+      const limits =
+        rules?.lock === false
+          ? []
+          : (await canStart(enqueuer.limitKeysOf(taskIdentifier, payload), ctx.limitsHeld))
+              .blockers;
+      if (!rules) return { ok: limits.length === 0, blockers: limits };
+      await ensureMigrated();
+      const rated = await rateBlockers(pool, sql.rates, taskIdentifier, rules, payload);
+      const blockers = [...limits, ...rated];
+      return { ok: blockers.length === 0, blockers };
+    },
+    async rateStatus() {
+      assertOpen();
+      await ensureMigrated();
+      const throttled = await readThrottled(pool, sql.rates, null);
+      return {
+        throttled: throttled.map(({ now: _now, ...key }) => key),
+        paused: await readPaused(pool, sql.rates, null),
+      };
     },
     migrate: ensureMigrated,
     forbiddenFlags: () => session.heldFlags(),
@@ -360,6 +395,7 @@ export function makeLocks(options: LocksOptions): Locks {
       if (released) return;
       released = true;
       clearInterval(cleanTimer);
+      wakes.clear();
       await session.close();
       if (ownPool) await pool.end();
     },

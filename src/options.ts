@@ -6,6 +6,7 @@ import type { Pool, PoolClient, Client } from "pg";
 import type { Logger, TaskSpec } from "graphile-worker";
 import { InvalidArgumentError } from "./errors.js";
 import type { LimitRule } from "./key.js";
+import { resolveRate, type RateOptions, type ResolvedRate } from "./rates/options.js";
 
 const CONFLICT_STRATEGIES = ["drop", "reschedule", "raise"] as const;
 /** What an exclusive job does when its key is held: see the README. */
@@ -71,6 +72,24 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
    * @defaultValue `false`
    */
   supersede?: boolean;
+  /**
+   * Throttle per key: at most `rate.limit` starts of a key in any `rate.period` (ms), across every process.
+   * A job over the rate goes back to the queue, without an attempt counted, to run when its slot frees.
+   * @defaultValue none
+   */
+  rate?: RateOptions<TPayload>;
+  /**
+   * Whether the task's jobs take an execution lock. `false` makes a task with a `rate` (or `pausable`) and
+   * no lock: its jobs may run at once, only their starts are counted.
+   * @defaultValue `true`
+   */
+  lock?: boolean;
+  /**
+   * Whether the task may pause its key (`PauseError`, `pause(ms)`), and so whether its starts check for a
+   * pause (one statement per job).
+   * @defaultValue `true` with a `rate`, else `false`
+   */
+  pausable?: boolean;
 }
 
 /** One limit of `limits`. */
@@ -96,6 +115,12 @@ export interface ResolvedExclusiveOptions<TPayload = unknown> {
   preemptive: boolean;
   reschedule: Required<RescheduleOptions>;
   supersede: boolean;
+  /** The throttle, if any. */
+  rate: ResolvedRate | null;
+  /** Whether jobs take an execution lock. */
+  lock: boolean;
+  /** Whether starts check for a pause (and the task may pause). */
+  pausable: boolean;
 }
 
 /** Options of `locks.define`: a task's rules without its function, for processes that only enqueue. */
@@ -345,8 +370,37 @@ export function resolveExclusiveOptions<TPayload>(
       limits = null;
     }
   }
+  const rate = resolveRate(merged.rate);
+  const lock = merged.lock ?? true;
+  if (typeof lock !== "boolean") {
+    throw new InvalidArgumentError(`\`lock\` must be a boolean, got ${typeof lock}`);
+  }
+  const pausable = merged.pausable ?? rate !== null;
+  if (typeof pausable !== "boolean") {
+    throw new InvalidArgumentError(`\`pausable\` must be a boolean, got ${typeof pausable}`);
+  }
+  if (!lock && !rate && !pausable) {
+    throw new InvalidArgumentError(
+      "`lock: false` needs a `rate` (or `pausable: true`): a task with neither has nothing to enforce (for unique enqueues alone, use `locks.unique`)",
+    );
+  }
+  if (!lock && merged.preemptive === true) {
+    throw new InvalidArgumentError(
+      "`preemptive: true` needs a lock: with `lock: false` no key is held to drop a job for",
+    );
+  }
+  if (!lock && (merged.limits !== undefined || merged.supersede === true)) {
+    throw new InvalidArgumentError(
+      `\`${merged.limits !== undefined ? "limits" : "supersede"}\` needs a lock: with \`lock: false\` no key is held`,
+    );
+  }
+  if (!lock && merged.limit !== undefined && merged.limit !== 1) {
+    throw new InvalidArgumentError(
+      "`limit` needs a lock: with `lock: false` jobs of a key run at once without bound (use `rate` to bound their starts)",
+    );
+  }
   // Dropping at enqueue is only in keeping with a task that drops at run time too.
-  const preemptive = merged.preemptive ?? onConflict === "drop";
+  const preemptive = merged.preemptive ?? (lock && onConflict === "drop");
   if (typeof preemptive !== "boolean") {
     throw new InvalidArgumentError(`\`preemptive\` must be a boolean, got ${typeof preemptive}`);
   }
@@ -389,6 +443,9 @@ export function resolveExclusiveOptions<TPayload>(
     preemptive,
     reschedule,
     supersede,
+    rate,
+    lock,
+    pausable,
   };
 }
 

@@ -3,6 +3,7 @@
  */
 import { createHash } from "node:crypto";
 import { InvalidArgumentError } from "./errors.js";
+import { rateStatements } from "./rates/statements.js";
 
 /** Quotes a PostgreSQL identifier. */
 export function escapeIdentifier(name: string): string {
@@ -189,6 +190,8 @@ ${stacked}      union all
       select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
         where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`;
   return {
+    /** Rates, snooze and pause (rates/statements.ts). */
+    rates: rateStatements(s, w),
     /**
      * A query config, named (so PostgreSQL parses and plans it once per connection) unless prepared
      * statements are off. Names include both schemas (as a digest): one pool may serve several `Locks`

@@ -10,6 +10,7 @@ import type { Job, JobHelpers, Task, WorkerEvents } from "graphile-worker";
 import type { LocksEventEmitter } from "./events.js";
 import type { HandoffCounts } from "./session/handoff.js";
 import type { CanStartResult } from "./exclusive/can-start.js";
+import type { PausedBlocker, PausedKey, RateBlocker, ThrottledKey } from "./rates/status.js";
 import type {
   AddJobSpec,
   DefineOptions,
@@ -91,9 +92,10 @@ export interface Locks {
     payload: TaskPayload<TIdentifier>,
   ): Promise<boolean>;
   /**
-   * Whether a job of this task with this payload could start now, and if not, what stops it: each of its
-   * limits (`limits`, or its single limit) with no free slot, as a `Blocker`. Advisory, side-effect free:
-   * it reads PostgreSQL's lock table and never takes a lock.
+   * Whether a job of this task with this payload could start now, and if not, what stops it, as `Blocker`s:
+   * each of its limits (`limits`, or its single limit) with no free slot (`limit`), its rate's slots of the
+   * current period used or reserved (`rate`, with when the next frees), or its key paused (`paused`, until
+   * when). Advisory, side-effect free: it reads PostgreSQL's lock table and the rate tables, and takes nothing.
    */
   canStart<TIdentifier extends string>(
     taskIdentifier: TIdentifier,
@@ -117,6 +119,11 @@ export interface Locks {
     items: readonly AddJobsItem[],
     options?: { pgClient?: PoolClient | Client },
   ): Promise<AddJobResult[]>;
+  /**
+   * The throttled keys (a start in their current period, or jobs waiting for a slot): used/limit in the
+   * current period and when the next slot frees; and the keys paused now, with their end.
+   */
+  rateStatus(): Promise<{ throttled: ThrottledKey[]; paused: PausedKey[] }>;
   /**
    * Removes expired `uniqueFor` windows, and rate logs and debounce rows that no longer count, now (it also
    * happens on its own); resolves how many.
@@ -176,6 +183,9 @@ export interface Locks {
    */
   release(): Promise<void>;
 }
+
+export type { Blocker, LimitBlocker, CanStartResult } from "./exclusive/can-start.js";
+export type { RateBlocker, PausedBlocker, ThrottledKey, PausedKey };
 
 export interface AddJobResult {
   /** The job added, or for a duplicate the existing job (null if a `uniqueFor` window outlived it). */

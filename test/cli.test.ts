@@ -12,7 +12,7 @@ import { run, type JobHelpers } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { inject } from "vitest";
 import { databaseUrl } from "../scripts/postgres.js";
-import { lockKey, makeLocks } from "../src/index.js";
+import { lockKey, makeLocks, PauseError } from "../src/index.js";
 import { slotKeys } from "../src/key.js";
 import { withAdmin } from "./support/admin.js";
 import { buildPackage, type BuiltPackage } from "./support/build.js";
@@ -321,6 +321,82 @@ describe("graphile-worker-locks CLI on a database in use", () => {
     expect(s.focus).toContain(`limit 0: group send_email, key ${tenant.join(", ")}`);
     expect(s.focus).toContain(`limit 1: group mail, key ${mail.join(", ")}`);
   });
+
+  it("status shows each throttled key's use of its period and next slot, and each paused key with its end", async () => {
+    const configPath = `${built.dir}rates.config.mjs`;
+    await writeFile(
+      configPath,
+      `export default {
+  worker: {
+    connectionString: ${JSON.stringify(db.url)},
+    locks: {
+      tasks: { api_call: { lock: false, rate: { limit: 2, period: 60000, key: (p) => p.account } } },
+    },
+  },
+};
+`,
+    );
+    const locks = makeLocks({ connectionString: db.url });
+    const apiCall = locks.exclusive(
+      "api_call",
+      async (payload: { account: string; n: number }) => {
+        if (payload.n === 9) throw new PauseError(60_000);
+      },
+      { lock: false, rate: { limit: 2, period: 60_000, key: (p) => p.account } },
+    );
+    let throttled = 0;
+    let paused = 0;
+    locks.events.on("job:throttled", () => throttled++);
+    locks.events.on("job:paused", () => paused++);
+    const runner = await run({
+      connectionString: db.url,
+      concurrency: 2,
+      pollInterval: 100,
+      taskList: { api_call: apiCall },
+      noHandleSignals: true,
+    });
+    try {
+      for (const n of [1, 2, 3]) await apiCall.addJob({ account: "a", n });
+      await apiCall.addJob({ account: "b", n: 9 });
+      for (let i = 0; throttled < 1 || paused < 1; i++) {
+        if (i > 400) throw new Error("no job met the rate or paused");
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      const status = await cli([
+        "status",
+        "api_call",
+        '{"account":"a","n":0}',
+        "-C",
+        configPath,
+        "--json",
+      ]);
+      expect(status.stderr).toBe("");
+      const parsed = JSON.parse(status.stdout) as {
+        throttled: Array<Record<string, unknown>>;
+        paused: Array<Record<string, unknown>>;
+      };
+      expect(parsed.throttled).toEqual([
+        expect.objectContaining({
+          label: 'gwl:v1:rate:api_call:"a"',
+          used: 2,
+          limit: 2,
+          waiting: 1,
+        }),
+      ]);
+      // (a pause of another key is not this payload's)
+      expect(parsed.paused).toEqual([]);
+      const text = await cli(["status", "-C", configPath]);
+      expect(text.stdout).toMatch(
+        /Throttled keys \(2\):\n {2}gwl:v1:rate:api_call:"a" {2}2\/2 in the last 60000 ms {2}1 waiting {2}next slot \d{4}-/,
+      );
+      expect(text.stdout).toMatch(
+        /Paused keys \(1\):\n {2}gwl:v1:rate:api_call:"b" {2}until \d{4}-/,
+      );
+    } finally {
+      await runner.stop();
+      await locks.release();
+    }
+  }, 90_000);
 });
 
 describe.skipIf(pgbouncer !== null)("graphile-worker-locks check through PgBouncer", () => {

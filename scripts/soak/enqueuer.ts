@@ -10,6 +10,7 @@ import { makeLocks, type ExclusiveOptions } from "../../src/index.js";
 import { between, seeded } from "./random.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakPayload } from "./shared.js";
 import { defineLimitsTasks, LIMITS_TASKS } from "./limits.js";
+import { enqueueRated } from "./rated.js";
 
 const url = process.env.DATABASE_URL!;
 const until = Number(process.env.SOAK_UNTIL);
@@ -93,6 +94,7 @@ while (Date.now() < until) {
   const payload = unique ? { k, ref, ms, u: `u${n}` } : { k, ref, ms };
   await enqueue(task, payload, unique);
   if (unique && random() < 0.5) await enqueue(task, { ...payload, ref: `${ref}d` }, true);
+  await enqueueRated(pool, n);
   // Paced to `rate` enqueues a second on average.
   const behind = started + (n * 1000) / rate - Date.now();
   if (behind > 0) await new Promise((resolve) => setTimeout(resolve, behind));

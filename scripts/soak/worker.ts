@@ -17,6 +17,7 @@ import { run, type JobHelpers, type Task, type WorkerEvents } from "graphile-wor
 import { makeLocks } from "../../src/index.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakMessage, type SoakPayload } from "./shared.js";
 import { limitsTasks } from "./limits.js";
+import { ratedTask } from "./rated.js";
 
 const url = process.env.DATABASE_URL;
 if (!url) throw new Error("soak worker: DATABASE_URL is not set");
@@ -212,6 +213,7 @@ const runner = await run({
     soak_serial: breakMode === "nolock" ? unlocked : serial,
     soak_dedupe: dedupe,
     ...limitsTasks(locks, body),
+    ...ratedTask(locks, record),
   },
   noHandleSignals: true,
   pollInterval: 100,

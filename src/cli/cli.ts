@@ -18,6 +18,7 @@ import {
   mergeRules,
   payloadWithoutCron,
   ruledLimitKeys,
+  ruledRateKey,
   validateTaskRules,
   type TaskLocksOptions,
 } from "../preset/rules.js";
@@ -120,6 +121,14 @@ function formatStatus(status: Status, focus: string | null): string {
     );
   }
   out.push(`Unique windows alive: ${status.uniqueWindowsAlive}`);
+  out.push(`Throttled keys (${status.throttled.length}):`);
+  for (const t of status.throttled) {
+    out.push(
+      `  ${t.label}  ${t.used}/${t.limit} in the last ${t.period} ms  ${t.waiting} waiting  next slot ${t.nextAt}`,
+    );
+  }
+  out.push(`Paused keys (${status.paused.length}):`);
+  for (const p of status.paused) out.push(`  ${p.label}  until ${p.until}`);
   out.push(`Lock sessions connected (${status.sessions.length}):`);
   for (const s of status.sessions) {
     out.push(`  ${holder(s)}  since ${s.connectedAt}`);
@@ -203,6 +212,7 @@ export async function main(argv: string[]): Promise<number> {
     }
     case "status": {
       let keys: bigint[] | null = null;
+      let rateKeys: bigint[] | null = null;
       let focus: string | null = null;
       if (rest.length > 0) {
         const [task, json] = rest as [string, string | undefined];
@@ -223,6 +233,8 @@ export async function main(argv: string[]): Promise<number> {
           limits && (limits.length > 1 || limits[0]!.group !== task)
             ? `; ${limits.map((l, i) => `${limits.length > 1 ? `limit ${i}: ` : ""}group ${l.group}, key ${l.slots.join(", ")}`).join("; ")}`
             : "";
+        const rateKey = rules && ruledRateKey(task, rules, payload, worker.locks?.defaults);
+        rateKeys = rateKey ? [rateKey, keys[0]!] : [keys[0]!];
         const why = !rules
           ? "no rules for this task in the config or its task file, so its jobs take no lock; the key of the whole payload"
           : !ruled
@@ -241,7 +253,7 @@ export async function main(argv: string[]): Promise<number> {
           return 1;
         }
         for (;;) {
-          const status = await readStatus(client, target, keys);
+          const status = await readStatus(client, target, keys, rateKeys);
           const text = values.json
             ? JSON.stringify(
                 focus ? { focus, keys: keys!.map(String), ...status } : status,

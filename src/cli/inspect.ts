@@ -8,6 +8,7 @@ import pg from "pg";
 import { TESTED_WORKER_SCHEMAS } from "../migrate.js";
 import { backendPid, isDirect, probeTransactionPooling } from "../session/backend.js";
 import { readHeldLocks } from "../held-locks.js";
+import { readPaused, readThrottled } from "../rates/status.js";
 import { escapeIdentifier, makeSql } from "../sql.js";
 import type { HeldLock } from "../types.js";
 
@@ -67,6 +68,18 @@ export interface Status {
   >;
   lines: Array<{ lockKey: string; waiting: number; oldestSince: string; nextWake: string | null }>;
   uniqueWindowsAlive: number;
+  /** Throttled keys: used/limit in the current period, jobs waiting for a slot, when the next slot frees. */
+  throttled: Array<{
+    rateKey: string;
+    label: string;
+    used: number;
+    limit: number;
+    period: number;
+    waiting: number;
+    nextAt: string;
+  }>;
+  /** Keys paused by a task, until when. */
+  paused: Array<{ pauseKey: string; label: string; until: string }>;
   sessions: Array<{
     pid: number;
     processId: number | null;
@@ -81,15 +94,15 @@ export async function readStatus(
   client: pg.Client,
   target: Target,
   keys: readonly bigint[] | null,
+  rateKeys: readonly bigint[] | null = keys,
 ): Promise<Status> {
   const s = escapeIdentifier(target.schema);
   const w = escapeIdentifier(target.workerSchema);
   const filter = keys ? keys.map(String) : null;
-  const held = await readHeldLocks(
-    client,
-    makeSql(target.schema, target.workerSchema, false),
-    keys,
-  );
+  const sql = makeSql(target.schema, target.workerSchema, false);
+  const held = await readHeldLocks(client, sql, keys);
+  const throttled = await readThrottled(client, sql.rates, rateKeys);
+  const paused = await readPaused(client, sql.rates, rateKeys);
   const lines = await client.query<{
     lock_key: string;
     waiting: number;
@@ -133,6 +146,16 @@ export async function readStatus(
       nextWake: r.next_wake?.toISOString() ?? null,
     })),
     uniqueWindowsAlive: windows.rows[0]!.n,
+    throttled: throttled.map(({ now: _now, rateKey, nextAt, ...key }) => ({
+      rateKey: String(rateKey),
+      ...key,
+      nextAt: nextAt.toISOString(),
+    })),
+    paused: paused.map((p) => ({
+      pauseKey: String(p.pauseKey),
+      label: p.label,
+      until: p.until.toISOString(),
+    })),
     sessions: sessions.rows.map((r) => ({
       pid: r.pid,
       processId: r.process_id,

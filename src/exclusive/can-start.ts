@@ -4,6 +4,7 @@
  * this process's included) and never takes a lock, so the answer may be stale by the time a job runs.
  */
 import type { LimitKeys } from "../key.js";
+import type { PausedBlocker, RateBlocker } from "../rates/status.js";
 
 /** A limit of the job with no free slot. */
 export interface LimitBlocker {
@@ -21,7 +22,7 @@ export interface LimitBlocker {
 }
 
 /** What stops a job from starting now. */
-export type Blocker = LimitBlocker;
+export type Blocker = LimitBlocker | RateBlocker | PausedBlocker;
 
 /** The answer of `canStart`: `ok` when nothing stops the job, else what does. */
 export interface CanStartResult {

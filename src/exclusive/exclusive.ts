@@ -6,7 +6,9 @@ import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError, SupersededError } from "../errors.js";
 import type { LocksContext } from "../context.js";
 import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
-import { jobLimitKeys, jobLockKeys } from "../key.js";
+import { jobLimitKeys, jobLockKeys, lockKeyMaterial, lockKeyValue } from "../key.js";
+import { RateGate, type GateKeys } from "../rates/gate.js";
+import { rateKeyOf } from "../rates/options.js";
 import { LockedAborts } from "./aborts.js";
 import { GiveBack } from "./give-back.js";
 import { ConflictCounter, HoldTime } from "./hold-time.js";
@@ -178,6 +180,39 @@ export function makeExclusiveTask<TPayload>(
   };
 
   const giveBack = new GiveBack(ctx, taskIdentifier);
+  // Starts through the gate (a rate, a pause); a snooze or pause the task throws is carried out there too.
+  const gate = new RateGate(ctx, taskIdentifier, options as ResolvedExclusiveOptions<never>);
+  const gated = RateGate.needed(options as ResolvedExclusiveOptions<never>);
+  const gateKeys = (job: Job): GateKeys => {
+    const value = () => lockKeyValue(taskIdentifier, options, job.payload, job.id, true);
+    return {
+      rate: options.rate
+        ? rateKeyOf(taskIdentifier, options.rate, job.payload, value, job.id)
+        : null,
+      lockKey: keysOfJob(job)[0]!,
+      lockMaterial: () => lockKeyMaterial(options.lockGroup ?? taskIdentifier, value(), null),
+    };
+  };
+
+  /**
+   * Runs the task (admitted by the gate first, when the task has one; a job it refuses has gone back to the
+   * queue), and carries out a snooze or pause it throws.
+   */
+  const runTask = async (payload: unknown, helpers: JobHelpers, taskHelpers: JobHelpers) => {
+    const { job } = helpers;
+    let keys: GateKeys | undefined;
+    const keysOf = () => (keys ??= gateKeys(job));
+    if (gated && !(await gate.admit(job, helpers, keysOf()))) return;
+    try {
+      const value = await task(payload as TPayload, taskHelpers);
+      // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
+      if (Array.isArray(value)) await Promise.allSettled(value);
+      return value as ReturnType<Task>;
+    } catch (error) {
+      if (await gate.thrown(error, job, helpers, keysOf())) return;
+      throw error;
+    }
+  };
   const aborts = new LockedAborts();
   const holdTime = new HoldTime();
   const timed = options.onConflict === "reschedule";
@@ -235,9 +270,7 @@ export function makeExclusiveTask<TPayload>(
       }
       let value: unknown;
       try {
-        value = await task(payload as TPayload, aborts.helpers(helpers, hold));
-        // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
-        if (Array.isArray(value)) await Promise.allSettled(value);
+        value = await runTask(payload, helpers, aborts.helpers(helpers, hold));
       } catch (error) {
         if (!hold.supersededBy) throw error;
       }
@@ -291,6 +324,8 @@ export function makeExclusiveTask<TPayload>(
       : acquireAndRun(payload, helpers);
 
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
+    // A task without a lock: only its start is checked (rate, pause).
+    if (!options.lock) return runTask(payload, helpers, helpers);
     // With lock-ahead the key was derived (and usually taken) when the job was fetched.
     const ahead = ctx.lockedAhead(helpers.job.id);
     if (!ahead) return acquireAndRun(payload, helpers);

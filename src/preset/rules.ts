@@ -5,6 +5,8 @@
 import type { Task } from "graphile-worker";
 import { InvalidArgumentError } from "../errors.js";
 import { jobLimitKeys, type LimitKeys } from "../key.js";
+import { lockKeyValue } from "../key.js";
+import { rateKeyOf } from "../rates/options.js";
 import type { Locks } from "../types.js";
 import {
   resolveExclusiveOptions,
@@ -55,6 +57,9 @@ const EXCLUSIVE_KEYS = [
   "preemptive",
   "reschedule",
   "supersede",
+  "rate",
+  "lock",
+  "pausable",
 ] as const;
 const KNOWN_KEYS = new Set<string>(["exclusive", ...UNIQUE_KEYS, ...EXCLUSIVE_KEYS]);
 
@@ -184,4 +189,22 @@ export function ruledLimitKeys(
   if (!isExclusive(rules)) return null;
   const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
   return jobLimitKeys(taskIdentifier, resolved, payload);
+}
+
+/**
+ * The rate key of a job of this task with this payload under `rules` (and `worker.locks.defaults`), as the
+ * wrapped task derives it; null without a rate.
+ */
+export function ruledRateKey(
+  taskIdentifier: string,
+  rules: TaskLocksOptions,
+  payload: unknown,
+  defaults: ExclusiveOptions | undefined,
+): bigint | null {
+  if (!isExclusive(rules)) return null;
+  const resolved = resolveExclusiveOptions(withCronAwareKey(rules) as ExclusiveOptions, defaults);
+  if (!resolved.rate) return null;
+  return rateKeyOf(taskIdentifier, resolved.rate, payload, () =>
+    lockKeyValue(taskIdentifier, resolved, payload),
+  ).key;
 }

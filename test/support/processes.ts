@@ -15,6 +15,8 @@ export interface WorkerProcessOptions {
   attach?: boolean;
   /** Another worker script of test/fixtures/ (file name) than worker.ts. */
   script?: string;
+  /** Adds the task `rated` with this rate (see test/fixtures/worker.ts). */
+  rate?: { limit: number; period: number; lock?: boolean };
 }
 
 export interface WorkerProcess {
@@ -48,6 +50,7 @@ export async function startWorkerProcess(
       LIMIT: String(options.limit ?? 1),
       LOCAL_QUEUE: options.localQueue ? "1" : "0",
       ATTACH: options.attach ? "1" : "0",
+      RATE: options.rate ? JSON.stringify(options.rate) : "",
     },
     stdio: ["ignore", "inherit", "inherit", "ipc"],
   });

@@ -159,6 +159,16 @@ const limitsPreset: GraphileConfig.Preset = {
     },
   },
 };
+// `rate.key` sees the declared payload too.
+const rated: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        charge_card: { lock: false, rate: { limit: 100, period: 60_000, key: (p) => p.userId } },
+      },
+    },
+  },
+};
 const wrongLimitKey: GraphileConfig.Preset = {
   worker: {
     locks: {
@@ -169,6 +179,18 @@ const wrongLimitKey: GraphileConfig.Preset = {
     },
   },
 };
+const wrongRateKey: GraphileConfig.Preset = {
+  worker: {
+    locks: {
+      tasks: {
+        // @ts-expect-error charge_card's payload has no email
+        charge_card: { rate: { limit: 100, period: 60_000, key: (p) => p.email } },
+      },
+    },
+  },
+};
 void limitsPreset;
 void wrongLimitKey;
 void wrongSupersede;
+void rated;
+void wrongRateKey;

@@ -1,0 +1,175 @@
+/**
+ * Section "rates": the throttle per key (method and figures: bench/README.md, section "Rates").
+ * 1. The admission statement's cost, the sliding log (rate_start) against a GCRA of one timestamp per key
+ *    (a function of this section only), at limits 10, 100 and 1000, on one key, every start admitted (a
+ *    period of 1 µs keeps the log full), alternating A and B slice by slice.
+ * 2. A throttled key with a backlog: one runner (concurrency 8, attached), every job of one key; starts
+ *    per period over the limit, each start's lateness after its slot freed (the limit-th previous start plus
+ *    the period), and fetches per executed job (starts plus give-backs, over starts).
+ * 3. An unthrottled job of a throttled task (a lock and a rate it never meets) against a plain exclusive job,
+ *    alternating, jobs per second.
+ */
+import pg from "pg";
+import { library } from "./library.js";
+import { fmtFixed, fmtInt, goal, insertJobs, median, now, percentile, quietLogger } from "./lib.js";
+import { sizedSection, startRunner, table, waitUntilNoJobs, type BenchContext } from "./lib.js";
+
+const SIZES = {
+  full: { statements: 2000, slices: 6, backlog: 600, limit: 50, periodMs: 1000, jobs: 3000 },
+  quick: { statements: 200, slices: 2, backlog: 60, limit: 10, periodMs: 500, jobs: 200 },
+};
+type Size = (typeof SIZES)["full"];
+
+const GCRA = `
+  create table if not exists bench_gcra (k bigint primary key, tat timestamptz not null);
+  create or replace function bench_gcra_start(p_key bigint, p_limit int, p_period interval, p_burst int)
+  returns boolean language plpgsql as $$
+  declare v_tat timestamptz; v_now timestamptz; v_t interval := p_period / p_limit;
+  begin
+    insert into bench_gcra values (p_key, '-infinity') on conflict do nothing;
+    select tat into v_tat from bench_gcra where k = p_key for update;
+    v_now := clock_timestamp();
+    if greatest(v_tat, v_now) - v_now > v_t * (p_burst - 1) then return false; end if;
+    update bench_gcra set tat = greatest(v_tat, v_now) + v_t where k = p_key;
+    return true;
+  end $$;`;
+
+/** µs per admission statement of each variant, alternating slice by slice. */
+async function statementCost(ctx: BenchContext, size: Size, limit: number) {
+  const client = new pg.Client({ connectionString: ctx.url });
+  await client.connect();
+  try {
+    await client.query(GCRA);
+    const log = `select admitted from graphile_worker_locks.rate_start(0, $1, 'bench', $2, interval '1 microsecond', $2, '{}', null, interval '0', interval '0', interval '0')`;
+    const gcra = `select bench_gcra_start($1, $2, interval '1 microsecond', $2)`;
+    const per = { log: [] as number[], gcra: [] as number[] };
+    const n = Math.ceil(size.statements / size.slices);
+    for (let slice = 0; slice < size.slices; slice++) {
+      const order = slice % 2 === 0 ? (["log", "gcra"] as const) : (["gcra", "log"] as const);
+      for (const variant of order) {
+        const text = variant === "log" ? log : gcra;
+        const t0 = now();
+        for (let i = 0; i < n; i++) await client.query(text, [String(limit), limit]);
+        per[variant].push(((now() - t0) * 1000) / n);
+      }
+    }
+    return { log: median(per.log), gcra: median(per.gcra) };
+  } finally {
+    await client.end();
+  }
+}
+
+async function backlog(ctx: BenchContext, size: Size) {
+  const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+  const starts: number[] = [];
+  let throttled = 0;
+  locks.events.on("rate:admitted", (e) => starts.push(e.at.getTime()));
+  locks.events.on("job:throttled", () => throttled++);
+  const task = locks.exclusive("bench_rated", async () => undefined, {
+    lock: false,
+    key: () => "one",
+    rate: { limit: size.limit, period: size.periodMs },
+  });
+  await insertJobs(ctx.pool, "bench_rated", size.backlog);
+  const runner = await startRunner({
+    connectionString: ctx.url,
+    concurrency: 8,
+    pollInterval: 2000,
+    taskList: { bench_rated: task },
+  });
+  locks.attach(runner);
+  try {
+    await waitUntilNoJobs(ctx.pool, 10 * 60_000);
+  } finally {
+    await runner.stop();
+    await locks.release();
+  }
+  starts.sort((a, b) => a - b);
+  const late = starts.slice(size.limit).map((s, i) => s - (starts[i]! + size.periodMs));
+  const span = starts[starts.length - 1]! - starts[0]!;
+  return {
+    perPeriod: ((starts.length - 1) * size.periodMs) / span / size.limit,
+    p50: percentile(late, 50),
+    p99: percentile(late, 99),
+    fetches: (starts.length + throttled) / starts.length,
+  };
+}
+
+/** Jobs per second of an unthrottled job of a throttled task and of a plain exclusive job, alternating. */
+async function unthrottled(ctx: BenchContext, size: Size) {
+  const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
+  const tasks = {
+    bench_plain: locks.exclusive("bench_plain", async () => undefined, {}),
+    bench_ratedlock: locks.exclusive("bench_ratedlock", async () => undefined, {
+      rate: { limit: 1_000_000, period: 1000 },
+    }),
+  };
+  const rates = { bench_plain: [] as number[], bench_ratedlock: [] as number[] };
+  try {
+    for (let slice = 0; slice < size.slices; slice++) {
+      const order =
+        slice % 2 === 0
+          ? (["bench_plain", "bench_ratedlock"] as const)
+          : (["bench_ratedlock", "bench_plain"] as const);
+      for (const name of order) {
+        await insertJobs(ctx.pool, name, Math.ceil(size.jobs / size.slices));
+        const t0 = now();
+        const runner = await startRunner({
+          connectionString: ctx.url,
+          concurrency: 8,
+          taskList: { [name]: tasks[name] },
+        });
+        await waitUntilNoJobs(ctx.pool, 10 * 60_000);
+        rates[name].push(Math.ceil(size.jobs / size.slices) / ((now() - t0) / 1000));
+        await runner.stop();
+      }
+    }
+  } finally {
+    await locks.release();
+  }
+  return { plain: median(rates.bench_plain), rated: median(rates.bench_ratedlock) };
+}
+
+export const rates = sizedSection(
+  { id: "rates", title: "Throttle per key", sizes: SIZES, rounds: 1 },
+  async (ctx, size) => {
+    const costs: Array<{ limit: number; log: number; gcra: number }> = [];
+    for (const limit of [10, 100, 1000])
+      costs.push({ limit, ...(await statementCost(ctx, size, limit)) });
+    const b = await backlog(ctx, size);
+    const u = await unthrottled(ctx, size);
+    return {
+      tables: [
+        table(
+          "Rates: the admission statement, µs (median of slices, A and B alternating)",
+          "limit | sliding log | GCRA",
+          costs.map((c) => [String(c.limit), fmtFixed(c.log, 0), fmtFixed(c.gcra, 0)]),
+        ),
+        table(
+          `Rates: a backlog of ${size.backlog} jobs on one key, ${size.limit} per ${size.periodMs} ms, concurrency 8`,
+          "starts per period / limit | start after slot p50 (ms) | p99 (ms) | fetches per job",
+          [
+            [
+              fmtFixed(b.perPeriod, 3),
+              fmtFixed(b.p50, 1),
+              fmtFixed(b.p99, 1),
+              fmtFixed(b.fetches, 2),
+            ],
+          ],
+        ),
+        table(
+          "Rates: an unthrottled job of a throttled task (lock + rate) against a plain exclusive job, jobs/s",
+          "plain exclusive | lock + rate | ratio",
+          [[fmtInt(u.plain), fmtInt(u.rated), fmtFixed(u.rated / u.plain, 2)]],
+        ),
+      ],
+      goals: [
+        goal("backlog starts per period / limit", "≥ 0.98", b.perPeriod, b.perPeriod >= 0.98),
+        goal("start after slot p50", "≤ 20 ms", b.p50, b.p50 <= 20),
+        goal("start after slot p99", "≤ 100 ms", b.p99, b.p99 <= 100),
+        goal("fetches per executed job", "≤ 2", b.fetches, b.fetches <= 2),
+      ],
+      figures: { costs, backlog: b, unthrottled: u },
+    };
+  },
+);

@@ -1,0 +1,203 @@
+/**
+ * The start of a job of a task with a `rate` or `pausable: true`, and the snooze and pause a task throws.
+ * Each is one statement on graphile-worker's connection (`helpers.withPgClient`): the start's statement
+ * (rate_start, sql/000004.sql) admits the job or gives it back to the queue in the same transaction, so a
+ * job over its rate or under a pause costs one round trip either way.
+ */
+import { setTimeout as delay } from "node:timers/promises";
+import type { Job, JobHelpers } from "graphile-worker";
+import type { LocksContext } from "../context.js";
+import { NotPausableError, PauseError, SnoozeError, type PauseScope } from "../errors.js";
+import type { ResolvedExclusiveOptions } from "../options.js";
+import type { RateKey } from "./options.js";
+import type { RateStatements } from "./statements.js";
+import { RESERVED_FLAG, Turns } from "./turns.js";
+
+/** The keys of one job as the gate sees them. */
+export interface GateKeys {
+  /** Its rate key, when the task has a rate. */
+  rate: RateKey | null;
+  /** Its lock key (slot 0 of its key), which a pause of scope "key" stops. */
+  lockKey: bigint;
+  /** The readable material of its lock key's value (named in `status`). */
+  lockMaterial: () => string;
+}
+
+interface StartRow {
+  admitted: boolean;
+  at: Date;
+  copy_id: string | null;
+  reason: "rate" | "paused" | "wait" | null;
+  now: Date;
+}
+
+/**
+ * A job whose slot is at most this near waits for it in its worker, holding its reservation, rather than
+ * going back to the queue (one more statement instead of one more fetch).
+ */
+const RATE_WAIT_MS = 250;
+/**
+ * A job that comes for its reserved slot and finds it later than planned (the jobs before it started late)
+ * waits this long for it before it goes back to the queue again.
+ */
+const RATE_WAIT_RESERVED_MS = 1000;
+/** A job given back over its rate becomes runnable this much before its slot, and waits for it as above. */
+const RATE_LEAD_MS = 20;
+
+/** Runs a statement on the job's pool connection; a connection whose state is uncertain is ended. */
+async function query<T>(
+  helpers: JobHelpers,
+  text: string,
+  values: unknown[],
+): Promise<T | undefined> {
+  return helpers.withPgClient(async (client) => {
+    try {
+      const { rows } = await client.query<T & Record<string, unknown>>(text, values);
+      return rows[0];
+    } catch (error) {
+      await (client as { end(): Promise<void> }).end().catch(() => undefined);
+      throw error;
+    }
+  });
+}
+
+export class RateGate {
+  private readonly sql: RateStatements;
+  private readonly turns = new Turns();
+
+  constructor(
+    private readonly ctx: LocksContext,
+    private readonly taskIdentifier: string,
+    private readonly options: ResolvedExclusiveOptions<never>,
+  ) {
+    this.sql = ctx.sql.rates;
+  }
+
+  /** Whether the task's starts go through the gate at all. */
+  static needed(options: ResolvedExclusiveOptions<never>): boolean {
+    return options.rate !== null || options.pausable;
+  }
+
+  /** The keys whose pause stops this job. */
+  private pauseKeys(keys: GateKeys): string[] {
+    if (!this.options.pausable) return [];
+    return keys.rate
+      ? [keys.rate.key.toString(), keys.lockKey.toString()]
+      : [keys.lockKey.toString()];
+  }
+
+  /**
+   * Whether `job` starts now. If not, it has been given back to the queue (its copy runs when its slot frees
+   * or its key's pause ends; no attempt counted) and the task must return without running.
+   */
+  async admit(job: Job, helpers: JobHelpers, keys: GateKeys): Promise<boolean> {
+    const { ctx, taskIdentifier } = this;
+    const rate = this.options.rate;
+    const values = [
+      job.id,
+      keys.rate?.key.toString() ?? null,
+      keys.rate?.material ?? null,
+      rate?.limit ?? null,
+      rate ? `${rate.period} milliseconds` : null,
+      rate?.burst ?? null,
+      this.pauseKeys(keys),
+      ctx.session.pid,
+      `${RATE_WAIT_MS} milliseconds`,
+      `${RATE_WAIT_RESERVED_MS} milliseconds`,
+      `${RATE_LEAD_MS} milliseconds`,
+    ];
+    const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
+    const turn = keys.rate?.key.toString();
+    for (;;) {
+      const row = await (turn === undefined
+        ? query<StartRow>(helpers, this.sql.rateStart, values)
+        : this.turns.run(turn, reserved, () =>
+            query<StartRow>(helpers, this.sql.rateStart, values),
+          ));
+      if (!row) throw new Error(`The start of job ${job.id} was not answered`);
+      if (row.admitted) {
+        if (keys.rate && ctx.listening("rate:admitted"))
+          ctx.emit("rate:admitted", { taskIdentifier, rateKey: keys.rate.key, job, at: row.at });
+        return true;
+      }
+      const delayMs = row.at.getTime() - row.now.getTime();
+      if (row.reason === "wait") {
+        // Its slot is near: wait for it here, holding its reservation, and ask again.
+        await delay(Math.max(0, delayMs), undefined, { signal: helpers.abortSignal });
+        continue;
+      }
+      if (row.copy_id === null)
+        throw new Error(`Could not give job ${job.id} back: it no longer exists`);
+      ctx.wakeIn(delayMs, row.reason === "rate" ? row.copy_id : undefined);
+      helpers.logger.debug(
+        `Job ${job.id} ${row.reason === "paused" ? "meets a paused key" : "is over its rate"}: its copy ${row.copy_id} runs at ${row.at.toISOString()}`,
+      );
+      ctx.emit("job:throttled", {
+        taskIdentifier,
+        job,
+        reason: row.reason === "paused" ? "paused" : "rate",
+        newJobId: row.copy_id,
+        runAt: row.at,
+      });
+      return false;
+    }
+  }
+
+  /**
+   * Carries out a `SnoozeError` or `PauseError` thrown by the task (true), or leaves any other error to
+   * graphile-worker (false). A `PauseError` of a task that cannot pause fails the job with a
+   * `NotPausableError`.
+   */
+  async thrown(error: unknown, job: Job, helpers: JobHelpers, keys: GateKeys): Promise<boolean> {
+    const { ctx, taskIdentifier } = this;
+    if (error instanceof SnoozeError) {
+      const row = await query<{ copy_id: string | null; run_at: Date; now: Date }>(
+        helpers,
+        this.sql.snooze,
+        [job.id, `${error.ms} milliseconds`, ctx.session.pid],
+      );
+      if (!row?.copy_id) throw new Error(`Could not snooze job ${job.id}: it no longer exists`);
+      ctx.wakeIn(row.run_at.getTime() - row.now.getTime());
+      helpers.logger.debug(
+        `Snoozed job ${job.id}: its copy ${row.copy_id} runs at ${row.run_at.toISOString()}`,
+      );
+      ctx.emit("job:snoozed", { taskIdentifier, job, newJobId: row.copy_id, runAt: row.run_at });
+      return true;
+    }
+    if (!(error instanceof PauseError)) return false;
+    if (!this.options.pausable) {
+      throw new NotPausableError(
+        taskIdentifier,
+        "the task can pause only with a `rate` or `pausable: true` (its starts check for a pause then)",
+        { cause: error },
+      );
+    }
+    const scope: PauseScope = error.scope ?? (keys.rate ? "rate" : "key");
+    if (scope === "rate" && !keys.rate) {
+      throw new NotPausableError(taskIdentifier, 'it has no `rate` to pause (`scope: "rate"`)', {
+        cause: error,
+      });
+    }
+    const pauseKey = scope === "rate" ? keys.rate!.key : keys.lockKey;
+    const label = scope === "rate" ? keys.rate!.material : keys.lockMaterial();
+    const row = await query<{ copy_id: string | null; until: Date; now: Date }>(
+      helpers,
+      this.sql.pause,
+      [job.id, pauseKey.toString(), label, `${error.ms} milliseconds`, ctx.session.pid],
+    );
+    if (!row?.copy_id) throw new Error(`Could not pause job ${job.id}: it no longer exists`);
+    ctx.wakeIn(row.until.getTime() - row.now.getTime());
+    helpers.logger.info(
+      `Job ${job.id} paused ${label} until ${row.until.toISOString()}; its copy ${row.copy_id} runs then`,
+    );
+    ctx.emit("job:paused", {
+      taskIdentifier,
+      job,
+      pauseKey,
+      scope,
+      newJobId: row.copy_id,
+      until: row.until,
+    });
+    return true;
+  }
+}

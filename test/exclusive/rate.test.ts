@@ -1,0 +1,360 @@
+/**
+ * Throttle per key (`rate`), snooze and pause from a task, and what `canStart` and `rateStatus` say about
+ * them. Starts are the instants the database admitted the jobs (`rate:admitted`, its clock). Real
+ * PostgreSQL, real graphile-worker runners; the cross-process proofs are in rate.long.test.ts.
+ */
+import { describe, expect, it } from "vitest";
+import {
+  InvalidArgumentError,
+  makeLocksFromPreset,
+  NotPausableError,
+  PauseError,
+  pause,
+  snooze,
+  type Locks,
+} from "../../src/index.js";
+import { waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { maxStartsInWindow, minStartsInWindow } from "../support/rates.js";
+import { startRunner } from "../support/runner.js";
+
+const h = useExclusiveHarness(
+  "truncate test_executions, test_events; delete from graphile_worker_locks.rates; delete from graphile_worker_locks.rate_reservations; delete from graphile_worker_locks.pauses",
+);
+const { db, newLocks, runner, jobRows } = h;
+
+/** Every admission (`rate:admitted`) of `locks`, as ms on the database's clock, with the payload's `n`. */
+function recordStarts(locks: Locks) {
+  const starts: Array<{ n: number; at: number; attempts: number }> = [];
+  locks.events.on("rate:admitted", (e) =>
+    starts.push({
+      n: (e.job.payload as { n: number }).n,
+      at: e.at.getTime(),
+      attempts: e.job.attempts,
+    }),
+  );
+  return starts;
+}
+
+const drained = () =>
+  waitFor(async () => (await jobRows()).length === 0, {
+    message: "jobs to drain",
+    timeoutMs: 60_000,
+  });
+
+describe("rate", () => {
+  for (const lock of [false, true]) {
+    it(`no window of a period holds more than limit starts; a backlog uses the rate, in order (lock: ${lock})`, async () => {
+      const locks = newLocks();
+      const starts = recordStarts(locks);
+      const throttledOrder: number[] = [];
+      locks.events.on("job:throttled", (e) => {
+        const n = (e.job.payload as { n: number }).n;
+        if (!throttledOrder.includes(n)) throttledOrder.push(n);
+      });
+      let throttles = 0;
+      locks.events.on("job:throttled", () => throttles++);
+      const limit = 3;
+      const period = 700;
+      const task = locks.exclusive("rated", async (_p: { n: number; k: string }) => undefined, {
+        key: (p) => ({ k: p.k }),
+        lock,
+        limit: lock ? 1 : undefined,
+        onConflict: lock ? "reschedule" : undefined,
+        reschedule: { minDelay: 50, maxDelay: 200 },
+        rate: { limit, period },
+      });
+      const jobs = 9;
+      await h.utils.addJobs(
+        Array.from({ length: jobs }, (_, n) => ({ identifier: "rated", payload: { n, k: "a" } })),
+      );
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 8,
+        taskList: { rated: task },
+      });
+      locks.attach(r);
+      await drained();
+
+      const at = starts.map((s) => s.at);
+      expect(starts.map((s) => s.n).sort((a, b) => a - b)).toEqual(
+        Array.from({ length: jobs }, (_, n) => n),
+      );
+      expect(starts.every((s) => s.attempts === 1)).toBe(true);
+      expect(maxStartsInWindow(at, period)).toBe(limit);
+      expect(minStartsInWindow(at, period)).toBeGreaterThanOrEqual(limit - 1);
+      // Jobs given back keep their order: they start in the order they first met the rate. (With a
+      // lock, a job that meets its key held by a job the rate is turning away parks, and loses its place.)
+      const admittedAfterThrottle = starts
+        .map((s) => s.n)
+        .filter((n) => throttledOrder.includes(n));
+      if (!lock) expect(admittedAfterThrottle).toEqual(throttledOrder);
+      // At most one give-back per job (no busy loop).
+      expect(throttles).toBeLessThanOrEqual(jobs);
+    });
+  }
+});
+
+describe("rate: burst, failures, reservations", () => {
+  it("burst: at most `burst` starts in any window of period × burst / limit, and `limit` in any period", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    const task = locks.exclusive("bursty", async () => undefined, {
+      lock: false,
+      key: () => "one",
+      rate: { limit: 4, period: 800, burst: 2 },
+    });
+    await h.utils.addJobs(
+      Array.from({ length: 7 }, (_, n) => ({ identifier: "bursty", payload: { n } })),
+    );
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 8,
+      taskList: { bursty: task },
+    });
+    locks.attach(r);
+    await drained();
+    const at = starts.map((s) => s.at);
+    expect(at).toHaveLength(7);
+    expect(maxStartsInWindow(at, 400)).toBe(2);
+    expect(maxStartsInWindow(at, 800)).toBeLessThanOrEqual(4);
+  });
+
+  it("a job that fails still counted its start", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    const task = locks.exclusive(
+      "failing",
+      async (p: { n: number }) => {
+        if (p.n === 0) throw new Error("boom");
+      },
+      { lock: false, key: () => "one", rate: { limit: 1, period: 800 } },
+    );
+    await h.utils.addJob("failing", { n: 0 }, { maxAttempts: 1 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { failing: task },
+    });
+    locks.attach(r);
+    await waitFor(async () => starts.length === 1);
+    await h.utils.addJob("failing", { n: 1 });
+    await waitFor(async () => starts.length === 2, { message: "the second start" });
+    expect(starts.map((s) => s.n)).toEqual([0, 1]);
+    expect(starts[1]!.at - starts[0]!.at).toBeGreaterThanOrEqual(800);
+  });
+
+  it("a reservation whose job is gone does not hold its slot", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    const throttled = new Map<number, string>();
+    locks.events.on("job:throttled", (e) =>
+      throttled.set((e.job.payload as { n: number }).n, e.newJobId),
+    );
+    const period = 2000;
+    const task = locks.exclusive("gone", async () => undefined, {
+      lock: false,
+      key: () => "one",
+      rate: { limit: 1, period },
+    });
+    await h.utils.addJob("gone", { n: 0 });
+    const r = await runner({ connectionString: db.url, concurrency: 4, taskList: { gone: task } });
+    locks.attach(r);
+    await waitFor(async () => starts.length === 1);
+    await h.utils.addJob("gone", { n: 1 });
+    await waitFor(async () => throttled.has(1), { message: "job 1 to meet the rate" });
+    await h.q("delete from graphile_worker._private_jobs where id = $1", [throttled.get(1)]);
+    await h.utils.addJob("gone", { n: 2 });
+    await waitFor(async () => throttled.has(2), { message: "job 2 to meet the rate" });
+    const { rows } = await h.q<{ at: Date }>(
+      "select at from graphile_worker_locks.rate_reservations where job_id = $1",
+      [throttled.get(2)],
+    );
+    // Job 2 has the slot job 1 had reserved, one period after job 0 (not two).
+    expect(rows[0]!.at.getTime()).toBe(starts[0]!.at + period);
+    await waitFor(async () => starts.length === 2, { message: "job 2 to start" });
+    expect(starts[1]!.n).toBe(2);
+  });
+});
+
+describe("snooze and pause", () => {
+  it("snooze gives the job back for a while without counting an attempt", async () => {
+    const locks = newLocks();
+    const runs: Array<{ attempts: number; at: number }> = [];
+    const snoozed: Date[] = [];
+    locks.events.on("job:snoozed", (e) => snoozed.push(e.runAt));
+    const task = locks.exclusive("snoozer", async (_p, helpers) => {
+      const { rows } = await h.q<{ now: Date }>("select clock_timestamp() as now");
+      runs.push({ attempts: helpers.job.attempts, at: rows[0]!.now.getTime() });
+      if (runs.length === 1) snooze(400);
+    });
+    // (one attempt: a counted attempt would leave the copy nothing to run with)
+    await h.utils.addJob("snoozer", { n: 0 }, { maxAttempts: 1 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { snoozer: task },
+    });
+    locks.attach(r);
+    await drained();
+    expect(runs).toHaveLength(2);
+    expect(runs.map((x) => x.attempts)).toEqual([1, 1]);
+    expect(runs[1]!.at).toBeGreaterThanOrEqual(snoozed[0]!.getTime());
+    expect(snoozed[0]!.getTime() - runs[0]!.at).toBeGreaterThanOrEqual(400);
+  });
+
+  it("pause stops the key's jobs in every instance and across a restart, until it ends on its own", async () => {
+    const rules = {
+      lock: false,
+      key: (p: { account: string; n: number }) => ({ account: p.account }),
+      rate: { limit: 100, period: 60_000 },
+    } as const;
+    const define = (locks: Locks, paused: { n: number }) =>
+      locks.exclusive(
+        "api_call",
+        async (p: { account: string; n: number }) => {
+          if (p.n === 0 && paused.n++ === 0) throw new PauseError(1500);
+        },
+        rules,
+      );
+    const first = newLocks();
+    const starts = recordStarts(first);
+    const pausedEvents: Date[] = [];
+    first.events.on("job:paused", (e) => pausedEvents.push(e.until));
+    const paused = { n: 0 };
+    await h.utils.addJob("api_call", { account: "a", n: 0 }, { maxAttempts: 1 });
+    const r1 = await startRunner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { api_call: define(first, paused) },
+    });
+    let stopped = false;
+    h.cleanups.push(async () => stopped || r1.stop());
+    first.attach(r1);
+    await waitFor(async () => pausedEvents.length === 1, { message: "the pause" });
+    const until = pausedEvents[0]!.getTime();
+    await h.utils.addJob("api_call", { account: "a", n: 1 });
+    await h.utils.addJob("api_call", { account: "b", n: 2 });
+    await waitFor(async () => starts.some((s) => s.n === 2), { message: "account b to run" });
+    // A restart: this worker stops, another instance (its own connections) takes over.
+    stopped = true;
+    await r1.stop();
+    const second = newLocks();
+    const later = recordStarts(second);
+    const task2 = define(second, paused);
+    expect(await second.canStart("api_call", { account: "a", n: 9 })).toEqual({
+      ok: false,
+      blockers: [expect.objectContaining({ kind: "paused", until: new Date(until) })],
+    });
+    expect((await second.rateStatus()).paused).toEqual([
+      expect.objectContaining({
+        label: 'gwl:v1:rate:api_call:{"account":"a"}',
+        until: new Date(until),
+      }),
+    ]);
+    await h.utils.addJob("api_call", { account: "a", n: 3 });
+    const r2 = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { api_call: task2 },
+    });
+    second.attach(r2);
+    await drained();
+    const all = [...starts, ...later];
+    expect(all.find((s) => s.n === 2)!.at).toBeLessThan(until);
+    for (const n of [0, 1, 3]) {
+      const s = all.find((x) => x.n === n && x.at >= until);
+      expect(s, `job ${n} after the pause`).toBeDefined();
+    }
+    // Account a's jobs enqueued during the pause start after it, none before.
+    const ofA = all.filter((s) => s.n === 1 || s.n === 3);
+    expect(ofA).toHaveLength(2);
+    expect(ofA.every((s) => s.at >= until)).toBe(true);
+    expect((await second.rateStatus()).paused).toEqual([]);
+  });
+
+  it("a PauseError from a task that cannot pause fails its job with a NotPausableError", async () => {
+    const locks = newLocks();
+    const plain = locks.exclusive("plain", async () => pause(1000), {});
+    const keyed = locks.exclusive("keyed", async () => pause(1000, { scope: "rate" }), {
+      pausable: true,
+    });
+    await h.utils.addJob("plain", {}, { maxAttempts: 1 });
+    await h.utils.addJob("keyed", {}, { maxAttempts: 1 });
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { plain, keyed } });
+    const failed = await waitFor(async () => {
+      const rows = (await jobRows()).filter((j) => j.last_error);
+      return rows.length === 2 && rows;
+    });
+    expect(failed.map((j) => j.last_error)).toEqual([
+      expect.stringContaining("Task 'plain' threw a PauseError, but the task can pause only with"),
+      expect.stringContaining("it has no `rate` to pause"),
+    ]);
+    expect(new NotPausableError("t", "x").code).toBe("GWL_NOT_PAUSABLE");
+  });
+});
+
+describe("canStart, rateStatus, validation", () => {
+  it("canStart names the rate that blocks a payload and when its next slot frees", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    const task = locks.exclusive("report", async () => undefined, {
+      lock: false,
+      rate: { limit: 2, period: 60_000, key: (p: { user: number }) => p.user },
+    });
+    await h.utils.addJobs([
+      { identifier: "report", payload: { user: 1 } },
+      { identifier: "report", payload: { user: 1 } },
+    ]);
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { report: task } });
+    await drained();
+    const first = Math.min(...starts.map((s) => s.at));
+    expect(await locks.canStart("report", { user: 1 })).toEqual({
+      ok: false,
+      blockers: [
+        expect.objectContaining({
+          kind: "rate",
+          group: "report",
+          limit: 2,
+          used: 2,
+          waiting: 0,
+          nextAt: new Date(first + 60_000),
+        }),
+      ],
+    });
+    expect(await locks.canStart("report", { user: 2 })).toEqual({ ok: true, blockers: [] });
+    expect((await locks.rateStatus()).throttled).toEqual([
+      expect.objectContaining({ label: "gwl:v1:rate:report:1", used: 2, limit: 2, period: 60_000 }),
+    ]);
+  });
+
+  it("bad rate options are refused naming the option", () => {
+    const locks = newLocks();
+    const bad: Array<[object, string]> = [
+      [{ rate: { limit: 0, period: 1000 } }, "`rate.limit`"],
+      [{ rate: { limit: 2, period: 0 } }, "`rate.period`"],
+      [{ rate: { limit: 2, period: 1000, burst: 3 } }, "`rate.burst`"],
+      [{ rate: { limit: 2, period: 1000, key: "x" } }, "`rate.key`"],
+      [{ rate: { limit: 2, period: 1000, every: 1 } }, "unknown option `every`"],
+      [{ lock: false }, "`lock: false` needs a `rate`"],
+      [{ lock: false, rate: { limit: 1, period: 1 }, limit: 2 }, "`limit` needs a lock"],
+      [{ pausable: "yes" }, "`pausable`"],
+    ];
+    for (const [options, message] of bad) {
+      expect(() => locks.exclusive("t", async () => undefined, options)).toThrow(
+        InvalidArgumentError,
+      );
+      expect(() => locks.exclusive("t", async () => undefined, options)).toThrow(message);
+    }
+    expect(() => snooze(-1)).toThrow("`snooze` needs a non-negative number");
+    // The preset (and a task file) refuse them at start-up, naming the task.
+    expect(() =>
+      makeLocksFromPreset({
+        worker: {
+          connectionString: db.url,
+          locks: { tasks: { api_call: { rate: { limit: 10, period: -1 } } } },
+        },
+      }),
+    ).toThrow(/task 'api_call'.*`rate.period`/);
+  });
+});
