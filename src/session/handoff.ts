@@ -18,6 +18,7 @@
  */
 import type { IdleWorkers } from "./idle.js";
 import type { AcquireResult, HoldImpl, HoldInfo, LockRequest } from "./holds.js";
+import { probeStage } from "./timing-probe.js";
 
 /** What the session has done about hand-offs, for `locks.status()`. */
 export interface HandoffCounts {
@@ -159,6 +160,7 @@ export class Handoff {
     clearTimeout(next.timer);
     this.handovers.delete(key);
     this.counts.handedOver++;
+    probeStage("handedOver", next.request.info.jobId);
     this.toConfirm.push({ hold: this.host.passKey(hold, next.request), request: next.request });
     this.confirmHandOvers();
     return true;
@@ -180,8 +182,10 @@ export class Handoff {
     void this.host.confirm().then((alive) => {
       this.confirming = false;
       for (const { hold, request } of waiting) {
-        if (alive && !hold.lost) request.resolve({ acquired: true, hold });
-        else request.reject(this.host.unavailable());
+        if (alive && !hold.lost) {
+          probeStage("granted", request.info.jobId);
+          request.resolve({ acquired: true, hold });
+        } else request.reject(this.host.unavailable());
       }
       this.confirmHandOvers();
     });
@@ -257,6 +261,7 @@ export class Handoff {
     this.releaseNotices.set(key, ++this.notices);
     const waiting = this.awaitingRelease.get(key);
     if (!waiting) return;
+    probeStage("noticed", waiting.request.info.jobId);
     clearTimeout(waiting.timer);
     this.awaitingRelease.delete(key);
     this.host.retryLock(waiting.request);

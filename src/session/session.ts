@@ -52,7 +52,7 @@ import {
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
 import { QuietUnlocks } from "./quiet-unlocks.js";
-import { probeQueued } from "./timing-probe.js";
+import { probeQueued, probeStage } from "./timing-probe.js";
 import type { Sql } from "../sql.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
@@ -349,6 +349,7 @@ export class LockSession extends SessionBook {
     );
     const { unlocks, singles, multis } = batch;
     const locks = [...singles, ...multis];
+    for (const hold of unlocks) probeStage("unlockSent", hold.info.jobId);
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
       const prewaking = new Promise<void>((resolve) => (answered = resolve));
