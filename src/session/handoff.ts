@@ -9,7 +9,8 @@
  *   they are nudged instead of every worker being notified (`IdleWorkers`).
  * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
  *   `handovers`; the hold's release passes it the key without an unlock (`handOver`), and the job gets it
- *   once the connection has answered a statement sent after the pass (`confirmHandOvers`).
+ *   once the connection has answered a lock statement sent after the pass (`confirmHandOver`): the next one,
+ *   which carries the new hold's early wake, or any request or unlock of the same turn.
  * - Across sessions: a job woken early that finds its key held by another session waits in
  *   `awaitingRelease` for the release's notification (`onReleaseNotice`) or its time limit, then tries
  *   again, its key still pending meanwhile.
@@ -44,8 +45,11 @@ export interface HandoffHost {
   scheduleFlush(): void;
   /** Gives `from`'s key to `request` in memory (`from` has ended); returns the new hold. */
   passKey(from: HoldImpl, request: LockRequest): HoldImpl;
-  /** Resolves whether the connection answered a statement sent now, from its own backend. */
-  confirm(): Promise<boolean>;
+  /**
+   * Resolves whether the connection answered the next lock statement, sent after this call (sent soon even
+   * with nothing else to carry), from its own backend.
+   */
+  confirmWithNext(): Promise<boolean>;
   /** The error of a request that cannot be answered because the connection is gone. */
   unavailable(): Error;
 }
@@ -81,10 +85,6 @@ export class Handoff {
   private readonly awaitingRelease = new Map<string, Waiting>();
   /** For keys being acquired: the number of the last release notification seen for each. */
   private readonly releaseNotices = new Map<string, number>();
-  /** Keys passed in memory whose jobs wait for the connection to answer a statement sent after the pass. */
-  private toConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
-  /** Whether the statement confirming hand-overs is on its way. */
-  private confirming = false;
   /** How many release notifications this session has seen. */
   notices = 0;
 
@@ -161,33 +161,27 @@ export class Handoff {
     this.handovers.delete(key);
     this.counts.handedOver++;
     probeStage("handedOver", next.request.info.jobId);
-    this.toConfirm.push({ hold: this.host.passKey(hold, next.request), request: next.request });
-    this.confirmHandOvers();
+    this.confirmHandOver(this.host.passKey(hold, next.request), next.request);
     return true;
   }
 
   /**
-   * Gives the jobs that were passed a key in memory their holds once the connection answers a statement sent
-   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a
+   * Gives the job that was passed a key in memory its hold once the connection answers a lock statement
+   * sent after the pass, from its own backend. A key passed in memory is only as good as the connection: a
    * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
    * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
    * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
-   * answered. A job whose check fails gets the connection's error (its hold is lost with the connection).
-   * Hand-overs that come while a check is on its way share the next one.
+   * answered. The check costs no statement of its own: it rides on the next lock statement, which the new
+   * hold's early wake sends at once when its line is short of time. A statement already on its way at the
+   * pass does not count: its answer may have been written before the backend ended. A job whose check fails
+   * gets the connection's error (its hold is lost with the connection).
    */
-  private confirmHandOvers(): void {
-    if (this.confirming || this.toConfirm.length === 0) return;
-    const waiting = this.toConfirm.splice(0);
-    this.confirming = true;
-    void this.host.confirm().then((alive) => {
-      this.confirming = false;
-      for (const { hold, request } of waiting) {
-        if (alive && !hold.lost) {
-          probeStage("granted", request.info.jobId);
-          request.resolve({ acquired: true, hold });
-        } else request.reject(this.host.unavailable());
-      }
-      this.confirmHandOvers();
+  private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
+    void this.host.confirmWithNext().then((alive) => {
+      if (alive && !hold.lost) {
+        probeStage("granted", request.info.jobId);
+        request.resolve({ acquired: true, hold });
+      } else request.reject(this.host.unavailable());
     });
   }
 
@@ -273,7 +267,6 @@ export class Handoff {
       clearTimeout(waiting.timer);
       waiting.request.reject(error);
     }
-    for (const { request } of this.toConfirm.splice(0)) request.reject(error);
     this.handovers.clear();
     this.awaitingRelease.clear();
     this.releaseNotices.clear();

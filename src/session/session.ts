@@ -101,6 +101,8 @@ export class LockSession extends SessionBook {
   private closing = false;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
+  /** Hand-over checks waiting for the answer of the next lock statement (`confirmWithNext`). */
+  private confirmQueue: Array<(alive: boolean) => void> = [];
   protected override readonly handoff: Handoff;
 
   constructor(protected override readonly options: LockSessionOptions) {
@@ -135,7 +137,11 @@ export class LockSession extends SessionBook {
           // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
           return this.grant(request, from.keyText, from.generation, true);
         },
-        confirm: () => this.connection.confirm("a hand-over's check"),
+        confirmWithNext: () =>
+          new Promise<boolean>((resolve) => {
+            this.confirmQueue.push(resolve);
+            this.scheduleFlush();
+          }),
         unavailable: () =>
           this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
       },
@@ -315,6 +321,7 @@ export class LockSession extends SessionBook {
   private onlyQuietUnlocks(): boolean {
     return (
       this.lockQueue.length === 0 &&
+      this.confirmQueue.length === 0 &&
       !this.handoff.hasPrewakes() &&
       this.successorsWaiting === 0 &&
       this.unlockQueue.every((hold) => !hold.info.reschedule)
@@ -331,7 +338,12 @@ export class LockSession extends SessionBook {
       (this.inFlight.length > 0 || this.quiet.hold(this.unlockQueue.length))
     )
       return;
-    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
+    if (
+      this.lockQueue.length === 0 &&
+      this.unlockQueue.length === 0 &&
+      this.confirmQueue.length === 0 &&
+      !this.handoff.hasPrewakes()
+    )
       return;
     if (this.closing && this.unlockQueue.length === 0) return;
     this.quiet.end();
@@ -349,6 +361,8 @@ export class LockSession extends SessionBook {
     );
     const { unlocks, singles, multis } = batch;
     const locks = [...singles, ...multis];
+    // Hand-over checks: this statement, sent after they asked, answers them (see Handoff.confirmHandOver).
+    const confirms = this.closing ? [] : this.confirmQueue.splice(0);
     for (const hold of unlocks) probeStage("unlockSent", hold.info.jobId);
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
@@ -368,7 +382,7 @@ export class LockSession extends SessionBook {
         ),
       )
       .then(
-        ({ rows }) =>
+        ({ rows }) => {
           this.settleAnswer(
             rows,
             client,
@@ -379,8 +393,20 @@ export class LockSession extends SessionBook {
             wakeHere,
             noticesAtSend,
             sentAt,
-          ),
-        (error: Error) => this.settleFailure(client, generation, locks, unlocks, error),
+          );
+          // (an answer from another backend, or one found reset, has ended the generation meanwhile)
+          const alive = generation === this.connection.generation;
+          for (const confirmed of confirms) confirmed(alive);
+        },
+        async (error: Error) => {
+          await this.settleFailure(client, generation, locks, unlocks, error);
+          // A statement PostgreSQL refused for want of resources leaves the connection sound (book.ts's
+          // recover): its checks wait for the next one.
+          if (generation === this.connection.generation && this.connection.state === "ready") {
+            this.confirmQueue.push(...confirms);
+            this.scheduleFlush();
+          } else for (const confirmed of confirms) confirmed(false);
+        },
       )
       .finally(() => {
         for (const hold of prewakes) hold.prewaking = null;
@@ -406,6 +432,7 @@ export class LockSession extends SessionBook {
     this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
+    for (const confirmed of this.confirmQueue.splice(0)) confirmed(false);
     this.quiet.end();
     for (const hold of open) hold.markLost(reason);
     this.connection.abortLossSignal(reason);
