@@ -126,6 +126,7 @@ export class LockSession extends SessionBook {
       {
         holdOf: (key) => this.holds.get(key),
         isPending: (key) => this.pending.has(key),
+        unlock: (hold) => this.queueUnlock(hold),
         retryLock: (request) => {
           this.lockQueue.push(request);
           this.scheduleFlush();
@@ -230,6 +231,9 @@ export class LockSession extends SessionBook {
           continue;
         }
       }
+      // A key kept at its release for the job woken early that is on its way here: that job takes it.
+      const kept = keys.length === 1 ? this.handoff.onArrival(keys[0]!, slots, info) : null;
+      if (kept) return kept;
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) {
@@ -287,7 +291,15 @@ export class LockSession extends SessionBook {
       hold.settle(LOST);
       return;
     }
-    if (this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold)) return;
+    if (
+      this.holds.get(hold.keyText) === hold &&
+      (this.handoff.handOver(hold) || this.handoff.keepFor(hold))
+    )
+      return;
+    this.queueUnlock(hold);
+  }
+
+  private queueUnlock(hold: HoldImpl): void {
     probeQueued(hold);
     if (this.unlockQueue.length === 0) this.quiet.since = performance.now();
     this.unlockQueue.push(hold);
@@ -455,6 +467,7 @@ export class LockSession extends SessionBook {
     // Unlocks still queued (waiting for a statement to ride) leave first, so that they are answered as
     // released rather than lost with the connection.
     this.closing = true;
+    this.handoff.unlockKept();
     while (this.connection.state === "ready" && this.unlockQueue.length > 0) {
       this.flush();
       if (this.inFlight.length === 0) break;

@@ -5,8 +5,10 @@
  * session is handover-loss.test.ts's.)
  * Real PostgreSQL, a real graphile-worker runner.
  */
+import { setTimeout as sleep } from "node:timers/promises";
 import pg from "pg";
 import { describe, expect, it } from "vitest";
+import { startProxy } from "../../scripts/soak/proxy.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";
@@ -92,5 +94,78 @@ describe("hand-over check", () => {
     await held102;
     expect(locks.status().handoffs.handedOver).toBe(handedOver + 1);
     expect(counts).toEqual({ lock: 1, check: 0 });
+  });
+
+  it("a key released before the job it woke early arrives here is kept for that job, which takes it in memory", async () => {
+    // The runner's connections go through a proxy, so that the woken job's fetch can be held up; the lock
+    // session's do not.
+    const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
+    cleanups.push(() => proxy.close());
+    const proxied = new URL(h.db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String(proxy.port);
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const spans = new Map<number, { start: number; end: number | null }>();
+    const task = locks.exclusive(
+      "kept_for_arrival",
+      async (p: { n: number; gated?: boolean }) => {
+        const span = { start: performance.now(), end: null as number | null };
+        spans.set(p.n, span);
+        await (p.gated ? gate.promise : sleep(300));
+        span.end = performance.now();
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    // No polling: a poll started while the proxy is frozen would keep its worker from counting as idle. The
+    // jobs are fetched on graphile-worker's notification, or by an idle worker the lock session nudges.
+    const r = await runner({
+      connectionString: proxied.toString(),
+      concurrency: 4,
+      pollInterval: 60_000,
+      taskList: { kept_for_arrival: task },
+    });
+    cleanups.push(async () => proxy.thaw());
+    locks.attach(r);
+
+    // Three jobs of 300 ms teach the task its usual hold: a job woken early then waits up to 600 ms for its
+    // key, and so long is a key kept for it.
+    await locks.addJobs([0, 1, 2].map((n) => ({ identifier: "kept_for_arrival", payload: { n } })));
+    await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
+      message: "the teaching jobs to run",
+    });
+    await waitFor(async () => (await parkedCount()) === 0, { message: "the line to empty" });
+
+    // 100 runs, then 101 holds the key with 102 in line; the runner's network freezes as 101 takes the key,
+    // so that 102, woken early for an idle worker here, is not fetched before 101 ends.
+    locks.events.on("lock:acquired", ({ job }) => {
+      if ((job.payload as { n: number }).n === 101) proxy.freeze();
+    });
+    const before = locks.status().handoffs;
+    await locks.addJobs(
+      [100, 101, 102].map((n) => ({
+        identifier: "kept_for_arrival",
+        payload: { n, ...(n === 101 ? { gated: true } : {}) },
+      })),
+    );
+    // (100 wakes 101 early, then 101 wakes 102)
+    await waitFor(async () => locks.status().handoffs.wokenHere === before.wokenHere + 2, {
+      message: "101 to wake 102 early for a worker of this process",
+    });
+    const mid = locks.status().handoffs;
+    gate.resolve();
+    await waitFor(async () => spans.get(101)?.end != null, { message: "101 to end" });
+    // (its release runs as its task returns)
+    await sleep(50);
+    expect(spans.has(102)).toBe(false);
+    proxy.thaw();
+
+    await waitFor(async () => spans.get(102)?.end != null, { message: "102 to run" });
+    const after = locks.status().handoffs;
+    expect(after.handedOver).toBe(mid.handedOver + 1);
+    expect(after.keptForArrival).toBe(mid.keptForArrival + 1);
+    expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
+    await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
   });
 });
