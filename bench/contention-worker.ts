@@ -10,24 +10,35 @@
  * start and end
  * (inside the task, while the job holds its lock or its queue), each fetch (`job:start`: a worker locked
  * the job's row), each release (`lock:released`: the unlock statement, which also woke the key's next
- * waiter, was answered), the parks per task (`job:rescheduled`) and this process's CPU time.
+ * waiter, was answered), the parks per task (`job:rescheduled`), this process's CPU time, and, through the
+ * lock session's timing probe (when the build has one), the stages of each job's hand-off (`Stages`).
  *
  * Requests: `reset` (forgets the records), `collect` (answers them), `poll` (restarts the runner
- * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`).
+ * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`; `stopped`: stops it
+ * instead, for a run with fewer processes).
  */
 import { EventEmitter } from "node:events";
 import type { Job, JobHelpers, Runner, WorkerEvents } from "graphile-worker";
 import type { ExclusiveOptions } from "../src/index.js";
 import { machineClock as clock, quietLogger, sleep, startRunner, workerMain } from "./lib.js";
-import { library } from "./library.js";
+import { library, timingProbe } from "./library.js";
 
 export const TASK_MS = 20;
 export const STRATEGY_TASKS = { drop: "cx_drop", reschedule: "cx_reschedule", raise: "cx_raise" };
 export const QUEUE_TASK = "cx_queue";
 export type Strategy = keyof typeof STRATEGY_TASKS;
 
-/** Every job's payload: its key, and its position in the enqueue order (1-based). */
-export type ContentionPayload = { k: string; seq: number };
+/** Every job's payload: its key, its position in the enqueue order (1-based), its task's ms if not TASK_MS. */
+export type ContentionPayload = { k: string; seq: number; ms?: number };
+
+/**
+ * The lock session's marks of one job's hand-off (timing-probe.ts's `HandoffStage`), on the machine's clock:
+ * its own hold's unlock sent and answered, and, as the next job of a line, when it was passed its key in
+ * memory, when it heard of another session's release, and when it was given its hold.
+ */
+export type Stages = Partial<
+  Record<"unlockSent" | "unlockAnswered" | "handedOver" | "noticed" | "granted", number>
+>;
 
 /** How every process defines the task of `strategy` (and the bench, which enqueues with `locks.addJobs`). */
 export const strategyOptions = (strategy: Strategy): ExclusiveOptions<ContentionPayload> => ({
@@ -54,12 +65,14 @@ export interface WorkerRecords {
   rescheduled: Record<string, number>;
   /** CPU time (user + system) since the last `reset`, ms. */
   cpuMs: number;
+  /** Job id → its hand-off stages (empty with a build without the probe's stages). */
+  stages: Array<[string, Stages]>;
 }
 
 export type ContentionRequest =
   | { type: "reset" }
   | { type: "collect" }
-  | { type: "poll"; pollInterval: number; skipHeld: boolean };
+  | { type: "poll"; pollInterval: number; skipHeld: boolean; stopped: boolean };
 
 workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
   const blank = () => ({
@@ -67,6 +80,7 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     fetches: [] as Mark[],
     releases: new Map<string, number>(),
     rescheduled: {} as Record<string, number>,
+    stages: new Map<string, Stages>(),
     cpu: process.cpuUsage(),
   });
   let records = blank();
@@ -74,9 +88,9 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     const { k, seq } = job.payload as ContentionPayload;
     return { jobId: job.id, task: job.task_identifier, k, seq, attempts: job.attempts, at };
   };
-  const body = async (_payload: ContentionPayload, { job }: JobHelpers): Promise<void> => {
+  const body = async (payload: ContentionPayload, { job }: JobHelpers): Promise<void> => {
     const at = clock();
-    await sleep(TASK_MS);
+    await sleep(payload.ms ?? TASK_MS);
     records.executions.push({ ...mark(job, at), end: clock() });
   };
 
@@ -84,6 +98,17 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     connectionString: url,
     logger: quietLogger,
     applicationName: `gwl-bench-contention/${name}`,
+  });
+  // The probe reads performance.now(); the records are on the machine's clock.
+  const offset = clock() - performance.now();
+  timingProbe?.setTimingProbe({
+    lock: () => undefined,
+    unlock: () => undefined,
+    stage: (stage, jobId, at) => {
+      let marks = records.stages.get(jobId);
+      if (!marks) records.stages.set(jobId, (marks = {}));
+      marks[stage] = at + offset;
+    },
   });
   locks.events.on("lock:released", ({ job }) => void records.releases.set(job.id, clock()));
   locks.events.on("job:rescheduled", ({ taskIdentifier: t }) => {
@@ -114,24 +139,27 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
       ...(skipHeld ? { forbiddenFlags: locks.forbiddenFlags } : {}),
     });
   };
-  let runner: Runner = await start(Number(process.env.POLL_INTERVAL), false);
+  let runner: Runner | null = await start(Number(process.env.POLL_INTERVAL), false);
 
   return {
     handlers: {
       reset: () => void (records = blank()),
       collect: (): WorkerRecords => {
         const cpu = process.cpuUsage(records.cpu);
-        const { executions, fetches, releases, rescheduled } = records;
+        const { executions, fetches, releases, rescheduled, stages } = records;
         const cpuMs = (cpu.user + cpu.system) / 1000;
-        return { name, executions, fetches, releases: [...releases], rescheduled, cpuMs };
+        return {
+          ...{ name, executions, fetches, releases: [...releases], rescheduled, cpuMs },
+          stages: [...stages],
+        };
       },
-      poll: async ({ pollInterval, skipHeld }) => {
-        await runner.stop();
-        runner = await start(pollInterval, skipHeld);
+      poll: async ({ pollInterval, skipHeld, stopped }) => {
+        await runner?.stop();
+        runner = stopped ? null : await start(pollInterval, skipHeld);
       },
     },
     async leave() {
-      await runner.stop();
+      await runner?.stop();
       await locks.release();
     },
   };

@@ -6,6 +6,11 @@
  * monotonic clock; `analyse` turns them into makespan, fetches, hand-offs, overlap and FIFO
  * figures. A warm-up of each variant, then BENCH_ROUNDS rounds alternating them (medians), then one raise
  * run stopped at a time limit. BENCH_CONTENTION=<variant ids> runs only those variants.
+ *
+ * The line variants (`line*`, issue 32's configuration: 1,200 jobs over 8 keys) and the hot key (3,000 jobs
+ * of 2 ms on one key, 2 processes) also break each hand-off down into stages (`stages`), from the lock
+ * session's timing probe: the previous job's end, its unlock sent and answered, the next job's wake (its
+ * fetch, the release's notification, or the key passed in memory), its hold granted, its body entered.
  */
 import { highestConcurrency } from "../scripts/overlap.js";
 import type { Locks } from "../src/index.js";
@@ -21,9 +26,9 @@ import {
   spread,
   table,
 } from "./lib.js";
-import { withWorkers, type BenchContext, type WorkerProcess } from "./lib.js";
+import { withWorkers, type BenchContext, type Goal, type WorkerProcess } from "./lib.js";
 import { QUEUE_TASK, STRATEGY_TASKS, TASK_MS, strategyOptions } from "./contention-worker.js";
-import type { ContentionPayload, Mark, WorkerRecords } from "./contention-worker.js";
+import type { ContentionPayload, Mark, Stages, WorkerRecords } from "./contention-worker.js";
 
 const WORKER_SCRIPT = new URL("./contention-worker.ts", import.meta.url);
 const PROCESSES = 3;
@@ -50,7 +55,20 @@ interface Variant {
   skipHeld?: boolean;
   /** Enqueued with `locks.addJobs`, which adds the jobs after each key's first waiting in line. */
   viaLocks?: boolean;
+  /** Its own shape instead of the section's: jobs (full size), keys, task ms, worker processes. */
+  shape?: Shape;
 }
+
+interface Shape {
+  jobs: number;
+  keys: number;
+  taskMs: number;
+  processes: number;
+}
+
+/** Issue 32's configuration of a contended line, and its hot key. */
+const LINE: Shape = { jobs: 1200, keys: 8, taskMs: TASK_MS, processes: PROCESSES };
+const HOT: Shape = { jobs: 3000, keys: 1, taskMs: 2, processes: 2 };
 
 const VARIANTS = {
   drop: { label: "drop", task: STRATEGY_TASKS.drop },
@@ -72,6 +90,29 @@ const VARIANTS = {
     task: QUEUE_TASK,
     pollInterval: FAST_POLL_INTERVAL_MS,
   },
+  line: {
+    label: "line 1,200/8: reschedule, enqueued with locks.addJobs",
+    task: STRATEGY_TASKS.reschedule,
+    viaLocks: true,
+    shape: LINE,
+  },
+  lineAddJobs: {
+    label: "line 1,200/8: reschedule, enqueued with add_jobs",
+    task: STRATEGY_TASKS.reschedule,
+    shape: LINE,
+  },
+  lineQueue: {
+    label: `line 1,200/8: graphile-worker queueName, poll ${FAST_POLL_INTERVAL_MS} ms (anchor)`,
+    task: QUEUE_TASK,
+    pollInterval: FAST_POLL_INTERVAL_MS,
+    shape: LINE,
+  },
+  hotKey: {
+    label: "hot key 3,000 × 2 ms, 2 processes: reschedule, locks.addJobs",
+    task: STRATEGY_TASKS.reschedule,
+    viaLocks: true,
+    shape: HOT,
+  },
 } satisfies Record<string, Variant>;
 type VariantId = keyof typeof VARIANTS;
 const VARIANT_IDS = Object.keys(VARIANTS) as VariantId[];
@@ -79,7 +120,7 @@ const wanted = VARIANT_IDS.filter((v) =>
   (process.env.BENCH_CONTENTION?.split(",") ?? VARIANT_IDS).includes(v),
 );
 
-/** The goals of every variant of the reschedule task: name, target, its figure, the most it may be. */
+/** The goals of the section's own reschedule variants: name, target, its figure, the most it may be. */
 const GOALS = [
   ["no hot loop", "fetches per executed job ≤ 2", "fetchesPerExecuted", 2],
   ["makespan", "makespan/ideal ≤ 1.10", "makespanOverIdeal", 1.1],
@@ -98,34 +139,42 @@ const GOALS = [
 // One run
 
 /**
- * Inserts the jobs in one statement, round-robin over the keys (job i has key k((i − 1) mod KEYS) and
+ * Inserts the jobs in one statement, round-robin over the keys (job i has key k((i − 1) mod keys) and
  * seq i); resolves each job's rank in the enqueue order (job id order) by its seq (a parked copy has a new
  * id but the same payload). add_jobs does not assign ids in array order (it joins the specs with the task
  * and queue tables), hence the ranks.
  */
-async function insertContentionJobs(ctx: BenchContext, locks: Locks, v: Variant, jobs: number) {
+async function insertContentionJobs(
+  ctx: BenchContext,
+  locks: Locks,
+  v: Variant,
+  jobs: number,
+  keys: number,
+) {
   let rows: Array<{ id: string; seq: number }>;
+  const ms = v.shape?.taskMs;
   if (v.viaLocks) {
     const specs = Array.from({ length: jobs }, (_, i) => ({
       identifier: v.task,
-      payload: { k: `k${i % KEYS}`, seq: i + 1 } satisfies ContentionPayload,
+      payload: { k: `k${i % keys}`, seq: i + 1, ...(ms ? { ms } : {}) } satisfies ContentionPayload,
     }));
     rows = (await locks.addJobs(specs)).map((r, i) => ({ id: r.job!.id, seq: i + 1 }));
   } else {
     // With skipHeld, each job carries its key's flag, as `locks.addJob` gives it.
     const flags = v.skipHeld
-      ? Array.from({ length: KEYS }, (_, k) => library.lockFlag(library.lockKey(v.task, `k${k}`)))
+      ? Array.from({ length: keys }, (_, k) => library.lockFlag(library.lockKey(v.task, `k${k}`)))
       : null;
     ({ rows } = await ctx.pool.query<{ id: string; seq: number }>(
       `select j.id::text as id, (j.payload->>'seq')::int as seq from graphile_worker.add_jobs(
          array(select row($1::text,
-                          json_build_object('k', 'k' || ((i - 1) % $3::int), 'seq', i),
+                          json_strip_nulls(json_build_object(
+                            'k', 'k' || ((i - 1) % $3::int), 'seq', i, 'ms', $6::int)),
                           case when $4::boolean then 'cx:k' || ((i - 1) % $3::int) end,
                           null, null, null, null,
                           case when $5::text[] is not null
                             then array[($5::text[])[(i - 1) % $3::int + 1]] end)::graphile_worker.job_spec
                from generate_series(1, $2::int) as i order by i)) as j`,
-      [v.task, jobs, KEYS, v.task === QUEUE_TASK, flags],
+      [v.task, jobs, keys, v.task === QUEUE_TASK, flags, ms ?? null],
     ));
   }
   rows.sort((a, b) => Number(BigInt(a.id) - BigInt(b.id)));
@@ -145,8 +194,9 @@ async function measure(
   // Waiters of earlier runs (their jobs are gone): not to be woken by this run's releases.
   await ctx.pool.query("delete from graphile_worker_locks.waiters");
   await Promise.all(workers.map((w) => w.request({ type: "reset" })));
+  const v: Variant = VARIANTS[id];
   const t0 = clock();
-  const rankOf = await insertContentionJobs(ctx, locks, VARIANTS[id], jobs);
+  const rankOf = await insertContentionJobs(ctx, locks, v, jobs, v.shape?.keys ?? KEYS);
   let left = 0;
   while ((await countJobs(ctx.pool)) > 0) {
     if (clock() > t0 + (limitMs ?? 120_000)) {
@@ -166,7 +216,7 @@ async function measure(
   }
   const records: WorkerRecords[] = [];
   for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
-  return { ...analyse(VARIANTS[id].task, jobs, t0, records, rankOf), left };
+  return { ...analyse(v.task, jobs, v.shape?.taskMs ?? TASK_MS, t0, records, rankOf), left };
 }
 
 /** n, p50, p99 (interpolated) and mean, in ms. */
@@ -200,9 +250,31 @@ function longestIncreasing(values: readonly number[]): number {
   return tails.length;
 }
 
+/** A hand-off's stages, each counted from the previous job's end (ms); those not reached are left out. */
+const STAGES = ["unlockSent", "unlockAnswered", "woken", "granted", "entered"] as const;
+type Stage = (typeof STAGES)[number];
+
+/** The stages of one kind of hand-off, each a list of times from the previous end. */
+class StageLists {
+  readonly lists = Object.fromEntries(STAGES.map((s) => [s, [] as number[]])) as Record<
+    Stage,
+    number[]
+  >;
+  add(end: number, at: Partial<Record<Stage, number | undefined>>): void {
+    for (const s of STAGES) if (at[s] !== undefined) this.lists[s].push(at[s] - end);
+  }
+  quantiles(): Record<Stage, Quantiles> {
+    return Object.fromEntries(STAGES.map((s) => [s, quantiles(this.lists[s])])) as Record<
+      Stage,
+      Quantiles
+    >;
+  }
+}
+
 function analyse(
   task: string,
   jobs: number,
+  taskMs: number,
   t0: number,
   records: WorkerRecords[],
   rankOf: Map<number, number>,
@@ -213,6 +285,7 @@ function analyse(
   );
   const fetches = records.flatMap((r) => r.fetches).filter((f) => f.task === task);
   const releases = new Map(records.flatMap((r) => r.releases));
+  const stagesOf = new Map<string, Stages>(records.flatMap((r) => r.stages ?? []));
   const fetchOf = new Map(fetches.map((f) => [`${f.jobId}/${f.attempts}`, f]));
   const firstFetchOf = new Map<number, number>();
   for (const f of fetches)
@@ -232,6 +305,11 @@ function analyse(
     afterFirstPass: [] as number[],
   };
   const parts = { unlock: [] as number[], nextFetch: [] as number[], fetchToStart: [] as number[] };
+  const stages = {
+    handedOver: new StageLists(),
+    sameProcess: new StageLists(),
+    otherProcess: new StageLists(),
+  };
   let maxPerKey = 0;
   let outOfOrder = 0;
   for (const list of byKey.values()) {
@@ -254,11 +332,30 @@ function analyse(
         parts.nextFetch.push(fetch.at - previous.end!);
         parts.fetchToStart.push(next.at - fetch.at);
       }
+      const mine = stagesOf.get(previous.jobId) ?? {};
+      const its = stagesOf.get(next.jobId) ?? {};
+      if (its.granted !== undefined) {
+        const kind =
+          its.handedOver !== undefined ? "handedOver" : same ? "sameProcess" : "otherProcess";
+        // Woken: the last of its fetch, the release's notification, the key passed in memory.
+        const woken = Math.max(
+          fetch?.at ?? -Infinity,
+          its.noticed ?? -Infinity,
+          its.handedOver ?? -Infinity,
+        );
+        stages[kind].add(previous.end!, {
+          unlockSent: mine.unlockSent,
+          unlockAnswered: mine.unlockAnswered,
+          woken: Number.isFinite(woken) ? woken : undefined,
+          granted: its.granted,
+          entered: next.at,
+        });
+      }
     }
   }
   const executed = executions.length;
   const perExecuted = (n: number) => round(n / Math.max(1, executed), 3);
-  const idealMs = busiest * TASK_MS;
+  const idealMs = busiest * taskMs;
   const makespanMs = executed > 0 ? Math.max(...executions.map((e) => e.end!)) - t0 : Number.NaN;
   const q = <K extends string>(values: Record<K, number[]>) =>
     Object.fromEntries(
@@ -278,6 +375,11 @@ function analyse(
     ),
     handoffs: q(gaps),
     parts: q(parts),
+    stages: {
+      handedOver: stages.handedOver.quantiles(),
+      sameProcess: stages.sameProcess.quantiles(),
+      otherProcess: stages.otherProcess.quantiles(),
+    },
     workerCpuMs: round(
       records.reduce((sum, r) => sum + r.cpuMs, 0),
       0,
@@ -309,11 +411,64 @@ function summarise(variant: VariantId, runs: RunFigures[]) {
     handoffP99Ms: m((r) => r.handoffs.handoff.p99, 2),
     workerCpuMs: m((r) => r.workerCpuMs),
     maxPerKey: Math.max(...mine.map((r) => r.maxPerKey)),
+    stageP50Ms: Object.fromEntries(
+      (["handedOver", "sameProcess", "otherProcess"] as const).map((kind) => [
+        kind,
+        {
+          n: m((r) => r.stages[kind].entered.n, 0),
+          ...Object.fromEntries(STAGES.map((s) => [s, m((r) => r.stages[kind][s].p50, 2)])),
+        },
+      ]),
+    ) as Record<
+      "handedOver" | "sameProcess" | "otherProcess",
+      { n: number } & Record<Stage, number>
+    >,
     outOfOrder: m((r) => r.outOfOrder),
     worstOutOfOrder: Math.max(...mine.map((r) => r.outOfOrder)),
   };
 }
 type VariantFigures = ReturnType<typeof summarise>;
+
+/** Issue 32's goals for the line variants and the hot key, those of them measured. */
+function lineGoals(summaries: VariantFigures[]) {
+  const of = (id: VariantId) => summaries.find((v) => v.variant === id);
+  const [line, addJobs, queue, hot] = [
+    of("line"),
+    of("lineAddJobs"),
+    of("lineQueue"),
+    of("hotKey"),
+  ];
+  const goals: Goal[] = [];
+  const ratio = (name: string, target: string, value: number, most: number) =>
+    goals.push(goal(name, target, value, value <= most));
+  if (line) {
+    ratio("line, locks.addJobs: makespan", "makespan/ideal ≤ 1.15", line.makespanOverIdeal, 1.15);
+    ratio("line, locks.addJobs: hand-off p50", "≤ 2 ms", line.handoffP50Ms, 2);
+    ratio("line, locks.addJobs: hand-off p99", "≤ 20 ms", line.handoffP99Ms, 20);
+    ratio(
+      "line, locks.addJobs: FIFO per key",
+      "out of order = 0, worst run",
+      line.worstOutOfOrder,
+      0,
+    );
+    ratio("line, locks.addJobs: fetches", "fetches per job ≤ 1", line.fetchesPerJob, 1);
+  }
+  if (addJobs)
+    ratio("line, add_jobs: makespan", "makespan/ideal ≤ 1.35", addJobs.makespanOverIdeal, 1.35);
+  if (line && queue)
+    ratio(
+      "line, locks.addJobs: against the queueName anchor",
+      "makespan ≤ 0.75 × the anchor's",
+      line.makespanMs / queue.makespanMs,
+      0.75,
+    );
+  if (hot) {
+    ratio("hot key: makespan", "makespan/ideal ≤ 1.3", hot.makespanOverIdeal, 1.3);
+    ratio("hot key: in order", "out of order = 0, worst run", hot.worstOutOfOrder, 0);
+    ratio("hot key: every job once", "executions − jobs = 0", Math.abs(hot.executed - HOT.jobs), 0);
+  }
+  return goals;
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // The section
@@ -342,14 +497,33 @@ export const contention = sizedSection(
     };
     const runs: RunFigures[] = [];
     await withWorkers(WORKER_SCRIPT, PROCESSES, env, async (workers) => {
-      let settings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false };
+      let settings = { pollInterval: POLL_INTERVAL_MS, skipHeld: false, processes: PROCESSES };
       const one = async (id: VariantId, jobs: number, r: number, limitMs: number | null) => {
         const v: Variant = VARIANTS[id];
-        const next = { pollInterval: v.pollInterval ?? POLL_INTERVAL_MS, skipHeld: !!v.skipHeld };
-        if (next.pollInterval !== settings.pollInterval || next.skipHeld !== settings.skipHeld) {
-          await Promise.all(workers.map((w) => w.request({ type: "poll", ...next })));
+        const next = {
+          pollInterval: v.pollInterval ?? POLL_INTERVAL_MS,
+          skipHeld: !!v.skipHeld,
+          processes: v.shape?.processes ?? PROCESSES,
+        };
+        if (
+          next.pollInterval !== settings.pollInterval ||
+          next.skipHeld !== settings.skipHeld ||
+          next.processes !== settings.processes
+        ) {
+          // (processes beyond the variant's count stop their runner)
+          await Promise.all(
+            workers.map((w, i) =>
+              w.request({
+                type: "poll",
+                pollInterval: next.pollInterval,
+                skipHeld: next.skipHeld,
+                stopped: i >= next.processes,
+              }),
+            ),
+          );
           settings = next;
         }
+        if (v.shape) jobs = Math.round((v.shape.jobs * jobs) / size.jobs);
         const f = {
           ...(await measure(ctx, locks, workers, id, jobs, limitMs)),
           variant: id,
@@ -373,7 +547,8 @@ export const contention = sizedSection(
 
     const summaries = wanted.map((v) => summarise(v, runs));
     const rescheduling = summaries.filter(
-      (v) => VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule,
+      (v) =>
+        VARIANTS[v.variant].task === STRATEGY_TASKS.reschedule && !("shape" in VARIANTS[v.variant]),
     );
     const overlap = Math.max(...runs.map((x) => x.maxPerKey));
     return {
@@ -384,6 +559,7 @@ export const contention = sizedSection(
             goal(`${VARIANTS[v.variant].label}: ${name}`, target, v[figure], v[figure] <= most),
           ),
         ),
+        ...lineGoals(summaries),
         goal(
           "no overlap per key (every run, every variant)",
           "max executions of one key at once ≤ 1",
@@ -410,7 +586,7 @@ function tables(
   const raise = runs.find((r) => r.variant === "raise");
   const summary = table(
     `Contention: ${fmtInt(size.jobs)} jobs over ${KEYS} keys, ${TASK_MS} ms tasks, ${PROCESSES} processes × ` +
-      `concurrency ${CONCURRENCY} (median of ${rounds} runs; raise: 1 run)`,
+      `concurrency ${CONCURRENCY} (median of ${rounds} runs; raise: 1 run; line and hot key rows: their own shape)`,
     "variant | executed | busiest key | makespan s | ideal s | makespan/ideal | fetches/executed | fetches/job | reschedules/executed | hand-off p50 ms | p99 ms | max per key | out of order | worker CPU s",
     summaries.map((v) => [
       v.variant === "raise"
@@ -431,7 +607,7 @@ function tables(
       s(v.workerCpuMs),
     ]),
     [
-      `ideal: the busiest key's executions × ${TASK_MS} ms (drop's: of the jobs it executed). fetches: job:start events;`,
+      `ideal: the busiest key's executions × ${TASK_MS} ms (hot key: 2 ms; drop's: of the jobs it executed). fetches: job:start events;`,
       "hand-off: next execution's start − previous end, per key; max per key: executions of a key at once, worst run;",
       "out of order: executions to move for each key's to run in job id order; worker CPU: the 3 processes' CPU time.",
       raise
@@ -467,5 +643,24 @@ function tables(
       "next fetched: a worker locked the next job's row; started: it took the lock. first pass: before every job's first fetch.",
     ],
   );
-  return [summary, breakdown];
+  const stageRows = picked.flatMap(({ variant, stages: byKind }) =>
+    (["handedOver", "sameProcess", "otherProcess"] as const).flatMap((kind) => {
+      const st = byKind[kind];
+      if (st.entered.n === 0) return [];
+      return [
+        [variant, kind, fmtInt(st.entered.n), ...STAGES.map((s) => (st[s].n > 0 ? q(st[s]) : "–"))],
+      ];
+    }),
+  );
+  const stagesTable = table(
+    "Contention: a hand-off stage by stage, from the previous job's end (the run with the median makespan; p50 / p99, ms)",
+    "variant | kind | hand-offs | unlock sent | unlock answered | next woken | next granted | next entered",
+    stageRows,
+    [
+      "kind: handedOver, the key passed in memory within a process; sameProcess / otherProcess: through an unlock.",
+      "woken: the last of the next job's fetch, its hearing of the release, and the key passed to it;",
+      "granted: its hold given (lock statement or hand-over check answered); entered: its body began. Lock session's timing probe.",
+    ],
+  );
+  return stageRows.length > 0 ? [summary, breakdown, stagesTable] : [summary, breakdown];
 }

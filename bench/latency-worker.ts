@@ -138,7 +138,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
         jobStart.clear();
         workerSuccess.clear();
         taskMs = request.taskMs;
-        timingProbe.setTimingProbe(request.variant === "wrapped" ? probe : null);
+        timingProbe?.setTimingProbe(request.variant === "wrapped" ? probe : null);
         report.lockStatements = -locks.status().statements;
         const events = new EventEmitter() as WorkerEvents;
         events.on("job:start", ({ job, worker }) => {
@@ -190,7 +190,7 @@ workerMain<StartRequest | { type: "stop" }>(import.meta.url, async (url) => {
         await runner?.stop();
         runner = undefined;
         report.lockStatements += locks.status().statements;
-        timingProbe.setTimingProbe(null);
+        timingProbe?.setTimingProbe(null);
         return report;
       },
     },

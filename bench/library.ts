@@ -42,6 +42,7 @@ async function load<T>(module: string): Promise<T> {
 
 export const library = await load<typeof Library>("index");
 
-/** The lock session's timing probe (`setTimingProbe`), from the same build. */
-export const timingProbe =
-  await load<typeof import("../src/session/timing-probe.js")>("session/timing-probe");
+/** The lock session's timing probe (`setTimingProbe`), from the same build; null for a build without one. */
+export const timingProbe = await load<typeof import("../src/session/timing-probe.js")>(
+  "session/timing-probe",
+).catch(() => null);

@@ -20,7 +20,7 @@ import {
   type LockRequest,
 } from "./holds.js";
 import { lockFlag } from "../key.js";
-import { probeAnswered } from "./timing-probe.js";
+import { probeAnswered, probeStage } from "./timing-probe.js";
 import { BatchOp, type Sql } from "../sql.js";
 
 /** The answer of `reconcileLocks` (sql.ts). */
@@ -266,6 +266,7 @@ export abstract class SessionBook implements HoldOwner {
       request.resolve({ acquired: false, local: false });
       return;
     }
+    probeStage("granted", request.info.jobId);
     request.resolve({ acquired: true, hold: this.grant(request, key, generation, line) });
   }
 
@@ -313,6 +314,7 @@ export abstract class SessionBook implements HoldOwner {
       }
     }
     this.connection.registryDirty = true;
+    probeStage("unlockAnswered", hold.info.jobId);
     if (!ok) {
       this.options.onWarning(
         `pg_advisory_unlock(${hold.keyText}) returned false: the lock session did not hold the key it was releasing`,

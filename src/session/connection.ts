@@ -338,32 +338,6 @@ export class LockConnection {
     return false;
   }
 
-  /**
-   * Whether the current connection is alive now: true once it answers a statement (sent now) from its own
-   * backend; false when it is not ready, was replaced meanwhile, or fails (it is then lost, or refused).
-   */
-  async confirm(what: string): Promise<boolean> {
-    const client = this.client;
-    if (this.state !== "ready" || !client) return false;
-    const generation = this.generation;
-    const query = client.query<{ pid: number; marked: boolean }>(this.options.sql.heartbeat, [
-      this.claimToken,
-    ]);
-    // (counted and awaited by close() as a side statement; its failure is handled below)
-    this.upkeep.side(query.catch(() => undefined));
-    try {
-      const { rows } = await query;
-      return (
-        generation === this.generation &&
-        this.state === "ready" &&
-        this.checkBackend(client, rows[0]?.pid, what, rows[0]?.marked)
-      );
-    } catch (error) {
-      this.lost(client, error as Error);
-      return false;
-    }
-  }
-
   /** Stops for good at connect: `refusal` says why (a transaction pooler). */
   private refuse(refusal: LocksError): void {
     this.refusal = refusal;

@@ -9,7 +9,15 @@
  *   they are nudged instead of every worker being notified (`IdleWorkers`).
  * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
  *   `handovers`; the hold's release passes it the key without an unlock (`handOver`), and the job gets it
- *   once the connection has answered a statement sent after the pass (`confirmHandOvers`).
+ *   once the connection has answered a lock statement sent after the pass (`confirmHandOver`): the next one,
+ *   which carries the new hold's early wake, or any request or unlock of the same turn.
+ * - Kept for a job fetched here: a hold released before the job it woke early arrived, while an idle worker
+ *   of this process nudged to fetch that job is fetching, keeps its key for it (`keepFor`) rather than
+ *   unlocking: until that fetch brings another job or none, and for at most the woken job's `releaseWaitMs`
+ *   (the time the job itself waits for the key: twice the task's usual hold, 100 ms to a second). The job,
+ *   first in its key's line, takes the key in memory when it arrives (`onArrival`); otherwise the key is
+ *   unlocked as usual. So a hot key stays in the process that runs its line, and no job waits behind it but
+ *   those younger in line.
  * - Across sessions: a job woken early that finds its key held by another session waits in
  *   `awaitingRelease` for the release's notification (`onReleaseNotice`) or its time limit, then tries
  *   again, its key still pending meanwhile.
@@ -17,7 +25,14 @@
  *   job woken early first (`joinLine`).
  */
 import type { IdleWorkers } from "./idle.js";
-import type { AcquireResult, HoldImpl, HoldInfo, LockRequest } from "./holds.js";
+import {
+  LOST,
+  type AcquireResult,
+  type HoldImpl,
+  type HoldInfo,
+  type LockRequest,
+} from "./holds.js";
+import { probeStage } from "./timing-probe.js";
 
 /** What the session has done about hand-offs, for `locks.status()`. */
 export interface HandoffCounts {
@@ -29,6 +44,8 @@ export interface HandoffCounts {
   afterRelease: number;
   /** Early wakes left to an idle worker of this process to fetch (a runner given to `locks.attach`). */
   wokenHere: number;
+  /** Keys kept at their release for the job woken early that an idle worker of this process was fetching. */
+  keptForArrival: number;
 }
 
 /** What the hand-off needs of the lock session. */
@@ -37,14 +54,19 @@ export interface HandoffHost {
   holdOf(key: string): HoldImpl | undefined;
   /** Whether a lock request of this process for `key` is on its way. */
   isPending(key: string): boolean;
+  /** Queues the unlock of `hold`, whose release this module held back (see keepFor). */
+  unlock(hold: HoldImpl): void;
   /** Sends `request` with the next lock statement again. */
   retryLock(request: LockRequest): void;
   /** Makes sure a lock statement goes out soon. */
   scheduleFlush(): void;
   /** Gives `from`'s key to `request` in memory (`from` has ended); returns the new hold. */
   passKey(from: HoldImpl, request: LockRequest): HoldImpl;
-  /** Resolves whether the connection answered a statement sent now, from its own backend. */
-  confirm(): Promise<boolean>;
+  /**
+   * Resolves whether the connection answered the next lock statement, sent after this call (sent soon even
+   * with nothing else to carry), from its own backend.
+   */
+  confirmWithNext(): Promise<boolean>;
   /** The error of a request that cannot be answered because the connection is gone. */
   unavailable(): Error;
 }
@@ -67,11 +89,21 @@ function releaseWaitMs(info: HoldInfo): number {
 }
 
 export class Handoff {
-  readonly counts: HandoffCounts = { prewakes: 0, handedOver: 0, afterRelease: 0, wokenHere: 0 };
+  readonly counts: HandoffCounts = {
+    prewakes: 0,
+    handedOver: 0,
+    afterRelease: 0,
+    wokenHere: 0,
+    keptForArrival: 0,
+  };
   /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
   /** Keys whose first waiter a hold of this process woke early, with the woken job's id. */
   private readonly prewoken = new Map<string, string>();
+  /** Of those, the keys whose woken job an idle worker of this process was nudged to fetch. */
+  private readonly fetchedHere = new Set<string>();
+  /** Released holds keeping their key for the job woken early that is on its way here (see keepFor). */
+  private readonly kept = new Map<string, { hold: HoldImpl; timer: NodeJS.Timeout }>();
   /** Holds whose key's first waiter to wake early, in the next statement. */
   private prewakeQueue: HoldImpl[] = [];
   /** Jobs woken early that wait for a hold of this process to pass them its key (see handOver). */
@@ -80,10 +112,6 @@ export class Handoff {
   private readonly awaitingRelease = new Map<string, Waiting>();
   /** For keys being acquired: the number of the last release notification seen for each. */
   private readonly releaseNotices = new Map<string, number>();
-  /** Keys passed in memory whose jobs wait for the connection to answer a statement sent after the pass. */
-  private toConfirm: Array<{ hold: HoldImpl; request: LockRequest }> = [];
-  /** Whether the statement confirming hand-overs is on its way. */
-  private confirming = false;
   /** How many release notifications this session has seen. */
   notices = 0;
 
@@ -156,40 +184,85 @@ export class Handoff {
     const next = this.handovers.get(key);
     if (!next) return false;
     this.prewoken.delete(key);
+    this.fetchedHere.delete(key);
     clearTimeout(next.timer);
     this.handovers.delete(key);
     this.counts.handedOver++;
-    this.toConfirm.push({ hold: this.host.passKey(hold, next.request), request: next.request });
-    this.confirmHandOvers();
+    probeStage("handedOver", next.request.info.jobId);
+    this.confirmHandOver(this.host.passKey(hold, next.request), next.request);
     return true;
   }
 
   /**
-   * Gives the jobs that were passed a key in memory their holds once the connection answers a statement sent
-   * after the pass, from its own backend. A key passed in memory is only as good as the connection: a
+   * Gives the job that was passed a key in memory its hold once the connection answers a lock statement
+   * sent after the pass, from its own backend. A key passed in memory is only as good as the connection: a
    * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
    * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
    * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
-   * answered. A job whose check fails gets the connection's error (its hold is lost with the connection).
-   * Hand-overs that come while a check is on its way share the next one.
+   * answered. The check costs no statement of its own: it rides on the next lock statement, which the new
+   * hold's early wake sends at once when its line is short of time. A statement already on its way at the
+   * pass does not count: its answer may have been written before the backend ended. A job whose check fails
+   * gets the connection's error (its hold is lost with the connection).
    */
-  private confirmHandOvers(): void {
-    if (this.confirming || this.toConfirm.length === 0) return;
-    const waiting = this.toConfirm.splice(0);
-    this.confirming = true;
-    void this.host.confirm().then((alive) => {
-      this.confirming = false;
-      for (const { hold, request } of waiting) {
-        if (alive && !hold.lost) request.resolve({ acquired: true, hold });
-        else request.reject(this.host.unavailable());
-      }
-      this.confirmHandOvers();
+  private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
+    void this.host.confirmWithNext().then((alive) => {
+      if (alive && !hold.lost) {
+        probeStage("granted", request.info.jobId);
+        request.resolve({ acquired: true, hold });
+      } else request.reject(this.host.unavailable());
     });
+  }
+
+  /**
+   * At `hold`'s release, when the job it woke early is not here yet but an idle worker of this process was
+   * nudged to fetch it: the key stays held for that job, for at most its `releaseWaitMs`, then is unlocked.
+   * Returns whether it is kept.
+   */
+  keepFor(hold: HoldImpl): boolean {
+    const key = hold.keyText;
+    if (!this.fetchedHere.has(key) || !hold.info.reschedule || this.kept.has(key)) return false;
+    const timer = setTimeout(() => {
+      if (this.kept.get(key)?.timer !== timer) return;
+      this.kept.delete(key);
+      this.host.unlock(hold);
+    }, hold.info.releaseWaitMs);
+    this.kept.set(key, { hold, timer });
+    this.counts.keptForArrival++;
+    return true;
+  }
+
+  /**
+   * A job that finds `key` held by a released hold: if the hold keeps the key for it (keepFor), it takes the
+   * key in memory, as a hand-over. Null for any other job.
+   */
+  onArrival(key: string, slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> | null {
+    const kept = this.kept.get(key);
+    if (!kept || info.jobId === null || this.prewoken.get(key) !== info.jobId) return null;
+    clearTimeout(kept.timer);
+    this.kept.delete(key);
+    this.prewoken.delete(key);
+    this.fetchedHere.delete(key);
+    this.counts.handedOver++;
+    probeStage("handedOver", info.jobId);
+    return new Promise<AcquireResult>((resolve, reject) => {
+      const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
+      this.confirmHandOver(this.host.passKey(kept.hold, request), request);
+    });
+  }
+
+  /** Unlocks every key kept for a job on its way (the session closes). */
+  unlockKept(): void {
+    for (const { hold, timer } of this.kept.values()) {
+      clearTimeout(timer);
+      this.host.unlock(hold);
+    }
+    this.kept.clear();
   }
 
   /** `key`'s hold here has ended (unlocked). */
   released(key: string): void {
     this.prewoken.delete(key);
+    this.fetchedHere.delete(key);
   }
 
   /** A lock request for `key` has been answered. */
@@ -235,7 +308,21 @@ export class Handoff {
       this.prewoken.set(hold.keyText, jobId);
     this.counts.prewakes++;
     // (should no worker be idle any more, the release announces the job if it is still unfetched)
-    if (wakeHere && this.idleWorkers?.nudge()) this.counts.wokenHere++;
+    const key = hold.keyText;
+    const fetched = (got: string | null) => {
+      if (got === jobId || this.prewoken.get(key) !== jobId) return;
+      // That worker fetched another job, or none: the woken job is not on its way here.
+      this.fetchedHere.delete(key);
+      const kept = this.kept.get(key);
+      if (!kept) return;
+      clearTimeout(kept.timer);
+      this.kept.delete(key);
+      this.host.unlock(kept.hold);
+    };
+    if (wakeHere && this.idleWorkers?.nudge(fetched)) {
+      this.counts.wokenHere++;
+      if (this.prewoken.get(key) === jobId) this.fetchedHere.add(key);
+    }
   }
 
   /**
@@ -257,6 +344,7 @@ export class Handoff {
     this.releaseNotices.set(key, ++this.notices);
     const waiting = this.awaitingRelease.get(key);
     if (!waiting) return;
+    probeStage("noticed", waiting.request.info.jobId);
     clearTimeout(waiting.timer);
     this.awaitingRelease.delete(key);
     this.host.retryLock(waiting.request);
@@ -268,7 +356,12 @@ export class Handoff {
       clearTimeout(waiting.timer);
       waiting.request.reject(error);
     }
-    for (const { request } of this.toConfirm.splice(0)) request.reject(error);
+    for (const { hold, timer } of this.kept.values()) {
+      clearTimeout(timer);
+      hold.settle(LOST);
+    }
+    this.kept.clear();
+    this.fetchedHere.clear();
     this.handovers.clear();
     this.awaitingRelease.clear();
     this.releaseNotices.clear();

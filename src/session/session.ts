@@ -55,7 +55,7 @@ import {
 import type { IdleWorkers } from "./idle.js";
 import { QuietUnlocks } from "./quiet-unlocks.js";
 import { parseSupersedeNotice, Supersessions } from "./supersede.js";
-import { probeQueued } from "./timing-probe.js";
+import { probeQueued, probeStage } from "./timing-probe.js";
 import type { Sql } from "../sql.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
@@ -104,6 +104,8 @@ export class LockSession extends SessionBook {
   private closing = false;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
+  /** Hand-over checks waiting for the answer of the next lock statement (`confirmWithNext`). */
+  private confirmQueue: Array<(alive: boolean) => void> = [];
   protected override readonly handoff: Handoff;
   /** Supersessions noticed lately (supersede.ts). */
   private readonly supersessions = new Supersessions();
@@ -130,6 +132,7 @@ export class LockSession extends SessionBook {
       {
         holdOf: (key) => this.holds.get(key),
         isPending: (key) => this.pending.has(key),
+        unlock: (hold) => this.queueUnlock(hold),
         retryLock: (request) => {
           this.lockQueue.push(request);
           this.scheduleFlush();
@@ -141,7 +144,11 @@ export class LockSession extends SessionBook {
           // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
           return this.grant(request, from.keyText, from.generation, true);
         },
-        confirm: () => this.connection.confirm("a hand-over's check"),
+        confirmWithNext: () =>
+          new Promise<boolean>((resolve) => {
+            this.confirmQueue.push(resolve);
+            this.scheduleFlush();
+          }),
         unavailable: () =>
           this.connection.refusal ?? lockSessionUnavailable("the connection was lost"),
       },
@@ -264,6 +271,9 @@ export class LockSession extends SessionBook {
           continue;
         }
       }
+      // A key kept at its release for the job woken early that is on its way here: that job takes it.
+      const kept = keys.length === 1 ? this.handoff.onArrival(keys[0]!, slots, info) : null;
+      if (kept) return kept;
       // A key whose job has finished and whose unlock is on its way is not a conflict: wait for the unlock.
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) {
@@ -378,8 +388,16 @@ export class LockSession extends SessionBook {
       hold.settle(LOST);
       return;
     }
-    if (!hold.stacked && this.holds.get(hold.keyText) === hold && this.handoff.handOver(hold))
+    if (
+      !hold.stacked &&
+      this.holds.get(hold.keyText) === hold &&
+      (this.handoff.handOver(hold) || this.handoff.keepFor(hold))
+    )
       return;
+    this.queueUnlock(hold);
+  }
+
+  private queueUnlock(hold: HoldImpl): void {
     probeQueued(hold);
     if (this.unlockQueue.length === 0) this.quiet.since = performance.now();
     this.unlockQueue.push(hold);
@@ -413,6 +431,7 @@ export class LockSession extends SessionBook {
   private onlyQuietUnlocks(): boolean {
     return (
       this.lockQueue.length === 0 &&
+      this.confirmQueue.length === 0 &&
       !this.handoff.hasPrewakes() &&
       this.successorsWaiting === 0 &&
       this.unlockQueue.every((hold) => !hold.info.reschedule)
@@ -429,7 +448,12 @@ export class LockSession extends SessionBook {
       (this.inFlight.length > 0 || this.quiet.hold(this.unlockQueue.length))
     )
       return;
-    if (this.lockQueue.length === 0 && this.unlockQueue.length === 0 && !this.handoff.hasPrewakes())
+    if (
+      this.lockQueue.length === 0 &&
+      this.unlockQueue.length === 0 &&
+      this.confirmQueue.length === 0 &&
+      !this.handoff.hasPrewakes()
+    )
       return;
     if (this.closing && this.unlockQueue.length === 0) return;
     this.quiet.end();
@@ -447,6 +471,9 @@ export class LockSession extends SessionBook {
     );
     const { unlocks, singles, multis, stacked } = batch;
     const locks = [...singles, ...multis, ...stacked];
+    // Hand-over checks: this statement, sent after they asked, answers them (see Handoff.confirmHandOver).
+    const confirms = this.closing ? [] : this.confirmQueue.splice(0);
+    for (const hold of unlocks) probeStage("unlockSent", hold.info.jobId);
     let answered: () => void = () => undefined;
     if (prewakes.length > 0) {
       const prewaking = new Promise<void>((resolve) => (answered = resolve));
@@ -465,7 +492,7 @@ export class LockSession extends SessionBook {
         ),
       )
       .then(
-        ({ rows }) =>
+        ({ rows }) => {
           this.settleAnswer(
             rows,
             client,
@@ -476,8 +503,20 @@ export class LockSession extends SessionBook {
             wakeHere,
             noticesAtSend,
             sentAt,
-          ),
-        (error: Error) => this.settleFailure(client, generation, locks, unlocks, error),
+          );
+          // (an answer from another backend, or one found reset, has ended the generation meanwhile)
+          const alive = generation === this.connection.generation;
+          for (const confirmed of confirms) confirmed(alive);
+        },
+        async (error: Error) => {
+          await this.settleFailure(client, generation, locks, unlocks, error);
+          // A statement PostgreSQL refused for want of resources leaves the connection sound (book.ts's
+          // recover): its checks wait for the next one.
+          if (generation === this.connection.generation && this.connection.state === "ready") {
+            this.confirmQueue.push(...confirms);
+            this.scheduleFlush();
+          } else for (const confirmed of confirms) confirmed(false);
+        },
       )
       .finally(() => {
         for (const hold of prewakes) hold.prewaking = null;
@@ -503,6 +542,7 @@ export class LockSession extends SessionBook {
     this.handoff.dropAll(unavailable);
     for (const request of this.lockQueue.splice(0)) request.reject(unavailable);
     for (const hold of this.unlockQueue.splice(0)) hold.settle(LOST);
+    for (const confirmed of this.confirmQueue.splice(0)) confirmed(false);
     this.quiet.end();
     for (const hold of open) hold.markLost(reason);
     this.connection.abortLossSignal(reason);
@@ -525,6 +565,7 @@ export class LockSession extends SessionBook {
     // Unlocks still queued (waiting for a statement to ride) leave first, so that they are answered as
     // released rather than lost with the connection.
     this.closing = true;
+    this.handoff.unlockKept();
     while (this.connection.state === "ready" && this.unlockQueue.length > 0) {
       this.flush();
       if (this.inFlight.length === 0) break;

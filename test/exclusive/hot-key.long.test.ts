@@ -1,0 +1,78 @@
+/**
+ * One hot `reschedule` key worked by two processes: the key passes from job to job within a process
+ * (in memory, or kept at its release for the job woken early that this process fetches) and between them,
+ * and the line's order holds throughout: no job starts before an older one of its key, whichever process
+ * holds it, so no process keeps the key while an older job of another process waits.
+ * Real graphile-worker runners in separate Node processes, starts and ends stamped by the database's clock.
+ */
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { makeLocks, type HandoffCounts, type Locks } from "../../src/index.js";
+import { useTestDatabase, waitFor } from "../support/db.js";
+import { maxConcurrencyPerKey, readEvents, readExecutions } from "../support/executions.js";
+import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
+
+const db = useTestDatabase();
+let locks: Locks;
+
+beforeAll(() => {
+  locks = makeLocks({ connectionString: db.url });
+});
+afterAll(async () => {
+  await locks?.release();
+});
+
+describe("a hot key across two processes", () => {
+  it("2 processes x concurrency 8, 300 jobs of 2 ms on one key enqueued with locks.addJobs: each runs once, alone, in enqueue order", async () => {
+    // The enqueuing process defines the task as the workers do (same key); its safety net, 10 s, outlasts the run.
+    locks.exclusive("exec", async () => undefined, {
+      key: (p: { k: string }) => ({ k: p.k }),
+      onConflict: "reschedule",
+      reschedule: { minDelay: 20, maxDelay: 10_000 },
+    });
+    const jobs = 300;
+    const added = await locks.addJobs(
+      Array.from({ length: jobs }, (_, n) => ({
+        identifier: "exec",
+        payload: { k: "hot", ms: 2, n },
+      })),
+    );
+    expect(added.map((r) => r.outcome)).toEqual(Array(jobs).fill("added"));
+    const workers: WorkerProcess[] = [];
+    try {
+      for (const name of ["h1", "h2"])
+        workers.push(
+          await startWorkerProcess(db.url, {
+            name,
+            concurrency: 8,
+            strategy: "reschedule",
+            attach: true,
+          }),
+        );
+      await waitFor(
+        async () => {
+          const { rows } = await db
+            .pool()
+            .query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
+          return rows[0]!.n === 0;
+        },
+        { timeoutMs: 240_000, message: "all jobs to finish" },
+      );
+    } finally {
+      await Promise.all(workers.map((w) => w.stop()));
+    }
+
+    const executions = await readExecutions(db.pool());
+    expect(executions).toHaveLength(jobs);
+    expect(executions.every((e) => e.end !== null)).toBe(true);
+    expect(Math.max(...maxConcurrencyPerKey(executions).values())).toBe(1);
+    const order = executions
+      .sort((a, b) => (a.start < b.start ? -1 : 1))
+      .map((e) => Number(e.note));
+    expect(order).toEqual(Array.from({ length: jobs }, (_, n) => n));
+    const handoffs = (await readEvents(db.pool(), "handoffs")).map(
+      (e) => e.detail as HandoffCounts,
+    );
+    expect(handoffs).toHaveLength(2);
+    expect(handoffs.reduce((n, h) => n + h.handedOver, 0)).toBeGreaterThan(0);
+  }, 300_000);
+});

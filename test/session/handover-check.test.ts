@@ -1,0 +1,171 @@
+/**
+ * The check of an in-memory hand-over (a finished hold passes its key to the job it woke early, without an
+ * unlock) costs no statement of its own: the woken job gets its hold from the answer of the next lock
+ * statement, which carries the new hold's early wake. (That the check still stops a hand-over on a dead
+ * session is handover-loss.test.ts's.)
+ * Real PostgreSQL, a real graphile-worker runner.
+ */
+import { setTimeout as sleep } from "node:timers/promises";
+import pg from "pg";
+import { describe, expect, it } from "vitest";
+import { startProxy } from "../../scripts/soak/proxy.js";
+import { deferred, waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+import { nextEvent } from "../support/runner.js";
+
+const h = useExclusiveHarness();
+const { cleanups, newLocks, runner, parkedCount } = h;
+
+/** Counts, from now until the test ends, the lock statements and the heartbeat-shaped checks sent. */
+function countStatements() {
+  const counts = { lock: 0, check: 0 };
+  const original = pg.Client.prototype.query;
+  cleanups.push(async () => void (pg.Client.prototype.query = original));
+  pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
+    const config = args[0] as { name?: string; text?: string } | string | undefined;
+    const text = typeof config === "string" ? config : config?.text;
+    if (typeof config === "object" && config?.name?.startsWith("gwl_lock_")) counts.lock++;
+    else if (text?.startsWith("select pg_catalog.pg_backend_pid() as pid")) counts.check++;
+    return (original as (...a: unknown[]) => unknown).apply(this, args);
+  } as typeof original;
+  return counts;
+}
+
+describe("hand-over check", () => {
+  it("rides on the lock statement that carries the new hold's early wake: no statement of its own", async () => {
+    // No heartbeat within the test: a heartbeat-shaped statement can only be a hand-over's own check.
+    const locks = newLocks({ heartbeatInterval: 60_000, heartbeatTimeout: 60_000 });
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const started: number[] = [];
+    const task = locks.exclusive(
+      "handover_check",
+      async (p: { n: number; gated?: boolean }) => {
+        started.push(p.n);
+        if (p.gated) await gate.promise;
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    const r = await runner({
+      connectionString: h.db.url,
+      concurrency: 3,
+      taskList: { handover_check: task },
+    });
+    locks.attach(r);
+    const fetched = (n: number) =>
+      new Promise<void>((resolve) =>
+        r.events.on("job:start", ({ job }) => {
+          if ((job.payload as { n: number }).n === n) resolve();
+        }),
+      );
+
+    // Short jobs teach the task its usual hold, so that a new hold wakes the next job in line at once.
+    await locks.addJobs(
+      Array.from({ length: 20 }, (_, n) => ({ identifier: "handover_check", payload: { n } })),
+    );
+    await waitFor(async () => started.length === 20, { message: "the teaching jobs to run" });
+    await waitFor(async () => (await parkedCount()) === 0, { message: "the line to empty" });
+
+    // 100 runs and releases at once; 101 takes the key with 102 in line, wakes it early, and holds the key
+    // until 102 was fetched here and waits to be handed it.
+    const fetched102 = fetched(102);
+    const held101 = nextEvent(
+      locks,
+      "lock:acquired",
+      (e) => (e.job.payload as { n: number }).n === 101,
+    );
+    await locks.addJobs(
+      [100, 101, 102].map((n) => ({
+        identifier: "handover_check",
+        payload: { n, ...(n === 101 ? { gated: true } : {}) },
+      })),
+    );
+    await held101;
+    await fetched102;
+    const handedOver = locks.status().handoffs.handedOver;
+
+    const counts = countStatements();
+    const held102 = nextEvent(
+      locks,
+      "lock:acquired",
+      (e) => (e.job.payload as { n: number }).n === 102,
+    );
+    gate.resolve();
+    await held102;
+    expect(locks.status().handoffs.handedOver).toBe(handedOver + 1);
+    expect(counts).toEqual({ lock: 1, check: 0 });
+  });
+
+  it("a key released before the job it woke early arrives here is kept for that job, which takes it in memory", async () => {
+    // The runner's connections go through a proxy, so that the woken job's fetch can be held up; the lock
+    // session's do not.
+    const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
+    cleanups.push(() => proxy.close());
+    const proxied = new URL(h.db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String(proxy.port);
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const spans = new Map<number, { start: number; end: number | null }>();
+    const task = locks.exclusive(
+      "kept_for_arrival",
+      async (p: { n: number; gated?: boolean }) => {
+        const span = { start: performance.now(), end: null as number | null };
+        spans.set(p.n, span);
+        await (p.gated ? gate.promise : sleep(300));
+        span.end = performance.now();
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    // No polling: a poll started while the proxy is frozen would keep its worker from counting as idle. The
+    // jobs are fetched on graphile-worker's notification, or by an idle worker the lock session nudges.
+    const r = await runner({
+      connectionString: proxied.toString(),
+      concurrency: 4,
+      pollInterval: 60_000,
+      taskList: { kept_for_arrival: task },
+    });
+    cleanups.push(async () => proxy.thaw());
+    locks.attach(r);
+
+    // Three jobs of 300 ms teach the task its usual hold: a job woken early then waits up to 600 ms for its
+    // key, and so long is a key kept for it.
+    await locks.addJobs([0, 1, 2].map((n) => ({ identifier: "kept_for_arrival", payload: { n } })));
+    await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
+      message: "the teaching jobs to run",
+    });
+    await waitFor(async () => (await parkedCount()) === 0, { message: "the line to empty" });
+
+    // 100 runs, then 101 holds the key with 102 in line; the runner's network freezes as 101 takes the key,
+    // so that 102, woken early for an idle worker here, is not fetched before 101 ends.
+    locks.events.on("lock:acquired", ({ job }) => {
+      if ((job.payload as { n: number }).n === 101) proxy.freeze();
+    });
+    const before = locks.status().handoffs;
+    await locks.addJobs(
+      [100, 101, 102].map((n) => ({
+        identifier: "kept_for_arrival",
+        payload: { n, ...(n === 101 ? { gated: true } : {}) },
+      })),
+    );
+    // (100 wakes 101 early, then 101 wakes 102)
+    await waitFor(async () => locks.status().handoffs.wokenHere === before.wokenHere + 2, {
+      message: "101 to wake 102 early for a worker of this process",
+    });
+    const mid = locks.status().handoffs;
+    gate.resolve();
+    await waitFor(async () => spans.get(101)?.end != null, { message: "101 to end" });
+    // (its release runs as its task returns)
+    await sleep(50);
+    expect(spans.has(102)).toBe(false);
+    proxy.thaw();
+
+    await waitFor(async () => spans.get(102)?.end != null, { message: "102 to run" });
+    const after = locks.status().handoffs;
+    expect(after.handedOver).toBe(mid.handedOver + 1);
+    expect(after.keptForArrival).toBe(mid.keptForArrival + 1);
+    expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
+    await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
+  });
+});
