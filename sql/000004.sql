@@ -112,6 +112,8 @@ declare
   v_plan timestamptz;
   v_copy bigint;
   v_run_at timestamptz;
+  v_n int;
+  v_ahead timestamptz[];
 begin
   if p_rate_key is not null then
     loop
@@ -139,18 +141,22 @@ begin
 
   select r.pos into v_pos from :GWL_SCHEMA.rate_reservations r
     where r.job_id = p_job_id and r.rate_key = p_rate_key;
-  v_actual := :GWL_SCHEMA.rate_next(v_starts, p_limit, p_period, p_burst, v_now);
+  -- (the log is in order: its limit-th and burst-th latest are read by place)
+  v_n := cardinality(v_starts);
+  v_actual := greatest(
+    v_now,
+    case when v_n >= p_limit then v_starts[v_n - p_limit + 1] + p_period end,
+    case when v_n >= p_burst then v_starts[v_n - p_burst + 1] + p_period * p_burst / p_limit end);
   -- The plan: the actual starts and the slots reserved by the live jobs ahead of this one (all, for a job
   -- that has none), the latest `limit` of them by place in line.
-  v_plan := :GWL_SCHEMA.rate_next(
-    v_starts || array(
-      select r.at from :GWL_SCHEMA.rate_reservations r
-      where r.rate_key = p_rate_key and (v_pos is null or r.pos < v_pos)
-        and exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = r.job_id)
-      order by r.pos desc
-      limit p_limit
-    ),
-    p_limit, p_period, p_burst, v_now);
+  v_ahead := array(
+    select r.at from :GWL_SCHEMA.rate_reservations r
+    where r.rate_key = p_rate_key and (v_pos is null or r.pos < v_pos)
+      and exists (select 1 from :GRAPHILE_WORKER_SCHEMA._private_jobs j where j.id = r.job_id)
+    order by r.pos desc
+    limit p_limit);
+  v_plan := case when cardinality(v_ahead) = 0 then v_actual
+    else :GWL_SCHEMA.rate_next(v_starts || v_ahead, p_limit, p_period, p_burst, v_now) end;
 
   if v_actual <= v_now and v_plan <= v_now then
     update :GWL_SCHEMA.rates r

@@ -1,6 +1,7 @@
 /**
  * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
- * and applies the conflict strategy when the key is held.
+ * and applies the conflict strategy when the key is held. A task with a `rate` or a pause has its start
+ * checked next (rates/gate.ts; with `lock: false`, only that), and a snooze or pause it throws is carried out.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError, SupersededError } from "../errors.js";
