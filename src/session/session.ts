@@ -294,7 +294,8 @@ export class LockSession extends SessionBook {
           undefined,
         );
         acquisition.limits = free;
-        acquisition.lines = texts.map((slots) => slots[0]!);
+        // (a limit of several slots has no line order: see try_lock_all in sql/000002.sql)
+        acquisition.lines = texts.map((slots) => (slots.length === 1 ? slots[0]! : ""));
         probeQueued(acquisition);
         this.lockQueue.push(acquisition);
         this.scheduleFlush();
