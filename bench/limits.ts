@@ -96,7 +96,6 @@ async function contended(ctx: BenchContext, jobs: number) {
           { key: (p: { t: number }) => p.t },
           { key: () => "cap", limit: CAP, group: "bench-cap" },
         ],
-        reschedule: { minDelay: 1000, maxDelay: 10_000 },
       },
     );
     await locks.connect();

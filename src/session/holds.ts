@@ -197,7 +197,7 @@ export interface LockRequest {
    * hold or acquire itself; `slots` is all of them), one of each taken all or nothing.
    */
   limits?: string[][];
-  /** With `limits`: each limit's slot-0 key (its line). */
+  /** With `limits`: each limit's slot-0 key (its line) for a limit of one slot, else "" (no line order). */
   lines?: string[];
 }
 

@@ -14,6 +14,10 @@
  *   as pending but takes at most one: a request that finds its slots pending for another job of this
  *   process waits for that answer and tries the slots still free, so this process's own acquisitions never
  *   turn a job away while a slot is free.
+ * - A request of a job with several limits (`limits`) counts every slot it tries as pending and takes one
+ *   slot of each limit or none, in one call of its statement (try_lock_all, sql/000002.sql). Its hold is one
+ *   `Hold` registered under each key it took, released in one unlock, marked lost once; it is never handed
+ *   over in memory nor woken early (a single key's hand-off cannot promise every limit).
  * - Requests are coalesced: the requests of one turn of the event loop share a statement (batch.ts). Up to
  *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
  *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
@@ -334,7 +338,8 @@ export class LockSession extends SessionBook {
           undefined,
         );
         acquisition.limits = free;
-        acquisition.lines = texts.map((slots) => slots[0]!);
+        // (a limit of several slots has no line order: see try_lock_all in sql/000002.sql)
+        acquisition.lines = texts.map((slots) => (slots.length === 1 ? slots[0]! : ""));
         probeQueued(acquisition);
         this.lockQueue.push(acquisition);
         this.scheduleFlush();

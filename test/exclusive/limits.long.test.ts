@@ -149,6 +149,7 @@ describe("composed limits across 3 processes", () => {
     const groupKeys = ["k1", "k2", "wide"];
     const workers: WorkerProcess[] = [];
     const sampler = sampleSlots(tenants);
+    let sampled: ReturnType<typeof sampler.stop> | undefined;
     let killAt = 0n;
     let terminateAt = 0n;
     try {
@@ -203,7 +204,21 @@ describe("composed limits across 3 processes", () => {
         await startWorkerProcess(db.url, { name: "w4", concurrency: 4, script: SCRIPT }),
       );
 
-      // The lock session of another process is terminated while its jobs run.
+      // More work, longer jobs: the lock session of another process is terminated while its jobs run.
+      const more = [];
+      for (let n = 240; n < 300; n++) {
+        more.push({
+          identifier: "stacked",
+          payload: { t: tenants[n % tenants.length], ms: 100 + (n % 3) * 50, n },
+        });
+        if (n % 2 === 0) {
+          more.push({
+            identifier: n % 4 === 0 ? "grp_a" : "grp_b",
+            payload: { k: groupKeys[n % 3], ms: 100, n: 1000 + n },
+          });
+        }
+      }
+      await utils.addJobs(more);
       await waitFor(
         async () => (await readRuns()).some((r) => r.worker === "w2" && r.end === null),
         { message: "w2 to be running a job", timeoutMs: 60_000 },
@@ -221,8 +236,9 @@ describe("composed limits across 3 processes", () => {
       for (const w of workers) {
         if (w.child.exitCode === null && w.child.signalCode === null) await w.stop();
       }
+      sampled = sampler.stop();
     }
-    const { samples, persistent } = await sampler.stop();
+    const { samples, persistent } = await sampled!;
 
     // A killed job's lock went with its process, a lost one's with its session: neither ran past that
     // moment with its key (the server frees the keys only after it).
@@ -246,7 +262,7 @@ describe("composed limits across 3 processes", () => {
     const completed = runs.filter((r) => !r.lost && !(r.worker === "w1" && r.end === killAt));
     const counts = new Map<number, number>();
     for (const r of completed) counts.set(r.n, (counts.get(r.n) ?? 0) + 1);
-    expect(counts.size).toBe(240 + 120);
+    expect(counts.size).toBe(300 + 150);
     expect([...counts.values()].every((c) => c === 1)).toBe(true);
 
     expect(persistent).toEqual([]);
