@@ -9,10 +9,14 @@ import { afterAll, inject } from "vitest";
 import { databaseUrl } from "../../scripts/postgres.js";
 import { dropDatabase, withAdmin } from "./admin.js";
 
-/** The library's latest migration: the number of files in `sql/` (numbered from 1). */
-export const LATEST_MIGRATION = readdirSync(new URL("../../sql/", import.meta.url)).filter((f) =>
-  /^\d{6}\.sql$/.test(f),
-).length;
+/** The numbers of the library's migrations (the files in `sql/`), in order. */
+export const MIGRATION_IDS: readonly number[] = readdirSync(new URL("../../sql/", import.meta.url))
+  .filter((f) => /^\d{6}\.sql$/.test(f))
+  .map((f) => Number.parseInt(f.slice(0, 6), 10))
+  .sort((a, b) => a - b);
+
+/** The library's latest migration: the highest number in `sql/`. */
+export const LATEST_MIGRATION = MIGRATION_IDS.at(-1)!;
 
 export interface ScratchDatabases {
   /** Creates an empty database and returns its URL. */
