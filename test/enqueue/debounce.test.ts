@@ -262,6 +262,23 @@ describe("callers' transactions", () => {
   });
 });
 
+describe("repeatable read", () => {
+  it("a caller whose snapshot predates the key's burst gets a serialization failure", async () => {
+    const [a, b] = await Promise.all([client(), client()]);
+    const debounce = { delay: 60_000, maxWait: 120_000, key: () => "rr" };
+    await a.query("begin isolation level repeatable read");
+    await a.query("select 1");
+    expect((await h.locks.addJob("rr", { n: 1 }, { debounce, pgClient: b })).outcome).toBe("added");
+    await expect(h.locks.addJob("rr", { n: 2 }, { debounce, pgClient: a })).rejects.toMatchObject({
+      code: "40001",
+    });
+    await a.query("rollback");
+    expect((await h.locks.addJob("rr", { n: 3 }, { debounce, pgClient: a })).outcome).toBe(
+      "debounced",
+    );
+  });
+});
+
 describe("bulk", () => {
   it("collapses a batch's items of a key into one job, answered in input order", async () => {
     const debounce = { delay: 60_000, maxWait: 120_000, key: () => "bulk" };

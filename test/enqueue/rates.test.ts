@@ -208,6 +208,25 @@ describe("what counts", () => {
     expect((await pending).outcome).toBe("added");
   });
 
+  it("a repeatable-read caller whose snapshot predates a key's log gets a serialization failure", async () => {
+    const [a, b] = await clients(2);
+    const enqueueRate = { limit: 5, period: 600_000, key: () => "rr" };
+    await a!.query("begin isolation level repeatable read");
+    await a!.query("select 1");
+    expect((await h.locks.addJob("rr", { n: 1 }, { enqueueRate, pgClient: b })).outcome).toBe(
+      "added",
+    );
+    await expect(
+      h.locks.addJob("rr", { n: 2 }, { enqueueRate, pgClient: a }),
+    ).rejects.toMatchObject({
+      code: "40001",
+    });
+    await a!.query("rollback");
+    expect((await h.locks.addJob("rr", { n: 3 }, { enqueueRate, pgClient: a })).outcome).toBe(
+      "added",
+    );
+  });
+
   it("not duplicates nor replacements of unique jobs; `uniqueFor` keeps its own behaviour", async () => {
     const task = h.locks.unique("digest", async () => undefined, {
       unique: "queued",
