@@ -3,7 +3,14 @@ import { defineConfig, globalIgnores } from "eslint/config";
 import tseslint from "typescript-eslint";
 
 export default defineConfig(
-  globalIgnores(["dist/", "node_modules/", "coverage/", ".ci/node24/", "test/.preset/"]),
+  globalIgnores([
+    "dist/",
+    "node_modules/",
+    "coverage/",
+    ".ci/node24/",
+    "test/.preset/",
+    ".bench-ab/",
+  ]),
   tseslint.configs.recommended,
   {
     rules: {

@@ -4,7 +4,8 @@
  * alike. Each commit is built from its own tree (`git archive`, its `src/` and `sql/`) into
  * `.bench-ab/<commit>/`; `dist` is the working tree's build (`npm run build`). Each run is one
  * `bench/run.ts contention` with BENCH_LIB set to the build and BENCH_ROUNDS=1; after BENCH_AB_RUNS rounds
- * (default 3) it prints every run's figures and their medians per build and variant.
+ * (default 3) it prints every run's figures and their medians per build and variant (a run that failed, e.g.
+ * jobs still queued after its time limit on a loaded machine, is left out and said so).
  * BENCH_CONTENTION chooses the variants (default: the line variants and the hot key).
  *
  * Example: `node --import tsx bench/ab.ts 8961c80 dist` (the default).
@@ -34,10 +35,14 @@ function build(name: string): string {
   if (!existsSync(`${root}${dir}/dist/index.js`)) {
     log(`building ${name} (${commit}) into ${dir}`);
     mkdirSync(`${root}${dir}`, { recursive: true });
-    const tar = execFileSync("git", ["archive", commit, "src", "sql", "tsconfig.build.json"], {
-      cwd: root,
-      maxBuffer: 64 << 20,
-    });
+    const tar = execFileSync(
+      "git",
+      ["archive", commit, "src", "sql", "tsconfig.json", "tsconfig.build.json"],
+      {
+        cwd: root,
+        maxBuffer: 64 << 20,
+      },
+    );
     execFileSync("tar", ["-x", "-C", dir], { cwd: root, input: tar });
     if (!existsSync(`${root}${dir}/node_modules`))
       symlinkSync(`${root}node_modules`, `${root}${dir}/node_modules`);
@@ -68,7 +73,10 @@ for (let r = 1; r <= runs; r++) {
       env: { ...process.env, BENCH_LIB: lib, BENCH_ROUNDS: "1", BENCH_CONTENTION: variants },
       stdio: ["ignore", "ignore", "inherit"],
     });
-    if (child.status !== 0) throw new Error(`bench run of ${name} failed (${child.status})`);
+    if (child.status !== 0) {
+      log(`run ${r} of ${name} failed (exit ${child.status}): left out`);
+      continue;
+    }
     const full = JSON.parse(readFileSync(`${root}bench/results.full.json`, "utf8")) as {
       sections: { contention: { figures: { summaries: Summary[] } } };
     };

@@ -9,7 +9,7 @@ import { InvalidArgumentError, makeLocks, migrate, type Locks } from "../src/ind
 import { escapeIdentifier } from "../src/sql.js";
 import { deferred, waitFor } from "./support/db.js";
 import { quietLogger, startRunner } from "./support/runner.js";
-import { MIGRATION_IDS, useScratchDatabases } from "./support/scratch.js";
+import { MIGRATIONS, useScratchDatabases } from "./support/scratch.js";
 
 const scratch = useScratchDatabases();
 const instances: Locks[] = [];
@@ -74,7 +74,7 @@ describe("schema names", () => {
       const { rows } = await pool.query<{ n: number }>(
         `select count(*)::int as n from ${escapeIdentifier(schema)}.migrations`,
       );
-      expect(rows[0]!.n, schema).toBe(MIGRATION_IDS.length);
+      expect(rows[0]!.n, schema).toBe(MIGRATIONS.length);
     }
   });
 
