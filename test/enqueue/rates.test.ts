@@ -80,8 +80,9 @@ describe("keys", () => {
 });
 
 describe("admission", () => {
-  it("admits exactly `limit` per window under 50 concurrent enqueuers on separate connections", async () => {
-    const connections = await clients(50);
+  it("admits exactly `limit` per window under 20 concurrent enqueuers on separate connections", async () => {
+    // (50 of them: rates.long.test.ts)
+    const connections = await clients(20);
     const rate = { limit: 7, period: 600_000 };
     const results = await Promise.all(
       connections.map((c, i) =>
@@ -92,7 +93,7 @@ describe("admission", () => {
         ),
       ),
     );
-    expect(outcomes(results)).toEqual({ added: 7, rateLimited: 43 });
+    expect(outcomes(results)).toEqual({ added: 7, rateLimited: 13 });
     expect(results.filter((r) => r.outcome === "rateLimited").every((r) => r.job === null)).toBe(
       true,
     );
