@@ -639,8 +639,10 @@ language sql stable as $$
       -- active (also the rule for a keyed row without our flags): queued, running or waiting to retry
       else j.locked_at is not null or j.attempts < j.max_attempts
     end
+    -- (silent: a row whose flags are not an object, such as the JSON value null, has no window)
     and coalesce(to_timestamp(substr(pg_catalog.jsonb_path_query_first(j.flags,
-      '$.keyvalue() ? (@.key starts with "gwl:unique-until:").key') #>> '{}', 18)::float8) > now(), true)
+      '$.keyvalue() ? (@.key starts with "gwl:unique-until:").key', '{}', true) #>> '{}', 18)::float8)
+      > now(), true)
 $$;
 
 -- The flags of a new unique job: the caller's (with its scope flag), plus the end of its window, if any.

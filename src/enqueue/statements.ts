@@ -118,6 +118,18 @@ function jobFlags(
   return object;
 }
 
+/**
+ * A job's flags as a statement parameter: their JSON object, or SQL null for none (never the JSON value
+ * null, which graphile-worker's flags column would keep as a non-object).
+ */
+function flagsParam(
+  flags: readonly string[] | undefined,
+  unique: ResolvedUnique | null,
+): string | null {
+  const object = jobFlags(flags, unique);
+  return object === null ? null : JSON.stringify(object);
+}
+
 /** The flags of a unique job without flags of the caller's, one per scope. */
 const SCOPE_FLAGS: Readonly<Record<UniqueScope, Readonly<Record<string, true>>>> = {
   queued: { "gwl:unique:queued": true },
@@ -156,7 +168,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
     name = lockKeys ? "enqueue_job_limited_checked" : "enqueue_job_limited";
     text = sql.enqueueJobLimited(lockKeys !== null);
     values.push(
-      JSON.stringify(jobFlags(spec?.flags, unique)),
+      flagsParam(spec?.flags, unique),
       unique?.key ?? null,
       unique?.scope ?? null,
       unique?.windowSeconds ?? null,
@@ -178,8 +190,7 @@ export async function addJob(db: Queryable, sql: Sql, plan: EnqueuePlan): Promis
         : "enqueue_job";
     text = sql.enqueueJob(lockKeys !== null, superseding);
     values.push(
-      // (none: the JSON text null)
-      JSON.stringify(jobFlags(spec?.flags, unique)),
+      flagsParam(spec?.flags, unique),
       unique?.key ?? null,
       unique?.scope ?? null,
       unique?.windowSeconds ?? null,

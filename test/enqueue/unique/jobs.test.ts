@@ -121,6 +121,29 @@ describe("duplicates", () => {
     expect(after.rows).toEqual(before.rows);
   });
 
+  it("a job without flags gets none (SQL null), and a keyed row whose flags are the JSON value null still answers duplicates", async () => {
+    const plain = await h.locks.addJob("plain_flags", { n: 1 });
+    const { rows: plainRows } = await db
+      .pool()
+      .query<{ flags: unknown }>("select flags from graphile_worker._private_jobs where id = $1", [
+        plain.job!.id,
+      ]);
+    expect(plainRows[0]!.flags).toBeNull();
+    // Another tool may leave the JSON value null in a keyed row's flags: the duplicate check must not fail.
+    const first = await h.locks.addJob("null_flags", { n: 1 }, { unique: "queued" });
+    await db
+      .pool()
+      .query("update graphile_worker._private_jobs set flags = 'null'::jsonb where id = $1", [
+        first.job!.id,
+      ]);
+    const single = await h.locks.addJob("null_flags", { n: 1 }, { unique: "queued" });
+    const [bulk] = await h.locks.addJobs([
+      { identifier: "null_flags", payload: { n: 1 }, unique: "queued" },
+    ]);
+    expect([single.outcome, bulk!.outcome]).toEqual(["duplicate", "duplicate"]);
+    expect(bulk!.job!.id).toBe(first.job!.id);
+  });
+
   it("raise throws UniqueConflictError carrying the existing job", async () => {
     const first = await h.locks.addJob("x", { n: 1 }, { unique: "queued" });
     const error = await h.locks
