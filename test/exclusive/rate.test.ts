@@ -15,6 +15,8 @@ import {
 } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
+import { IdleWorkers } from "../../src/session/idle.js";
+import { Wakes } from "../../src/rates/wakes.js";
 import { maxStartsInWindow, minStartsInWindow } from "../support/rates.js";
 import { startRunner } from "../support/runner.js";
 
@@ -356,5 +358,33 @@ describe("canStart, rateStatus, validation", () => {
         },
       }),
     ).toThrow(/task 'api_call'.*`rate.period`/);
+  });
+});
+
+describe("rate: wakes", () => {
+  it("a process sends one wake statement at a time; the wakes due meanwhile go together in the next", async () => {
+    let inFlight = 0;
+    let most = 0;
+    let statements = 0;
+    const woken: string[] = [];
+    const wakes = new Wakes(new IdleWorkers(), async (reserved) => {
+      inFlight++;
+      statements++;
+      most = Math.max(most, inFlight);
+      try {
+        // (a wake statement that takes a while, as on a busy server)
+        await db.pool().query("select pg_sleep(0.05)");
+        woken.push(...reserved);
+      } finally {
+        inFlight--;
+      }
+    });
+    const copies = Array.from({ length: 20 }, (_, i) => String(100 + i));
+    copies.forEach((copy, i) => wakes.in(i, copy));
+    await waitFor(async () => woken.length === copies.length, { message: "every copy woken" });
+    wakes.clear();
+    expect([...woken].sort()).toEqual(copies);
+    expect(most).toBe(1);
+    expect(statements).toBeLessThan(copies.length);
   });
 });
