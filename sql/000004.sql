@@ -100,7 +100,8 @@ create function :GWL_SCHEMA.rate_start(
   p_owner_pid int,
   p_wait interval,
   p_wait_reserved interval,
-  p_lead interval
+  p_lead interval,
+  p_hold interval default interval '0'
 ) returns table (admitted boolean, at timestamptz, copy_id bigint, reason text, now timestamptz)
 language plpgsql volatile as $$
 declare
@@ -114,7 +115,18 @@ declare
   v_run_at timestamptz;
   v_n int;
   v_ahead timestamptz[];
+  v_at timestamptz;
 begin
+  -- A job that comes for its reserved slot at most `p_hold` ahead of it waits for it here, before it takes
+  -- the key's row (so it holds up no other start): it is decided at its slot, however long the statement
+  -- took to get here.
+  if p_rate_key is not null and p_hold > interval '0' then
+    select r.at into v_at from :GWL_SCHEMA.rate_reservations r
+      where r.job_id = p_job_id and r.rate_key = p_rate_key;
+    if v_at is not null and v_at > clock_timestamp() and v_at - clock_timestamp() <= p_hold then
+      perform pg_sleep(extract(epoch from v_at - clock_timestamp()));
+    end if;
+  end if;
   if p_rate_key is not null then
     loop
       select r.starts into v_starts from :GWL_SCHEMA.rates r where r.rate_key = p_rate_key for update;

@@ -210,10 +210,10 @@ export function makeLocks(options: LocksOptions): Locks {
     return task?.options.lock ? task.lockPlan(job) : null;
   });
 
-  const wakes = new Wakes(idleWorkers, (reserved, count) => {
+  const wakes = new Wakes(idleWorkers, async (reserved, count) => {
     if (released) return;
-    if (reserved.length > 0) pool.query(sql.rates.wakeReserved, [reserved]).catch(() => undefined);
-    if (count > 0) pool.query(sql.rates.announce, [count]).catch(() => undefined);
+    if (reserved.length > 0) await pool.query(sql.rates.wakeReserved, [reserved]);
+    if (count > 0) await pool.query(sql.rates.announce, [count]);
   });
 
   const ctx: LocksContext = {

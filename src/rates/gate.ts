@@ -43,6 +43,18 @@ const RATE_WAIT_MS = 250;
 const RATE_WAIT_RESERVED_MS = 1000;
 /** A job given back over its rate becomes runnable this much before its slot, and waits for it as above. */
 const RATE_LEAD_MS = 20;
+/**
+ * A job waiting for its reserved slot asks again this much ahead of it, and the start statement holds it
+ * until the slot, on the key's row: so it starts at its slot even when the statement is slow to get there.
+ */
+const RATE_HOLD_MS = 250;
+/**
+ * The process that gave a copy back wakes it this much before its slot: a busy server's statements and a
+ * worker's fetch then happen before the slot, and the copy waits for it in its worker. Only without a
+ * lock: a copy with a lock would hold its key while it waits, and the jobs of the slots before it would
+ * meet it.
+ */
+const RATE_WAKE_AHEAD_MS = 500;
 
 /** Runs a statement on the job's pool connection; a connection whose state is uncertain is ended. */
 async function query<T>(
@@ -105,11 +117,16 @@ export class RateGate {
       `${RATE_WAIT_MS} milliseconds`,
       `${RATE_WAIT_RESERVED_MS} milliseconds`,
       `${RATE_LEAD_MS} milliseconds`,
+      `${RATE_HOLD_MS} milliseconds`,
     ];
     const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
     const turn = keys.rate?.key.toString();
+    // A fresh job takes its turn at its key (turns.ts); a job that comes for its reserved slot, or asks
+    // again for a near one, goes straight to the database: its statement may wait there for its slot, and
+    // must not hold up the process's other jobs of the key meanwhile.
+    let waited = false;
     for (;;) {
-      const row = await (turn === undefined
+      const row = await (turn === undefined || reserved || waited
         ? query<StartRow>(helpers, this.sql.rateStart, values)
         : this.turns.run(turn, reserved, () =>
             query<StartRow>(helpers, this.sql.rateStart, values),
@@ -122,13 +139,18 @@ export class RateGate {
       }
       const delayMs = row.at.getTime() - row.now.getTime();
       if (row.reason === "wait") {
-        // Its slot is near: wait for it here, holding its reservation, and ask again.
-        await delay(Math.max(0, delayMs), undefined, { signal: helpers.abortSignal });
+        // Its slot is near: wait here, holding its reservation, and ask again a little ahead of it.
+        waited = true;
+        await delay(Math.max(0, delayMs - RATE_HOLD_MS), undefined, {
+          signal: helpers.abortSignal,
+        });
         continue;
       }
       if (row.copy_id === null)
         throw new Error(`Could not give job ${job.id} back: it no longer exists`);
-      ctx.wakeIn(delayMs, row.reason === "rate" ? row.copy_id : undefined);
+      if (row.reason === "rate")
+        ctx.wakeIn(delayMs - (this.options.lock ? 0 : RATE_WAKE_AHEAD_MS), row.copy_id);
+      else ctx.wakeIn(delayMs);
       helpers.logger.debug(
         `Job ${job.id} ${row.reason === "paused" ? "meets a paused key" : "is over its rate"}: its copy ${row.copy_id} runs at ${row.at.toISOString()}`,
       );

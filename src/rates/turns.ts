@@ -1,7 +1,7 @@
 /**
- * Turns at a rate key within one process: at most one start statement of a key is in flight from this
- * process, the others wait here, jobs that come for a reserved slot (their copy carries the `gwl:rate` flag)
- * ahead of fresh ones. The statements of a key take turns on the key's row in PostgreSQL anyway; waiting
+ * Turns at a rate key within one process: at most one start statement of a key taking turns is in flight
+ * from this process, the others wait here, jobs that come for a reserved slot (their copy carries the
+ * `gwl:rate` flag) ahead of fresh ones. (The gate sends only fresh jobs' first statements through here.) The statements of a key take turns on the key's row in PostgreSQL anyway; waiting
  * here instead keeps a process's fresh jobs (each only to reserve a later slot) from queueing on that row
  * ahead of a job whose slot has come.
  */

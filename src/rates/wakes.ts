@@ -4,9 +4,13 @@
  * every job queued after it. So the process that gave a job back wakes it at its moment: a copy given back
  * over its rate through `wake_reserved` (runnable ahead of the jobs queued after it, and announced to every
  * worker, in one statement), any other (a snooze, the end of a pause) by an idle worker of its own
- * (`nudge`), else by telling every worker, as for a new job. Wakes due in the same millisecond share one
- * timer and one statement. Should the process end first, the jobs run at their own `run_at`, at the next
- * poll of any worker.
+ * (`nudge`), else by telling every worker, as for a new job. Should the process end first, the jobs run at
+ * their own `run_at`, at the next poll of any worker.
+ *
+ * A process sends one wake statement at a time: wakes that fall due while one is in flight go together in
+ * the next. (A statement per wake, each on a connection of its own, would open new connections just when
+ * a backlog keeps the server busy, and a wake then waits for its connection longer than the slot it is
+ * for.)
  */
 import type { IdleWorkers } from "../session/idle.js";
 
@@ -21,10 +25,17 @@ interface Due {
 
 export class Wakes {
   private readonly due = new Map<number, Due>();
+  /** Wakes fallen due while a statement is in flight: they go in the next. */
+  private pending: { count: number; reserved: string[] } = { count: 0, reserved: [] };
+  private sending = false;
 
+  /**
+   * @param idle - this process's idle workers
+   * @param send - wakes the copies `reserved` and tells every worker of `count` more jobs, in one round trip
+   */
   constructor(
     private readonly idle: IdleWorkers,
-    private readonly send: (reserved: string[], count: number) => void,
+    private readonly send: (reserved: string[], count: number) => Promise<void>,
   ) {}
 
   /** A job becomes runnable in `delayMs`; `reservedCopy`: it is a copy given back over its rate. */
@@ -47,12 +58,30 @@ export class Wakes {
     if (!entry) return;
     let left = entry.count;
     while (left > 0 && this.idle.nudge()) left--;
-    if (left > 0 || entry.reserved.length > 0) this.send(entry.reserved, left);
+    this.pending.count += left;
+    this.pending.reserved.push(...entry.reserved);
+    this.flush();
+  }
+
+  /** Sends the pending wakes, unless a statement is in flight (they follow it). */
+  private flush(): void {
+    if (this.sending) return;
+    const { count, reserved } = this.pending;
+    if (count === 0 && reserved.length === 0) return;
+    this.pending = { count: 0, reserved: [] };
+    this.sending = true;
+    void this.send(reserved, count)
+      .catch(() => undefined)
+      .finally(() => {
+        this.sending = false;
+        this.flush();
+      });
   }
 
   /** Cancels every wake (the instance is released). */
   clear(): void {
     for (const { timer } of this.due.values()) clearTimeout(timer);
     this.due.clear();
+    this.pending = { count: 0, reserved: [] };
   }
 }

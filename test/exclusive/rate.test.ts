@@ -15,6 +15,8 @@ import {
 } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
+import { IdleWorkers } from "../../src/session/idle.js";
+import { Wakes } from "../../src/rates/wakes.js";
 import { maxStartsInWindow, minStartsInWindow } from "../support/rates.js";
 import { startRunner } from "../support/runner.js";
 
@@ -356,5 +358,70 @@ describe("canStart, rateStatus, validation", () => {
         },
       }),
     ).toThrow(/task 'api_call'.*`rate.period`/);
+  });
+});
+
+describe("rate: wakes", () => {
+  it("a process sends one wake statement at a time; the wakes due meanwhile go together in the next", async () => {
+    let inFlight = 0;
+    let most = 0;
+    let statements = 0;
+    const woken: string[] = [];
+    const wakes = new Wakes(new IdleWorkers(), async (reserved) => {
+      inFlight++;
+      statements++;
+      most = Math.max(most, inFlight);
+      try {
+        // (a wake statement that takes a while, as on a busy server)
+        await db.pool().query("select pg_sleep(0.05)");
+        woken.push(...reserved);
+      } finally {
+        inFlight--;
+      }
+    });
+    const copies = Array.from({ length: 20 }, (_, i) => String(100 + i));
+    copies.forEach((copy, i) => wakes.in(i, copy));
+    await waitFor(async () => woken.length === copies.length, { message: "every copy woken" });
+    wakes.clear();
+    expect([...woken].sort()).toEqual(copies);
+    expect(most).toBe(1);
+    expect(statements).toBeLessThan(copies.length);
+  });
+});
+
+describe("rate: a reserved slot", () => {
+  it("a job that asks for its reserved slot just ahead of it is held and starts at the slot, not sent back to wait", async () => {
+    const job = await h.utils.addJob("held", { n: 0 });
+    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
+    // Key 42, limit 1 per 400 ms: its last start 100 ms ago, so the next slot is 300 ms ahead, reserved
+    // for the job.
+    await q(
+      `insert into graphile_worker_locks.rates (rate_key, label, lim, burst, period, starts)
+       values (42, 'held', 1, 1, interval '400 milliseconds', array[clock_timestamp() - interval '100 milliseconds'])`,
+    );
+    await q(
+      `insert into graphile_worker_locks.rate_reservations (job_id, rate_key, at, run_at)
+       select $1, 42, r.starts[1] + r.period, now() from graphile_worker_locks.rates r where r.rate_key = 42`,
+      [job.id],
+    );
+    const slot = (
+      await q(
+        "select at::text as at from graphile_worker_locks.rate_reservations where job_id = $1",
+        [job.id],
+      )
+    ).rows[0] as { at: string };
+    const { rows } = await q(
+      `select r.admitted, r.reason
+       from graphile_worker_locks.rate_start($1, 42, 'held', 1, interval '400 milliseconds', 1, '{}', null,
+         interval '0', interval '1 second', interval '20 milliseconds', interval '1 second') r`,
+      [job.id],
+    );
+    expect(rows[0]).toEqual({ admitted: true, reason: null });
+    // (exactness: its start, now the key's last, is not before its slot)
+    const { rows: log } = await q(
+      "select starts[1] >= $1::timestamptz as ok from graphile_worker_locks.rates where rate_key = 42",
+      [slot.at],
+    );
+    expect(log).toEqual([{ ok: true }]);
   });
 });
