@@ -16,6 +16,7 @@ import { beforeAll, describe, expect, it } from "vitest";
 import { enqueueRateKey, type AddJobResult } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { startRunner } from "../support/runner.js";
+import { recordRateStamps } from "../support/rates.js";
 import { useUniqueHarness } from "../support/unique.js";
 
 const h = useUniqueHarness();
@@ -29,22 +30,7 @@ async function clockOf(c: pg.Client | pg.Pool): Promise<number> {
 
 beforeAll(async () => {
   await h.locks.migrate();
-  await db.pool().query(`
-    create table test_rate_stamps (id bigserial primary key, rate_key text not null,
-      stamp timestamptz not null);
-    create function test_record_rate_stamp() returns trigger language plpgsql as $$
-    begin
-      -- (each write of a log adds one stamp, its newest)
-      if tg_op = 'UPDATE' and old.stamps is not distinct from new.stamps then
-        return null;
-      end if;
-      insert into test_rate_stamps (rate_key, stamp)
-        values (new.rate_key, (select max(u.t) from unnest(new.stamps) as u(t)));
-      return null;
-    end;
-    $$;
-    create trigger test_rate_stamps after insert or update on graphile_worker_locks.enqueue_rates
-      for each row when (cardinality(new.stamps) > 0) execute function test_record_rate_stamp();`);
+  await recordRateStamps(db.pool());
 });
 
 describe("enqueueRate under 50 concurrent enqueuers", () => {

@@ -14,30 +14,15 @@ import {
   type LocksEvents,
 } from "../../src/index.js";
 import { enqueueRateKeyMaterial } from "../../src/enqueue/limits.js";
+import { recordRateStamps } from "../support/rates.js";
 import { useUniqueHarness } from "../support/unique.js";
 
 const h = useUniqueHarness();
 const { db, cleanups, client, jobCount } = h;
 
-/** Every stamp the database recorded on a rate log, as it recorded it (a trigger of this test's). */
 beforeAll(async () => {
   await h.locks.migrate();
-  await db.pool().query(`
-    create table test_rate_stamps (id bigserial primary key, rate_key text not null,
-      stamp timestamptz not null);
-    create function test_record_rate_stamp() returns trigger language plpgsql as $$
-    begin
-      -- (each write of a log adds one stamp, its newest)
-      if tg_op = 'UPDATE' and old.stamps is not distinct from new.stamps then
-        return null;
-      end if;
-      insert into test_rate_stamps (rate_key, stamp)
-        values (new.rate_key, (select max(u.t) from unnest(new.stamps) as u(t)));
-      return null;
-    end;
-    $$;
-    create trigger test_rate_stamps after insert or update on graphile_worker_locks.enqueue_rates
-      for each row when (cardinality(new.stamps) > 0) execute function test_record_rate_stamp();`);
+  await recordRateStamps(db.pool());
 });
 
 /** The stamps recorded for `rateKey`, in microseconds since the epoch, in order. */

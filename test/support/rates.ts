@@ -1,8 +1,9 @@
 /**
  * Checks of recorded starts against a rate: the most starts any window [s, s + period) holds, each start
  * taken as a window's left edge (the window that holds the most starts begins at one), and the fewest a
- * window of a backlog holds.
+ * window of a backlog holds; and a record of every stamp the database wrote on an enqueue rate log.
  */
+import type pg from "pg";
 
 /** The most starts (ms on the database's clock, any order) any half-open window of `periodMs` holds. */
 export function maxStartsInWindow(starts: readonly number[], periodMs: number): number {
@@ -32,4 +33,27 @@ export function minStartsInWindow(starts: readonly number[], periodMs: number, f
     fewest = Math.min(fewest, end - i);
   }
   return fewest;
+}
+
+/**
+ * Records every stamp the database writes on an enqueue rate log, as it writes it, in `test_rate_stamps`
+ * (rate_key, stamp): a trigger on the library's `enqueue_rates` (after its migration).
+ */
+export async function recordRateStamps(db: pg.Pool): Promise<void> {
+  await db.query(`
+    create table test_rate_stamps (id bigserial primary key, rate_key text not null,
+      stamp timestamptz not null);
+    create function test_record_rate_stamp() returns trigger language plpgsql as $$
+    begin
+      -- (each write of a log adds one stamp, its newest)
+      if tg_op = 'UPDATE' and old.stamps is not distinct from new.stamps then
+        return null;
+      end if;
+      insert into test_rate_stamps (rate_key, stamp)
+        values (new.rate_key, (select max(u.t) from unnest(new.stamps) as u(t)));
+      return null;
+    end;
+    $$;
+    create trigger test_rate_stamps after insert or update on graphile_worker_locks.enqueue_rates
+      for each row when (cardinality(new.stamps) > 0) execute function test_record_rate_stamp();`);
 }
