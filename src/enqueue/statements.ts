@@ -274,14 +274,7 @@ export async function addJobs(
     const item: BulkItem = {
       task: placeOf(tasks, plan.taskIdentifier),
       queue: spec?.queueName != null ? placeOf(queues, spec.queueName) : undefined,
-      payload: plan.payload ?? {},
-      run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
-      max_attempts: spec?.maxAttempts ?? undefined,
-      priority: spec?.priority ?? undefined,
-      flags: jobFlags(spec?.flags, unique) ?? undefined,
-      unique_key: unique?.key,
-      scope: unique?.scope ?? undefined,
-      window_seconds: unique?.windowSeconds ?? undefined,
+      ...itemColumns(plan),
       on_duplicate: unique && unique.onDuplicate !== "reject" ? unique.onDuplicate : undefined,
       first: undefined,
       park_ms: undefined,
@@ -344,14 +337,11 @@ export function batchIndexOf(plans: readonly EnqueuePlan[], ord: number): number
   return order[ord - 1]!;
 }
 
-/** A rate-limited or debounced item of a batch, as enqueue_jobs_limited reads it (undefined: null). */
-function limitedItem(plan: EnqueuePlan) {
+/** The columns a batch item has in both bulk statements: its job's, and its unique rules' (undefined: null). */
+function itemColumns(plan: EnqueuePlan) {
   const { spec, unique } = plan;
-  const { rate, debounce } = plan.limits!;
   return {
-    identifier: plan.taskIdentifier,
     payload: plan.payload ?? {},
-    queue_name: spec?.queueName ?? undefined,
     run_at: spec?.runAt ? spec.runAt.toISOString() : undefined,
     max_attempts: spec?.maxAttempts ?? undefined,
     priority: spec?.priority ?? undefined,
@@ -359,6 +349,17 @@ function limitedItem(plan: EnqueuePlan) {
     unique_key: unique?.key,
     scope: unique?.scope ?? undefined,
     window_seconds: unique?.windowSeconds ?? undefined,
+  };
+}
+
+/** A rate-limited or debounced item of a batch, as enqueue_jobs_limited reads it (undefined: null). */
+function limitedItem(plan: EnqueuePlan) {
+  const { spec, unique } = plan;
+  const { rate, debounce } = plan.limits!;
+  return {
+    identifier: plan.taskIdentifier,
+    queue_name: spec?.queueName ?? undefined,
+    ...itemColumns(plan),
     on_duplicate: unique?.onDuplicate,
     rate_key: rate?.key,
     rate_limit: rate?.limit,
