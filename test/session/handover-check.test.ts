@@ -113,7 +113,7 @@ describe("hand-over check", () => {
       async (p: { n: number; gated?: boolean }) => {
         const span = { start: performance.now(), end: null as number | null };
         spans.set(p.n, span);
-        await (p.gated ? gate.promise : sleep(300));
+        await (p.gated ? gate.promise : sleep(500));
         span.end = performance.now();
       },
       { key: () => "one key", onConflict: "reschedule" },
@@ -129,8 +129,8 @@ describe("hand-over check", () => {
     cleanups.push(async () => proxy.thaw());
     locks.attach(r);
 
-    // Three jobs of 300 ms teach the task its usual hold: a job woken early then waits up to 600 ms for its
-    // key, and so long is a key kept for it.
+    // Three jobs of 500 ms teach the task its usual hold: a job woken early then waits up to a second (the
+    // most) for its key, and so long is a key kept for it, time enough for a slow server to bring 102 here.
     await locks.addJobs([0, 1, 2].map((n) => ({ identifier: "kept_for_arrival", payload: { n } })));
     await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
       message: "the teaching jobs to run",
@@ -163,8 +163,10 @@ describe("hand-over check", () => {
 
     await waitFor(async () => spans.get(102)?.end != null, { message: "102 to run" });
     const after = locks.status().handoffs;
-    expect(after.handedOver).toBe(mid.handedOver + 1);
-    expect(after.keptForArrival).toBe(mid.keptForArrival + 1);
+    expect({ handedOver: after.handedOver, keptForArrival: after.keptForArrival }).toEqual({
+      handedOver: mid.handedOver + 1,
+      keptForArrival: mid.keptForArrival + 1,
+    });
     expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
     await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
   });
