@@ -1,14 +1,13 @@
 /**
  * The TypeScript snippets of the README and of docs/*.md, run as written (with `connectionString` provided
- * and the package import pointed at the source), each in its own process; what they print must match
- * their `// …` comments.
+ * and the package import pointed at the source), each in its own process on a database of its own, as a
+ * reader's first run would be; what they print must match their `// …` comments.
  */
 import { readdir, readFile, rm } from "node:fs/promises";
 import { afterAll, describe, expect, it } from "vitest";
-import { useTestDatabase } from "./support/db.js";
+import { freshDatabase } from "./support/db.js";
 import { expectedOutput, runSnippet } from "./support/readme.js";
 
-const db = useTestDatabase();
 const root = new URL("../", import.meta.url);
 const dir = new URL("./.readme/", import.meta.url);
 
@@ -41,8 +40,13 @@ describe("documentation snippets", () => {
   for (const { file, index, source } of snippets) {
     it(`${file} snippet ${index} runs and prints what its comments say`, async () => {
       const name = `${file.replace(/\W/g, "-")}-${index}`;
-      const printed = await runSnippet(source, db.url, dir, name);
-      expect(printed).toEqual(expectedOutput(source));
+      const db = await freshDatabase();
+      try {
+        const printed = await runSnippet(source, db.url, dir, name);
+        expect(printed).toEqual(expectedOutput(source));
+      } finally {
+        await db.drop();
+      }
     });
   }
 });

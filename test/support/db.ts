@@ -25,25 +25,7 @@ export function useTestDatabase(): TestDatabase {
   let helperPool: pg.Pool | undefined;
 
   beforeAll(async () => {
-    const template = inject("templateDatabase");
-    await withAdmin(async (admin) => {
-      for (let attempt = 1; ; attempt++) {
-        try {
-          await admin.query(
-            `create database ${pg.escapeIdentifier(name)} template ${pg.escapeIdentifier(template)}`,
-          );
-          break;
-        } catch (error) {
-          // 55006: "source database ... is being accessed by other users"
-          const busy =
-            (error as { code?: string }).code === "55006" ||
-            String((error as Error).message).includes("is being accessed by other users");
-          if (!busy || attempt >= 10) throw error;
-          await sleep(100 * attempt);
-        }
-      }
-    });
-    url = databaseUrl(inject("baseUrl"), name);
+    url = await createDatabase(name);
   });
 
   afterAll(async () => {
@@ -91,6 +73,39 @@ export function useTestDatabase(): TestDatabase {
       return helperPool;
     },
   };
+}
+
+/** Creates database `name` from the template and returns its URL. */
+async function createDatabase(name: string): Promise<string> {
+  const template = inject("templateDatabase");
+  await withAdmin(async (admin) => {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await admin.query(
+          `create database ${pg.escapeIdentifier(name)} template ${pg.escapeIdentifier(template)}`,
+        );
+        return;
+      } catch (error) {
+        // 55006: "source database ... is being accessed by other users"
+        const busy =
+          (error as { code?: string }).code === "55006" ||
+          String((error as Error).message).includes("is being accessed by other users");
+        if (!busy || attempt >= 10) throw error;
+        await sleep(100 * attempt);
+      }
+    }
+  });
+  return databaseUrl(inject("baseUrl"), name);
+}
+
+/**
+ * A database of its own for one test (created from the template, as a file's is), and its removal. For
+ * what must start from nothing, such as a documentation snippet run as written.
+ */
+export async function freshDatabase(): Promise<{ url: string; drop(): Promise<void> }> {
+  const name = `gwl_t_${randomBytes(6).toString("hex")}`;
+  const url = await createDatabase(name);
+  return { url, drop: () => withAdmin((admin) => dropDatabase(admin, name)) };
 }
 
 /** Advisory locks held in the database, and library connections still connected to it, as text. */
