@@ -461,11 +461,14 @@ describe.skipIf(pgbouncer !== null)("graphile-worker-locks check through PgBounc
       }
     };
 
-    // PgBouncer's default, DISCARD ALL: the lock and the setting end with their client.
+    // PgBouncer's default, DISCARD ALL: the lock and the setting end with their client. (A busy PgBouncer may
+    // give the next client another backend, whose settings then say nothing: the lock's end still counts.)
     const byDefault = await resetFinding(null);
     expect(byDefault.finding).toMatchObject({
       ok: true,
-      detail: expect.stringMatching(/advisory lock and settings ended with the client/),
+      detail: expect.stringMatching(
+        /advisory lock and settings ended with the client|advisory lock ended with the client \(backend \d+\); its settings were not checked/,
+      ),
     });
     expect(byDefault.code).toBe(0);
 

@@ -258,12 +258,24 @@ describe("composed limits across 3 processes", () => {
     expect(byGroupKey.get("k2")).toBe(1);
     expect(byGroupKey.get("wide")).toBeLessThanOrEqual(2);
 
-    // Every job completed exactly once (a killed or lost execution is not a completion).
-    const completed = runs.filter((r) => !r.lost && !(r.worker === "w1" && r.end === killAt));
+    // Every job completed exactly once. A killed or lost execution is not a completion, and neither is one of
+    // the killed process whose job row ran again elsewhere: it may have ended just before the kill, with
+    // graphile-worker's completion of the row not yet committed, and the unlocked row then runs again (at
+    // least once, as graphile-worker promises after a crash). A copy (a parked or given-back job) has an id
+    // of its own, so this excuses no duplicate the library could make.
+    const rerun = (r: Run) =>
+      r.worker === "w1" && runs.some((o) => o !== r && o.jobId === r.jobId && o.worker !== "w1");
+    const completed = runs.filter(
+      (r) => !r.lost && !(r.worker === "w1" && r.end === killAt) && !rerun(r),
+    );
     const counts = new Map<number, number>();
     for (const r of completed) counts.set(r.n, (counts.get(r.n) ?? 0) + 1);
     expect(counts.size).toBe(300 + 150);
-    expect([...counts.values()].every((c) => c === 1)).toBe(true);
+    const twice = [...counts].filter(([, c]) => c !== 1).map(([n]) => n);
+    expect(
+      twice.map((n) => completed.filter((r) => r.n === n)),
+      "jobs completed more than once",
+    ).toEqual([]);
 
     expect(persistent).toEqual([]);
     expect(samples).toBeGreaterThan(50);
