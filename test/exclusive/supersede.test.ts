@@ -220,15 +220,25 @@ describe("supersede across processes", () => {
       { identifier: "sup", payload: { k: "m", n: 4, ms: 10 }, supersede: false },
       { identifier: "sup", payload: { k: "m", n: 5, ms: 10 }, supersede: true },
       { identifier: "sup", payload: { k: "o", n: 6, ms: 10 }, supersede: false },
+      // A key nobody holds: the superseding item removes the item ahead of it and is not left waiting
+      // behind it in line (nobody would wake it).
+      { identifier: "sup", payload: { k: "q", n: 7, ms: 10 }, supersede: false },
+      { identifier: "sup", payload: { k: "q", n: 8, ms: 10 }, supersede: true },
     ]);
-    expect(results.map((r) => r.outcome)).toEqual(["added", "added", "added"]);
+    expect(results.map((r) => r.outcome)).toEqual(["added", "added", "added", "added", "added"]);
+    expect(results[4]!.superseded).toEqual([results[3]!.job!.id]);
+    const inLine = await q("select 1 from graphile_worker_locks.waiters where job_id = $1", [
+      results[4]!.job!.id,
+    ]);
+    expect(inLine.rows).toEqual([]);
     const newer = results[1]!;
     expect(results[0]!.superseded).toBeUndefined();
     expect(newer.superseded).toEqual([scheduled.id, results[0]!.job!.id]);
     expect(results[2]!.superseded).toBeUndefined();
-    expect(removed.map((e) => [e.taskIdentifier, e.jobId, e.state, e.byJobId])).toEqual(
-      newer.superseded!.map((id) => ["sup", id, "waiting", newer.job!.id]),
-    );
+    expect(removed.map((e) => [e.taskIdentifier, e.jobId, e.state, e.byJobId])).toEqual([
+      ...newer.superseded!.map((id) => ["sup", id, "waiting", newer.job!.id]),
+      ["sup", results[3]!.job!.id, "waiting", results[4]!.job!.id],
+    ]);
 
     await drained();
     // Only the committed enqueue's notice reached the running job.
@@ -241,7 +251,7 @@ describe("supersede across processes", () => {
       [old.id, { byJobId: newer.job!.id, state: "running" }],
     ]);
     const executions = await readExecutions(db.pool(), "sup");
-    expect(executions.map((e) => e.note).sort()).toEqual(["1", "5", "6"]);
+    expect(executions.map((e) => e.note).sort()).toEqual(["1", "5", "6", "8"]);
     expect(Math.max(...maxConcurrencyPerKey(executions).values())).toBe(1);
     const first = executions.find((e) => e.note === "1")!;
     const last = executions.find((e) => e.note === "5")!;
