@@ -13,6 +13,7 @@ import {
   type Locks,
   type LocksEvents,
 } from "../../src/index.js";
+import { slotKeys } from "../../src/key.js";
 import { validateTaskRules } from "../../src/preset/rules.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
@@ -421,6 +422,34 @@ describe("supersede on a key of several slots, and in a lock group", () => {
     expect(Math.max(...maxConcurrencyPerKey(executions).values())).toBeLessThanOrEqual(2);
     const { rows } = await q("select 1 from graphile_worker._private_jobs");
     expect(rows).toEqual([]);
+  });
+
+  it("with several limits, removes a job parked in another limit's line than the key's", async () => {
+    const locks = newLocks();
+    const ran: number[] = [];
+    const task = locks.exclusive("sup_stacked", async (p: { n: number }) => void ran.push(p.n), {
+      limits: [{ key: () => "tenant" }, { key: () => "all", group: "sup_cap" }],
+      onConflict: "reschedule",
+      supersede: true,
+    });
+    // The cap is held elsewhere: a job of the task parks in the cap's line.
+    const capKey = slotKeys("sup_cap", "all", 1)[0]!;
+    const cap = await h.holdExternally(capKey);
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { sup_stacked: task } });
+    await task.addJob({ n: 1 }, { supersede: false });
+    await waitFor(async () => (await h.parkedCount()) === 1, { message: "job 1 to park" });
+    const parked = (
+      await q<{ job_id: string; lock_key: string }>(
+        "select job_id::text, lock_key::text from graphile_worker_locks.waiters",
+      )
+    ).rows[0]!;
+    expect(parked.lock_key).toBe(BigInt.asIntN(64, capKey).toString());
+    const newer = await task.addJob({ n: 2 });
+    expect(newer.superseded).toEqual([parked.job_id]);
+    expect(await h.parkedCount()).toBe(0);
+    await cap.release();
+    await drained();
+    expect(ran).toEqual([2]);
   });
 
   it("an event names the superseded job's own task when tasks share a `lockGroup`", async () => {
