@@ -32,6 +32,7 @@ import { startProxy } from "./soak/proxy.js";
 import { SOAK_SCHEMA, type SoakMessage, type SoakWorkerStatus } from "./soak/shared.js";
 import { limitsViolations } from "./soak/limits.js";
 import { RATED_SCHEMA, rateViolations } from "./soak/rated.js";
+import { SUPER_SCHEMA, supersedeViolations } from "./soak/superseding.js";
 
 const WORKER = fileURLToPath(new URL("./soak/worker.ts", import.meta.url));
 const ENQUEUER = fileURLToPath(new URL("./soak/enqueuer.ts", import.meta.url));
@@ -223,7 +224,8 @@ async function main(): Promise<number> {
       create table ${SOAK_SCHEMA}.enqueues (
         ref text primary key, task text not null, k text not null, unique_key text, outcome text not null,
         job_id bigint, at timestamptz not null default clock_timestamp());
-      ${RATED_SCHEMA}`);
+      ${RATED_SCHEMA}
+      ${SUPER_SCHEMA}`);
 
     // Database clock, in microseconds since the epoch; null while PostgreSQL is away.
     const dbNow = async (): Promise<bigint | null> => {
@@ -644,8 +646,11 @@ async function main(): Promise<number> {
     const rates = await rateViolations(admin);
     if (rates.violations > 0)
       violations.push(`${rates.violations} rate violation(s) of soak_rated`);
+    const supersede = await supersedeViolations(admin);
+    violations.push(...supersede.violations);
     const report = {
       rates,
+      supersede: supersede.counts,
       seed: options.seed,
       durationS: options.duration,
       workers: options.workers,

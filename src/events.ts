@@ -66,7 +66,7 @@ export interface LocksEvents {
    *   a transaction of yours, before it commits). `job` is null then.
    */
   "job:superseded": {
-    /** The task of the superseded job (for a `waiting` one, the superseding job's). */
+    /** The task of the superseded job (its own, also when a lock group makes it another than the new job's). */
     taskIdentifier: string;
     /** The key (slot 0 of the task's key). */
     lockKey: bigint;

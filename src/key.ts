@@ -353,6 +353,16 @@ export function lockFlag(key: bigint | string): string {
 }
 
 /**
+ * The job flag naming the first slot of a job's key when `lockFlag` cannot be used: the jobs of a
+ * `reschedule` task whose key has several slots, or that has several limits (its first limit's first slot).
+ * A runner does not skip them (another slot may be free); a superseding enqueue finds them by it
+ * (`supersede` in sql/000003.sql).
+ */
+export function keyFlag(key: bigint | string): string {
+  return `gwl:key:${key}`;
+}
+
+/**
  * How PostgreSQL shows a one-bigint advisory lock in `pg_locks`: the high 32 bits in `classid`, the low 32
  * bits in `objid` (both unsigned), with `objsubid = 1`.
  */

@@ -67,8 +67,10 @@ export interface ExclusiveOptions<TPayload = unknown> extends UniqueOptions<TPay
    * Whether a new job of a key stops the job running for it (latest wins): the running job's
    * `helpers.abortSignal` fires with a `SupersededError`, in whatever process it runs; it ends as completed
    * (not failed, not retried) whether it stops or not, and keeps its key until it returns; the new job runs
-   * as soon as it lets go. Jobs of the key still waiting (queued or parked) are removed by the enqueue. Needs
-   * `onConflict: "reschedule"` (the new job waits for the one it stops). Per enqueue: `spec.supersede`.
+   * as soon as it lets go. Jobs of the key still waiting (queued or parked) are removed by the enqueue
+   * (`addJob` or `addJobs`). With `limit > 1` every job running for the key is stopped (with several
+   * `limits`, the first limit's key). Needs `onConflict: "reschedule"` (the new job waits for the one it
+   * stops). Per enqueue: `spec.supersede`.
    * @defaultValue `false`
    */
   supersede?: boolean;

@@ -150,6 +150,15 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   const enqueueAnswer = (columns: string, call: string, after = "") =>
     `select ${columns}r.outcome, r.task_identifier, (r.job).*${after} from ${call} r`;
   /**
+   * A bulk answer's `superseded` column: for an item added whose key (`$n`, a bigint array by `ord`) is not
+   * null, the jobs that `supersede` (sql/000003.sql) removed. Evaluated row by row in the caller's
+   * transaction, after every item of the batch is in: a later item of a key removes an earlier one of the
+   * batch that waits.
+   */
+  const supersedeColumn = (n: number) =>
+    `, case when r.outcome = 'added' and ($${n}::bigint[])[r.ord] is not null
+        then ${s}.supersede(($${n}::bigint[])[r.ord], (r.job).id) end as superseded`;
+  /**
    * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) before
    * its wakes.
    */
@@ -363,15 +372,15 @@ ${stacked}      union all
     /**
      * One enqueue (enqueue_job in sql/000001.sql), optionally gated by the preemptive check ($12-$14 as $1-$3
      * of `lockAvailable`), or superseding (`supersede` in sql/000003.sql, for a job added: $12 its key; the
-     * answer's `superseded` column lists the waiting jobs it removed). Answers as `enqueueJobs` does, without
-     * `ord`.
+     * answer's `superseded` column lists the waiting jobs it removed, each `{ id, task }`). Answers as
+     * `enqueueJobs` does, without `ord`.
      */
     enqueueJob: (gated: boolean, superseding = false) => `${enqueueAnswer(
       "",
       `${s}.enqueue_job(row($1::text, $2::json, $3::text, $4::timestamptz, $5::int, $6::int, $7::jsonb,
         $8::text, $9::text, $10::float8, $11::text, null, null, null, null)::${s}.job_spec, true)`,
       superseding
-        ? `, case when r.outcome = 'added' then ${s}.supersede($12::bigint, (r.job).id) end::text[] as superseded`
+        ? `, case when r.outcome = 'added' then ${s}.supersede($12::bigint, (r.job).id) end as superseded`
         : "",
     )}
       ${gated ? `where ${heldCount("$12", "$13")} < $14::int` : ""}`,
@@ -382,12 +391,15 @@ ${stacked}      union all
      * $5 the batch's distinct task identifiers and queue names (which the items name by place), $6 and $7
      * for each item added waiting in line its place among the items without a unique key and its lock key,
      * or nulls. Answers one row per item: `ord` (its place, from 1), `outcome`, `task_identifier` and the
-     * job's columns (all null for no job).
+     * job's columns (all null for no job). `superseding`: $8 the key each item supersedes (by `ord`; null for
+     * an item that does not), and the answer's `superseded` column as `enqueueJob`'s, per item added.
      */
-    enqueueJobs: enqueueAnswer(
-      "r.ord, ",
-      `${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[])`,
-    ),
+    enqueueJobs: (superseding: boolean) =>
+      enqueueAnswer(
+        "r.ord, ",
+        `${s}.enqueue_jobs($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[])`,
+        superseding ? supersedeColumn(8) : "",
+      ),
 
     /**
      * One enqueue under a rate and/or a debounce (enqueue_job_limited in sql/000005.sql): $1-$11 as
@@ -406,13 +418,16 @@ ${stacked}      union all
     /**
      * `enqueueJobs` for a batch with rate-limited or debounced items (enqueue_jobs_limited in
      * sql/000005.sql): $1-$7 as `enqueueJobs` for the other items, $8 a JSON array of the limited ones.
-     * Answers as `enqueueJobs` does, the limited items placed after the others.
+     * Answers as `enqueueJobs` does, the limited items placed after the others; `superseding`: $9 as $8 of
+     * `enqueueJobs`.
      */
-    enqueueJobsLimited: enqueueAnswer(
-      "r.ord, ",
-      `${s}.enqueue_jobs_limited($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[],
+    enqueueJobsLimited: (superseding: boolean) =>
+      enqueueAnswer(
+        "r.ord, ",
+        `${s}.enqueue_jobs_limited($1::json, $2::int, $3::int, $4::text[], $5::text[], $6::int[], $7::bigint[],
         $8::json)`,
-    ),
+        superseding ? supersedeColumn(9) : "",
+      ),
 
     sweepUniqueWindows: `select ${s}.sweep_unique_windows()::int as removed`,
 

@@ -200,9 +200,9 @@ export interface AddJobResult {
    */
   outcome: "added" | "duplicate" | "replaced" | "dropped" | "rateLimited" | "debounced";
   /**
-   * A superseding enqueue (`supersede`) that added its job: the ids of the jobs of its key that waited (not
-   * yet fetched) and that it removed, each also told by a `job:superseded` event. The job running for the key
-   * is told to stop when the enqueue commits.
+   * A superseding enqueue (`supersede`; in `addJobs`, per item) that added its job: the ids of the jobs of
+   * its key that waited (not yet fetched) and that it removed, each also told by a `job:superseded` event.
+   * The jobs running for the key are told to stop when the enqueue commits.
    */
   superseded?: string[];
 }

@@ -11,6 +11,7 @@ import { between, seeded } from "./random.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakPayload } from "./shared.js";
 import { defineLimitsTasks, LIMITS_TASKS } from "./limits.js";
 import { enqueueRated } from "./rated.js";
+import { defineSupersedeTask, enqueueSuperseding } from "./superseding.js";
 
 const url = process.env.DATABASE_URL!;
 const until = Number(process.env.SOAK_UNTIL);
@@ -39,6 +40,7 @@ locks.define("soak_dedupe", {
 } as Options & { exclusive: true });
 
 defineLimitsTasks(locks);
+defineSupersedeTask(locks);
 
 let errors = 0;
 async function enqueue(
@@ -95,6 +97,7 @@ while (Date.now() < until) {
   await enqueue(task, payload, unique);
   if (unique && random() < 0.5) await enqueue(task, { ...payload, ref: `${ref}d` }, true);
   await enqueueRated(pool, n);
+  await enqueueSuperseding(locks, pool, n, until);
   // Paced to `rate` enqueues a second on average.
   const behind = started + (n * 1000) / rate - Date.now();
   if (behind > 0) await new Promise((resolve) => setTimeout(resolve, behind));

@@ -18,6 +18,7 @@ import { makeLocks } from "../../src/index.js";
 import { makePool, SOAK_SCHEMA, soakLogger, type SoakMessage, type SoakPayload } from "./shared.js";
 import { limitsTasks } from "./limits.js";
 import { ratedTask } from "./rated.js";
+import { supersedeTask } from "./superseding.js";
 
 const url = process.env.DATABASE_URL;
 if (!url) throw new Error("soak worker: DATABASE_URL is not set");
@@ -214,6 +215,7 @@ const runner = await run({
     soak_dedupe: dedupe,
     ...limitsTasks(locks, body),
     ...ratedTask(locks, record),
+    ...supersedeTask(locks, body, record),
   },
   noHandleSignals: true,
   pollInterval: 100,

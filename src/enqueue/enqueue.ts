@@ -23,6 +23,7 @@ import {
   assertJsonSafe,
   jobLimitKeys,
   jobLockKeys,
+  keyFlag,
   lockFlag,
   lockKeyValue,
   resolveLimit,
@@ -36,6 +37,7 @@ import {
   addJobs,
   limitsHeld,
   batchIndexOf,
+  supersededTasks,
   lockAvailable,
   type EnqueuePlan,
   type Queryable,
@@ -121,14 +123,13 @@ async function addJobsRetryingDeadlocks(
 
 /**
  * Whether an enqueue supersedes the older jobs of its key: `spec.supersede`, else the task's `supersede`.
- * Refused (before anything is written) on a task not defined with `onConflict: "reschedule"` here, with a
- * job key of the caller's, and in a bulk enqueue.
+ * Refused (before anything is written) on a task not defined with `onConflict: "reschedule"` here, and with
+ * a job key of the caller's.
  */
 function superseding(
   taskIdentifier: string,
   exclusive: ResolvedExclusiveOptions<never> | null,
   spec: AddJobSpec | undefined,
-  bulk: boolean,
 ): boolean {
   const supersede = spec?.supersede ?? exclusive?.supersede ?? false;
   if (typeof supersede !== "boolean") {
@@ -143,11 +144,6 @@ function superseding(
         (exclusive
           ? `got \`onConflict: "${exclusive.onConflict}"\``
           : "and it is not exclusive here"),
-    );
-  }
-  if (bulk) {
-    throw new InvalidArgumentError(
-      `task '${taskIdentifier}': \`supersede\` is not taken by \`addJobs\`; add a superseding job with \`addJob\`, or pass \`supersede: false\``,
     );
   }
   if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
@@ -186,13 +182,12 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     payload: unknown,
     spec: AddJobSpec | undefined,
     preemptiveCheck?: boolean,
-    bulk = false,
   ): EnqueuePlan => {
     assertIdentifier(taskIdentifier);
     assertJsonSafe(payload);
     const definition = definitions.get(taskIdentifier);
     const exclusive = definition?.exclusive ?? null;
-    const supersede = superseding(taskIdentifier, exclusive, spec, bulk);
+    const supersede = superseding(taskIdentifier, exclusive, spec);
     // (a superseding job waits for the job it stops: never dropped up front)
     const preemptive = supersede
       ? false
@@ -210,7 +205,8 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       : null;
     const limit =
       rules && !rules.limits ? resolveLimit(rules.limit, taskIdentifier, keyOfPayload!.value) : 0;
-    const flagged = exclusive?.onConflict === "reschedule" && !limitKeys && limit === 1;
+    const reschedules = exclusive?.onConflict === "reschedule";
+    const flagged = reschedules && !limitKeys && limit === 1;
     const keys =
       rules && !limitKeys && (preemptive || flagged)
         ? slotKeys(rules.lockGroup ?? taskIdentifier, keyOfPayload!.value, limit, null)
@@ -246,6 +242,15 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       if (!unique && !limited && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
     }
+    // The first slot of the key (of its first limit, with several): what a superseding enqueue names, and,
+    // as a flag on a job of a `reschedule` task that `lockFlag` does not name, how one finds it waiting.
+    const firstSlot = () =>
+      keys?.[0] ??
+      limitKeys?.[0]?.slots[0] ??
+      slotKeys(rules!.lockGroup ?? taskIdentifier, keyOfPayload!.value, 1, null)[0]!;
+    if (reschedules && !flagged && exclusive.lock) {
+      spec = { ...spec, flags: [...(spec?.flags ?? []), keyFlag(firstSlot())] };
+    }
     return {
       taskIdentifier,
       payload,
@@ -255,11 +260,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       unique,
       line,
       limits,
-      supersede: supersede
-        ? (keys?.[0] ??
-          limitKeys?.[0]?.slots[0] ??
-          slotKeys(rules!.lockGroup ?? taskIdentifier, keyOfPayload!.value, 1, null)[0]!)
-        : null,
+      supersede: supersede ? firstSlot() : null,
     };
   };
 
@@ -309,9 +310,11 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         break;
       case "added":
         if (result.superseded) {
-          for (const jobId of result.superseded) {
+          const tasks = supersededTasks(result);
+          for (const [i, jobId] of result.superseded.entries()) {
             emit("job:superseded", {
-              taskIdentifier,
+              // (the removed job's own task: a lock group may make it another than the new job's)
+              taskIdentifier: tasks[i] ?? taskIdentifier,
               lockKey: p.supersede!,
               jobId,
               byJobId: result.job!.id,
@@ -390,7 +393,7 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
         // enqueue has no preemptive check. What is wrong with an item names its index; the cause is the
         // original error (a key function's own, when it threw).
         try {
-          return plan(item.identifier, item.payload, item, false, true);
+          return plan(item.identifier, item.payload, item, false);
         } catch (error) {
           if (!(error instanceof InvalidArgumentError)) throw error;
           throw new InvalidArgumentError(`addJobs: item ${index}: ${error.message}`, {

@@ -101,7 +101,22 @@ export async function limitsHeld(
  * A row of an enqueue statement: the item's place (from 1; bulk only), its outcome (none from
  * graphile-worker's add_job: added) and the job's columns, all null for no job.
  */
-type EnqueueRow = Job & { ord?: number; outcome?: string; superseded?: string[] | null };
+type EnqueueRow = Job & {
+  ord?: number;
+  outcome?: string;
+  superseded?: Array<{ id: string; task: string | null }> | null;
+};
+
+/**
+ * The task of each job a superseding enqueue removed (`AddJobResult.superseded`, in its order): the removed
+ * job's own, which a lock group may make another than the enqueued job's.
+ */
+const removedTasks = new WeakMap<AddJobResult, readonly (string | null)[]>();
+
+/** The tasks of the jobs in `result.superseded`, in its order (null where the task is not known). */
+export function supersededTasks(result: AddJobResult): readonly (string | null)[] {
+  return removedTasks.get(result) ?? [];
+}
 
 /**
  * graphile-worker's flags object for a job: the caller's flags plus, for a unique job, the one that records
@@ -144,7 +159,13 @@ function toResult(row: EnqueueRow, taskIdentifier: string): AddJobResult {
   // (a row of graphile-worker's add_job has no task identifier of its own: it is the item's)
   job.task_identifier ??= taskIdentifier;
   const result: AddJobResult = { job, outcome: outcome as AddJobResult["outcome"] };
-  if (superseded) result.superseded = superseded;
+  if (superseded) {
+    result.superseded = superseded.map((r) => r.id);
+    removedTasks.set(
+      result,
+      superseded.map((r) => r.task),
+    );
+  }
   return result;
 }
 
@@ -262,6 +283,9 @@ export async function addJobs(
   let plain = 0;
   const parkPos: number[] = [];
   const parkKeys: string[] = [];
+  // The key each item supersedes, in the database's answer order (null: none).
+  const supersedes = order.map((o) => o.plan.supersede?.toString() ?? null);
+  const superseding = supersedes.some((k) => k !== null);
   allPlans.forEach(({ spec }, index) => {
     if (spec?.jobKey !== undefined || spec?.jobKeyMode !== undefined) {
       throw new InvalidArgumentError(
@@ -287,7 +311,8 @@ export async function addJobs(
     } else {
       plain++;
       if (plan.line) {
-        if (fronts.has(plan.line.key)) {
+        // (a superseding job is never added waiting: the front it would wait behind is one it removes)
+        if (fronts.has(plan.line.key) && plan.supersede == null) {
           item.park_ms = plan.line.safetyNetMs;
           parkPos.push(plain);
           parkKeys.push(plan.line.key.toString());
@@ -306,10 +331,12 @@ export async function addJobs(
     parkPos.length > 0 ? parkKeys : null,
   ];
   if (limited.length) values.push(JSON.stringify(limited.map((o) => limitedItem(o.plan))));
+  if (superseding) values.push(supersedes);
+  const name = `${limited.length ? "enqueue_jobs_limited" : "enqueue_jobs"}${superseding ? "_superseding" : ""}`;
   const { rows } = await explaining(db).query<EnqueueRow>(
     limited.length
-      ? sql.statement("enqueue_jobs_limited", sql.enqueueJobsLimited, values)
-      : sql.statement("enqueue_jobs", sql.enqueueJobs, values),
+      ? sql.statement(name, sql.enqueueJobsLimited(superseding), values)
+      : sql.statement(name, sql.enqueueJobs(superseding), values),
   );
   if (rows.length !== allPlans.length) {
     throw new Error(

@@ -13,6 +13,7 @@ import {
   type Locks,
   type LocksEvents,
 } from "../../src/index.js";
+import { slotKeys } from "../../src/key.js";
 import { validateTaskRules } from "../../src/preset/rules.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
@@ -184,6 +185,79 @@ describe("supersede across processes", () => {
     const executions = await readExecutions(db.pool(), "sup");
     expect(executions.map((e) => e.note)).toEqual(["1", "4"]);
   });
+
+  it("`addJobs`: an item that supersedes stops the running job and removes the waiting ones; a rollback stops nothing", async () => {
+    const locks = enqueuer();
+    const removed = collect(locks, "job:superseded");
+    const old = (await locks.addJob("sup", { k: "m", n: 1 }, { supersede: false })).job!;
+    await started(old.id);
+    const scheduled = (
+      await locks.addJob(
+        "sup",
+        { k: "m", n: 2 },
+        { supersede: false, runAt: new Date(Date.now() + 3_600_000) },
+      )
+    ).job!;
+    // In a transaction that rolls back: the item supersedes (the task's option), and nothing comes of it.
+    const client = await h.connect();
+    await client.query("begin");
+    const rolledBack = await locks.addJobs([{ identifier: "sup", payload: { k: "m", n: 3 } }], {
+      pgClient: client,
+    });
+    expect(rolledBack[0]!.superseded).toEqual([scheduled.id]);
+    await client.query("rollback");
+    expect(
+      (
+        await q<{ id: string }>(
+          "select id::text from graphile_worker._private_jobs where id = $1",
+          [scheduled.id],
+        )
+      ).rows,
+    ).toEqual([{ id: scheduled.id }]);
+    removed.length = 0;
+
+    // Committed: a plain item of the key, then one that supersedes (per item), and another key's item.
+    const results = await locks.addJobs([
+      { identifier: "sup", payload: { k: "m", n: 4, ms: 10 }, supersede: false },
+      { identifier: "sup", payload: { k: "m", n: 5, ms: 10 }, supersede: true },
+      { identifier: "sup", payload: { k: "o", n: 6, ms: 10 }, supersede: false },
+      // A key nobody holds: the superseding item removes the item ahead of it and is not left waiting
+      // behind it in line (nobody would wake it).
+      { identifier: "sup", payload: { k: "q", n: 7, ms: 10 }, supersede: false },
+      { identifier: "sup", payload: { k: "q", n: 8, ms: 10 }, supersede: true },
+    ]);
+    expect(results.map((r) => r.outcome)).toEqual(["added", "added", "added", "added", "added"]);
+    expect(results[4]!.superseded).toEqual([results[3]!.job!.id]);
+    const inLine = await q("select 1 from graphile_worker_locks.waiters where job_id = $1", [
+      results[4]!.job!.id,
+    ]);
+    expect(inLine.rows).toEqual([]);
+    const newer = results[1]!;
+    expect(results[0]!.superseded).toBeUndefined();
+    expect(newer.superseded).toEqual([scheduled.id, results[0]!.job!.id]);
+    expect(results[2]!.superseded).toBeUndefined();
+    expect(removed.map((e) => [e.taskIdentifier, e.jobId, e.state, e.byJobId])).toEqual([
+      ...newer.superseded!.map((id) => ["sup", id, "waiting", newer.job!.id]),
+      ["sup", results[3]!.job!.id, "waiting", results[4]!.job!.id],
+    ]);
+
+    await drained();
+    // Only the committed enqueue's notice reached the running job.
+    const aborted = await readEvents(db.pool(), "aborted");
+    expect(aborted.map((e) => [e.jobId, e.detail])).toEqual([
+      [old.id, { code: ErrorCodes.SUPERSEDED, byJobId: newer.job!.id }],
+    ]);
+    const superseded = await readEvents(db.pool(), "superseded");
+    expect(superseded.map((e) => [e.jobId, e.detail])).toEqual([
+      [old.id, { byJobId: newer.job!.id, state: "running" }],
+    ]);
+    const executions = await readExecutions(db.pool(), "sup");
+    expect(executions.map((e) => e.note).sort()).toEqual(["1", "5", "6", "8"]);
+    expect(Math.max(...maxConcurrencyPerKey(executions).values())).toBe(1);
+    const first = executions.find((e) => e.note === "1")!;
+    const last = executions.find((e) => e.note === "5")!;
+    expect(last.start).toBeGreaterThanOrEqual(first.end!);
+  });
 });
 
 /**
@@ -280,6 +354,135 @@ describe("supersede in this process", () => {
   });
 });
 
+describe("supersede on a key of several slots, and in a lock group", () => {
+  it("stops every running job of a key with `limit: 2`, removes every older waiting one, and runs the newest", async () => {
+    const locks = newLocks();
+    const aborted: string[] = [];
+    const task = locks.exclusive(
+      "sup_multi",
+      async (p: { n: number }, helpers) => {
+        const { rows } = await q<{ id: string }>(
+          "insert into test_executions (job_id, task, lock_key, note) values ($1, 'sup_multi', 'k', $2) returning id",
+          [helpers.job.id, String(p.n)],
+        );
+        const signal = helpers.abortSignal!;
+        // Runs until its signal fires (at most a minute).
+        await new Promise<void>((resolve) => {
+          const timer = setTimeout(resolve, p.n === 5 ? 10 : 60_000);
+          const stop = () => {
+            aborted.push(`${helpers.job.id}:${(signal.reason as { code?: string }).code}`);
+            clearTimeout(timer);
+            resolve();
+          };
+          if (signal.aborted) stop();
+          else signal.addEventListener("abort", stop, { once: true });
+        });
+        await q("update test_executions set ended_at = clock_timestamp() where id = $1", [
+          rows[0]!.id,
+        ]);
+        if (signal.aborted) throw signal.reason;
+      },
+      { key: () => "k", limit: 2, onConflict: "reschedule", supersede: true },
+    );
+    const superseded = collect(locks, "job:superseded");
+    await runner({ connectionString: db.url, concurrency: 3, taskList: { sup_multi: task } });
+    const one = (await task.addJob({ n: 1 }, { supersede: false })).job!;
+    const two = (await task.addJob({ n: 2 }, { supersede: false })).job!;
+    await started(one.id, "sup_multi");
+    await started(two.id, "sup_multi");
+    // Waiting: one parked in the key's line (both slots held), one scheduled (never fetched).
+    await task.addJob({ n: 3 }, { supersede: false });
+    await waitFor(async () => (await h.parkedCount()) === 1, { message: "job 3 to park" });
+    const parked = (
+      await q<{ job_id: string }>("select job_id::text from graphile_worker_locks.waiters")
+    ).rows[0]!.job_id;
+    const scheduled = (
+      await task.addJob({ n: 4 }, { supersede: false, runAt: new Date(Date.now() + 3_600_000) })
+    ).job!;
+
+    const newer = await task.addJob({ n: 5 });
+    expect(newer.superseded).toEqual([parked, scheduled.id].sort((x, y) => Number(x) - Number(y)));
+    await drained();
+    // Both running jobs were told (the signal's reason a SupersededError), and ended as superseded.
+    expect(aborted.sort()).toEqual(
+      [one.id, two.id].map((id) => `${id}:${ErrorCodes.SUPERSEDED}`).sort(),
+    );
+    expect(
+      superseded
+        .map((e) => [e.jobId, e.state, e.byJobId])
+        .sort(([a], [b]) => Number(a) - Number(b)),
+    ).toEqual(
+      [[one.id, "running"], [two.id, "running"], ...newer.superseded!.map((id) => [id, "waiting"])]
+        .map(([id, state]) => [id, state, newer.job!.id])
+        .sort(([a], [b]) => Number(a) - Number(b)),
+    );
+    // Each ran once (the removed ones not at all), never more than 2 at once; the newest ran.
+    const executions = await readExecutions(db.pool(), "sup_multi");
+    expect(executions.map((e) => e.note).sort()).toEqual(["1", "2", "5"]);
+    expect(Math.max(...maxConcurrencyPerKey(executions).values())).toBeLessThanOrEqual(2);
+    const { rows } = await q("select 1 from graphile_worker._private_jobs");
+    expect(rows).toEqual([]);
+  });
+
+  it("with several limits, removes a job parked in another limit's line than the key's", async () => {
+    const locks = newLocks();
+    const ran: number[] = [];
+    const task = locks.exclusive("sup_stacked", async (p: { n: number }) => void ran.push(p.n), {
+      limits: [{ key: () => "tenant" }, { key: () => "all", group: "sup_cap" }],
+      onConflict: "reschedule",
+      supersede: true,
+    });
+    // The cap is held elsewhere: a job of the task parks in the cap's line.
+    const capKey = slotKeys("sup_cap", "all", 1)[0]!;
+    const cap = await h.holdExternally(capKey);
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { sup_stacked: task } });
+    await task.addJob({ n: 1 }, { supersede: false });
+    await waitFor(async () => (await h.parkedCount()) === 1, { message: "job 1 to park" });
+    const parked = (
+      await q<{ job_id: string; lock_key: string }>(
+        "select job_id::text, lock_key::text from graphile_worker_locks.waiters",
+      )
+    ).rows[0]!;
+    expect(parked.lock_key).toBe(BigInt.asIntN(64, capKey).toString());
+    const newer = await task.addJob({ n: 2 });
+    expect(newer.superseded).toEqual([parked.job_id]);
+    expect(await h.parkedCount()).toBe(0);
+    await cap.release();
+    await drained();
+    expect(ran).toEqual([2]);
+  });
+
+  it("an event names the superseded job's own task when tasks share a `lockGroup`", async () => {
+    const locks = newLocks();
+    const rules = {
+      exclusive: true,
+      onConflict: "reschedule",
+      lockGroup: "account",
+      key: (p: { user: string }) => p.user,
+    } as const;
+    locks.define("charge", rules);
+    locks.define("refund", rules);
+    const events = collect(locks, "job:superseded");
+    const later = { runAt: new Date(Date.now() + 3_600_000) };
+    const charge = (await locks.addJob("charge", { user: "u1" }, later)).job!;
+    const refund = (await locks.addJob("refund", { user: "u1" }, later)).job!;
+    const by = await locks.addJob("refund", { user: "u1" }, { ...later, supersede: true });
+    expect(by.superseded).toEqual([charge.id, refund.id]);
+    // And per item of a bulk enqueue.
+    const charge2 = (await locks.addJob("charge", { user: "u2" }, later)).job!;
+    const [first, bulkBy] = await locks.addJobs([
+      { identifier: "refund", payload: { user: "u2" }, ...later },
+      { identifier: "refund", payload: { user: "u2" }, ...later, supersede: true },
+    ]);
+    expect(events.map((e) => [e.taskIdentifier, e.jobId, e.byJobId])).toEqual([
+      ["charge", charge.id, by.job!.id],
+      ["refund", refund.id, by.job!.id],
+      ["charge", charge2.id, bulkBy!.job!.id],
+      ["refund", first!.job!.id, bulkBy!.job!.id],
+    ]);
+  });
+});
+
 describe("the abort signal of a job that may be superseded", () => {
   it("stops listening to the worker's and the session's signals when its job ends", async () => {
     const warnings: string[] = [];
@@ -358,8 +561,8 @@ describe("supersede options", () => {
       /`supersede` cannot be combined with a `jobKey`/,
     );
     await expect(
-      locks.addJobs([{ identifier: "waits", payload: {}, supersede: true }]),
-    ).rejects.toThrow(/`supersede` is not taken by `addJobs`/);
+      locks.addJobs([{ identifier: "plain_drop", payload: {}, supersede: true }]),
+    ).rejects.toThrow(/addJobs: item 0: task 'plain_drop': `supersede` needs/);
     const { rows } = await q("select 1 from graphile_worker._private_jobs");
     expect(rows).toEqual([]);
     // Per enqueue on a `reschedule` task: it supersedes; `false` turns a task's `supersede` off.
