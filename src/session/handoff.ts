@@ -233,7 +233,9 @@ export class Handoff {
    * gets the connection's error (its hold is lost with the connection).
    */
   private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
+    hold.confirming = true;
     void this.host.confirmWithNext().then((alive) => {
+      hold.confirming = false;
       if (alive && !hold.lost) {
         probeStage("granted", request.info.jobId);
         request.resolve({ acquired: true, hold });
@@ -271,7 +273,8 @@ export class Handoff {
 
   /**
    * Starts the time limit of the first job of `key`'s local line, if it has none: it waits for at most its
-   * `releaseWaitMs` from when it became first, then meets the conflict (it parks). A job behind it that has
+   * `releaseWaitMs` from when it became first (longer while the job ahead waits for its hand-over check),
+   * then meets the conflict (it parks). A job behind it that has
    * become first stops the timer of the one it overtook (job id order).
    */
   private armFirst(key: string): void {
@@ -282,13 +285,20 @@ export class Handoff {
       clearTimeout(waiter.timer);
       waiter.timer = undefined;
     }
-    first.timer = setTimeout(() => {
+    const wait = releaseWaitMs(first.request.info);
+    const expire = () => {
       if (line![0] !== first) return;
+      // (the job ahead, passed the key in memory, waits for its check: that round trip is not its hold)
+      if (this.host.holdOf(key)?.confirming) {
+        first.timer = setTimeout(expire, wait);
+        return;
+      }
       line!.shift();
       if (line!.length === 0) this.localWaiters.delete(key);
       else this.armFirst(key);
       first.request.resolve({ acquired: false, local: true });
-    }, releaseWaitMs(first.request.info));
+    };
+    first.timer = setTimeout(expire, wait);
   }
 
   /**
