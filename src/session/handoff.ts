@@ -246,9 +246,10 @@ export class Handoff {
   /**
    * A `reschedule` job of a local queue (`localLine`) that finds `key` held by a job of this process, which
    * has not begun to release it: it waits here, in job id order, for the key to pass to it in memory
-   * (passLocal), for at most its `releaseWaitMs`, then meets the conflict ("retry": it asks again, through
-   * the database). Null when it may not wait: not such a job, a hold of several limits, or `localLine` jobs
-   * already waiting for the key.
+   * (passLocal). It meets the conflict (it parks) when it waited its time limit (armFirst), and resolves
+   * "retry" (it asks for the key again, through the database) when the key goes back to the database
+   * instead. Null when it may not wait: not such a job, a hold of several limits or of a job that does not
+   * wait its turn, or `localLine` jobs already waiting for the key.
    */
   waitHere(
     key: string,
@@ -274,8 +275,8 @@ export class Handoff {
   /**
    * Starts the time limit of the first job of `key`'s local line, if it has none: it waits for at most its
    * `releaseWaitMs` from when it became first (longer while the job ahead waits for its hand-over check),
-   * then meets the conflict (it parks). A job behind it that has
-   * become first stops the timer of the one it overtook (job id order).
+   * then meets the conflict (it parks). A job that joins ahead of it (job id order) stops its timer and
+   * starts its own.
    */
   private armFirst(key: string): void {
     const line = this.localWaiters.get(key);
