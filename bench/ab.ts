@@ -6,7 +6,9 @@
  * `bench/run.ts contention` with BENCH_LIB set to the build and BENCH_ROUNDS=1; after BENCH_AB_RUNS rounds
  * (default 3) it prints every run's figures and their medians per build and variant (a run that failed, e.g.
  * jobs still queued after its time limit on a loaded machine, is left out and said so).
- * BENCH_CONTENTION chooses the variants (default: the line variants and the hot key).
+ * BENCH_CONTENTION chooses the variants (default: the line variants and the hot keys). Beside each build's
+ * figures stand the floors measured in the same runs (see contention.ts): a lock-statement round trip and
+ * the makespan floor.
  *
  * Example: `node --import tsx bench/ab.ts 8961c80 dist` (the default).
  */
@@ -17,7 +19,7 @@ import { fileURLToPath } from "node:url";
 const root = fileURLToPath(new URL("..", import.meta.url));
 const builds = process.argv.slice(2).length > 0 ? process.argv.slice(2) : ["8961c80", "dist"];
 const runs = Math.max(1, Number(process.env.BENCH_AB_RUNS ?? 3) || 3);
-const variants = process.env.BENCH_CONTENTION ?? "line,lineAddJobs,lineQueue,hotKey";
+const variants = process.env.BENCH_CONTENTION ?? "line,lineAddJobs,lineQueue,hotKey,hotKeyLocal";
 const log = (message: string): void => void process.stderr.write(`[ab] ${message}\n`);
 
 /** Builds `name` (a commit, or `dist`) and answers its BENCH_LIB, relative to the repository. */
@@ -61,6 +63,8 @@ interface Summary {
   worstOutOfOrder: number;
   maxPerKey: number;
   executed: number;
+  rttP50Ms: number;
+  makespanFloorOverIdeal: number;
 }
 
 const libs = builds.map((name) => ({ name, lib: build(name) }));
@@ -92,7 +96,7 @@ const median = (values: number[]): number => {
 };
 const fmt = (v: number, digits = 2) => v.toFixed(digits);
 process.stdout.write(
-  "build | variant | makespan/ideal (runs) | median | hand-off p50 ms | p99 ms | fetches/job | worst out of order | max per key | executed\n",
+  "build | variant | makespan/ideal (runs) | median | floor | hand-off p50 ms | p99 ms | round trip p50 ms (floor of a hand-off) | fetches/job | worst out of order | max per key | executed\n",
 );
 for (const { name } of libs) {
   for (const variant of new Set(results.map((x) => x.variant))) {
@@ -104,8 +108,10 @@ for (const { name } of libs) {
       variant,
       mine.map((x) => fmt(x.makespanOverIdeal)).join(" "),
       m((x) => x.makespanOverIdeal),
+      m((x) => x.makespanFloorOverIdeal ?? NaN),
       m((x) => x.handoffP50Ms),
       m((x) => x.handoffP99Ms),
+      m((x) => x.rttP50Ms ?? NaN),
       m((x) => x.fetchesPerJob),
       String(Math.max(...mine.map((x) => x.worstOutOfOrder))),
       String(Math.max(...mine.map((x) => x.maxPerKey))),

@@ -13,12 +13,19 @@
  * waiter, was answered), the parks per task (`job:rescheduled`), this process's CPU time, and, through the
  * lock session's timing probe (when the build has one), the stages of each job's hand-off (`Stages`).
  *
+ * The floors of a hand-off (`Floors`), measured in this process while a run goes, between `reset` and
+ * `collect`, on two connections of their own (FloorProbe): the round trip of a trivial prepared statement
+ * (what a lock statement cannot go under), the latency of a notification from its sender's statement to a
+ * listener (what a release's notice cannot go under), and graphile-worker's own fetch (a worker's
+ * `worker:getJob:start` to its `job:start`).
+ *
  * Requests: `reset` (forgets the records), `collect` (answers them), `poll` (restarts the runner
- * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`; `stopped`: stops it
- * instead, for a run with fewer processes).
+ * with another poll interval, with or without `forbiddenFlags: locks.forbiddenFlags`, with or without a local
+ * queue; `stopped`: stops it instead, for a run with fewer processes).
  */
 import { EventEmitter } from "node:events";
-import type { Job, JobHelpers, Runner, WorkerEvents } from "graphile-worker";
+import type { Job, JobHelpers, Runner, Worker, WorkerEvents } from "graphile-worker";
+import pg from "pg";
 import type { ExclusiveOptions } from "../src/index.js";
 import { machineClock as clock, quietLogger, sleep, startRunner, workerMain } from "./lib.js";
 import { library, timingProbe } from "./library.js";
@@ -67,12 +74,82 @@ export interface WorkerRecords {
   cpuMs: number;
   /** Job id → its hand-off stages (empty with a build without the probe's stages). */
   stages: Array<[string, Stages]>;
+  /** The floors sampled during the run. */
+  floors: Floors;
 }
 
 export type ContentionRequest =
   | { type: "reset" }
   | { type: "collect" }
-  | { type: "poll"; pollInterval: number; skipHeld: boolean; stopped: boolean };
+  | {
+      type: "poll";
+      pollInterval: number;
+      skipHeld: boolean;
+      localQueue: boolean;
+      stopped: boolean;
+    };
+
+/** Samples (ms) of what a hand-off cannot go under, taken while a run goes (see the module comment). */
+export interface Floors {
+  /** Round trips of a trivial prepared statement on a connection of its own. */
+  rtt: number[];
+  /** A notification's latency, from before its sender's statement to its listener. */
+  notify: number[];
+  /** graphile-worker fetches that brought a job: `worker:getJob:start` to `job:start`. */
+  fetch: number[];
+}
+
+/** How often the floor probe samples a round trip and a notification. */
+const FLOOR_PROBE_MS = 25;
+
+/**
+ * Samples the round trip and the notification latency every FLOOR_PROBE_MS while started, on two connections
+ * of its own (a sender, and a listener on `gwl_bench_floor`), on the machine's clock.
+ */
+class FloorProbe {
+  private sender: pg.Client | null = null;
+  private listener: pg.Client | null = null;
+  private running = false;
+  private loop: Promise<void> = Promise.resolve();
+
+  constructor(
+    private readonly url: string,
+    private readonly floors: () => Floors,
+  ) {}
+
+  async start(): Promise<void> {
+    await this.stop();
+    this.sender = new pg.Client({ connectionString: this.url });
+    this.listener = new pg.Client({ connectionString: this.url });
+    await Promise.all([this.sender.connect(), this.listener.connect()]);
+    this.listener.on("notification", ({ payload }) => {
+      if (this.running && payload) this.floors().notify.push(clock() - Number(payload));
+    });
+    await this.listener.query("listen gwl_bench_floor");
+    this.running = true;
+    const sender = this.sender;
+    this.loop = (async () => {
+      while (this.running) {
+        const t0 = clock();
+        await sender.query({ name: "gwl_bench_floor_rtt", text: "select 1" });
+        this.floors().rtt.push(clock() - t0);
+        await sender.query({
+          name: "gwl_bench_floor_notify",
+          text: "select pg_notify('gwl_bench_floor', $1)",
+          values: [String(clock())],
+        });
+        await sleep(FLOOR_PROBE_MS);
+      }
+    })();
+  }
+
+  async stop(): Promise<void> {
+    this.running = false;
+    await this.loop.catch(() => undefined);
+    await Promise.all([this.sender?.end(), this.listener?.end()].map((p) => p?.catch(() => {})));
+    this.sender = this.listener = null;
+  }
+}
 
 workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
   const blank = () => ({
@@ -81,6 +158,7 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     releases: new Map<string, number>(),
     rescheduled: {} as Record<string, number>,
     stages: new Map<string, Stages>(),
+    floors: { rtt: [], notify: [], fetch: [] } as Floors,
     cpu: process.cpuUsage(),
   });
   let records = blank();
@@ -125,10 +203,21 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
   };
   const events = new EventEmitter() as WorkerEvents;
   events.on("job:start", ({ job }) => void records.fetches.push(mark(job, clock())));
+  // graphile-worker's own fetches that brought a job (a worker fed by a local queue shows none).
+  const fetching = new Map<Worker, number>();
+  events.on("worker:getJob:start", ({ worker }) => void fetching.set(worker, clock()));
+  events.on("worker:getJob:empty", ({ worker }) => void fetching.delete(worker));
+  events.on("job:start", ({ worker }) => {
+    const at = fetching.get(worker);
+    if (at === undefined) return;
+    fetching.delete(worker);
+    records.floors.fetch.push(clock() - at);
+  });
+  const probe = new FloorProbe(url, () => records.floors);
 
   await locks.connect();
   // `attach` detaches itself when the runner stops: each runner started on these events is attached anew.
-  const start = (pollInterval: number, skipHeld: boolean) => {
+  const start = (pollInterval: number, skipHeld: boolean, localQueue: boolean) => {
     locks.attach({ events });
     return startRunner({
       connectionString: url,
@@ -137,28 +226,37 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
       pollInterval,
       events,
       ...(skipHeld ? { forbiddenFlags: locks.forbiddenFlags } : {}),
+      ...(localQueue
+        ? { preset: { worker: { localQueue: { size: 50 }, completeJobBatchDelay: 0 } } }
+        : {}),
     });
   };
-  let runner: Runner | null = await start(Number(process.env.POLL_INTERVAL), false);
+  let runner: Runner | null = await start(Number(process.env.POLL_INTERVAL), false, false);
 
   return {
     handlers: {
-      reset: () => void (records = blank()),
-      collect: (): WorkerRecords => {
+      reset: async () => {
+        records = blank();
+        await probe.start();
+      },
+      collect: async (): Promise<WorkerRecords> => {
+        await probe.stop();
         const cpu = process.cpuUsage(records.cpu);
-        const { executions, fetches, releases, rescheduled, stages } = records;
+        const { executions, fetches, releases, rescheduled, stages, floors } = records;
         const cpuMs = (cpu.user + cpu.system) / 1000;
         return {
           ...{ name, executions, fetches, releases: [...releases], rescheduled, cpuMs },
           stages: [...stages],
+          floors,
         };
       },
-      poll: async ({ pollInterval, skipHeld, stopped }) => {
+      poll: async ({ pollInterval, skipHeld, localQueue, stopped }) => {
         await runner?.stop();
-        runner = stopped ? null : await start(pollInterval, skipHeld);
+        runner = stopped ? null : await start(pollInterval, skipHeld, localQueue);
       },
     },
     async leave() {
+      await probe.stop();
       await runner?.stop();
       await locks.release();
     },

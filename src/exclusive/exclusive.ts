@@ -297,7 +297,19 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
-  const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
+  /**
+   * The hold info of a job fetched into a local queue of this process: a `reschedule` job of a single key may
+   * wait here for it while another job of this process holds it (`localLine`), rather than park.
+   */
+  const queuedInfo = (job: Job, slots: readonly bigint[]): HoldInfo => {
+    const info = holdInfo(job, slots);
+    return info.reschedule && slots.length === 1
+      ? { ...info, localLine: holdTime.localLine() }
+      : info;
+  };
+
+  /** `local`: the job was fetched into a local queue of this process (see queuedInfo). */
+  const acquireAndRun = async (payload: unknown, helpers: JobHelpers, local = false) => {
     const { job } = helpers;
     if (options.limits) {
       // Several limits: the conflict strategy applies to the limit that was full (its slots, its line).
@@ -309,7 +321,7 @@ export function makeExclusiveTask<TPayload>(
       return runHeld(result.hold, payload, helpers);
     }
     const slots = keysOfJob(job);
-    const result = await giveBack.acquire(job, helpers, slots, holdInfo);
+    const result = await giveBack.acquire(job, helpers, slots, local ? queuedInfo : holdInfo);
     if (result === null) return;
     if (!result.acquired) return onConflict(job, helpers, slots, result.local);
     return runHeld(result.hold, payload, helpers);
@@ -319,19 +331,25 @@ export function makeExclusiveTask<TPayload>(
    * Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then, or if
    * the lock went with its connection while the job waited in the local queue (it never runs unlocked).
    */
-  const runLockedAhead = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
+  const runLockedAhead = (
+    result: AcquireResult | null,
+    payload: unknown,
+    helpers: JobHelpers,
+    local: boolean,
+  ) =>
     result?.acquired && !result.hold.lost
       ? runHeld(result.hold, payload, helpers)
-      : acquireAndRun(payload, helpers);
+      : acquireAndRun(payload, helpers, local);
 
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // A task without a lock: only its start is checked (rate, pause).
     if (!options.lock) return runTask(payload, helpers, helpers);
     // With lock-ahead the key was derived (and usually taken) when the job was fetched.
     const ahead = ctx.lockedAhead(helpers.job.id);
-    if (!ahead) return acquireAndRun(payload, helpers);
-    if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
-    return ahead.promise.then((result) => runLockedAhead(result, payload, helpers));
+    const local = ctx.fetchedHere(helpers.job.id) && timed;
+    if (!ahead) return acquireAndRun(payload, helpers, local);
+    if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers, local);
+    return ahead.promise.then((result) => runLockedAhead(result, payload, helpers, local));
   };
 
   return Object.assign(wrapped as Task, {
