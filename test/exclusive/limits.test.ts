@@ -381,6 +381,58 @@ describe("limits: several limits per job", () => {
     });
   });
 
+  it("locks.addJobs adds a job behind an earlier job of the batch with its key waiting in that limit's line; all run once, in order", async () => {
+    const locks = newLocks();
+    const task = locks.exclusive("enqueue_line", recording("enqueue_line"), {
+      ...tenantAndCap(2),
+      // (a safety net long enough for a line at enqueue)
+      reschedule: { minDelay: 20, maxDelay: 30_000 },
+    });
+    const tenants = ["a", "a", "b", "a", "c", "b"];
+    const results = await locks.addJobs(
+      tenants.map((tenant, n) => ({ identifier: "enqueue_line", payload: { tenant, n, ms: 20 } })),
+    );
+    const idOf = new Map(results.map((r, n) => [r.job!.id, n]));
+    const { rows } = await h.q<{ job_id: string; lock_key: string }>(
+      "select job_id::text, lock_key::text from graphile_worker_locks.waiters order by pos",
+    );
+    // Each tenant's first job is runnable; the others wait in their tenant's line (not the cap's).
+    const tenantKey = (t: string) => slotKeys("enqueue_line", t, 1)[0]!.toString();
+    expect(rows.map((r) => [idOf.get(r.job_id), r.lock_key])).toEqual([
+      [1, tenantKey("a")],
+      [3, tenantKey("a")],
+      [5, tenantKey("b")],
+    ]);
+    await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { enqueue_line: task },
+      pollInterval: 100,
+    });
+    await waitFor(
+      async () =>
+        (await readExecutions(db.pool(), "enqueue_line")).filter((e) => e.end !== null).length ===
+        tenants.length,
+      { message: "every job to run", timeoutMs: 60_000 },
+    );
+    const executions = await readExecutions(db.pool(), "enqueue_line");
+    expect(executions.map((e) => Number(e.note)).sort((a, b) => a - b)).toEqual(
+      tenants.map((_, n) => n),
+    );
+    const c = concurrency(executions);
+    expect(c.all).toBeLessThanOrEqual(2);
+    for (const [, n] of c.perTenant) expect(n).toBe(1);
+    // Each tenant's jobs ran in enqueue order.
+    for (const t of new Set(tenants)) {
+      const order = executions
+        .filter((e) => e.lockKey === t)
+        .sort((x, y) => (x.start < y.start ? -1 : 1))
+        .map((e) => Number(e.note));
+      expect(order).toEqual([...order].sort((x, y) => x - y));
+    }
+    expect(await h.parkedCount()).toBe(0);
+  });
+
   it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {
     const locks = newLocks();
     const ab = locks.exclusive("ab", recording("ab"), {
