@@ -46,6 +46,13 @@ export interface HandoffCounts {
   wokenHere: number;
   /** Keys kept at their release for the job woken early that an idle worker of this process was fetching. */
   keptForArrival: number;
+  /**
+   * Requests of jobs with several limits that found a limit full, with a slot held here, and waited for a
+   * release of this process rather than park.
+   */
+  waitedHere: number;
+  /** Requests of jobs with several limits sent in the statement of the unlock that freed a slot they took. */
+  rodeWithUnlock: number;
 }
 
 /** What the hand-off needs of the lock session. */
@@ -95,6 +102,8 @@ export class Handoff {
     afterRelease: 0,
     wokenHere: 0,
     keptForArrival: 0,
+    waitedHere: 0,
+    rodeWithUnlock: 0,
   };
   /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();

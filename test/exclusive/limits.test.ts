@@ -14,7 +14,7 @@ import { useExclusiveHarness } from "../support/exclusive.js";
 import { readExecutions, type Execution } from "../support/executions.js";
 
 const h = useExclusiveHarness("truncate test_executions, test_events");
-const { db, newLocks, runner } = h;
+const { db, cleanups, newLocks, runner } = h;
 
 interface Job {
   tenant: string;
@@ -431,6 +431,59 @@ describe("limits: several limits per job", () => {
       expect(order).toEqual([...order].sort((x, y) => x - y));
     }
     expect(await h.parkedCount()).toBe(0);
+  });
+
+  it("a job that finds a limit full, its slot held here, waits for that release and rides with its unlock, rather than park", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const body = recording("ride");
+    const task = locks.exclusive(
+      "ride",
+      async (payload: Job, helpers) => {
+        if (payload.tenant === "h") await gate.promise;
+        await body(payload, helpers);
+      },
+      {
+        onConflict: "reschedule",
+        limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", group: "ride_cap" }],
+        // (safety nets far away: a job that parked would not run within the test)
+        reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+      },
+    );
+    const parks: bigint[] = [];
+    locks.events.on("job:rescheduled", (e) => parks.push(e.lockKey));
+    await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { ride: task },
+      pollInterval: 100,
+    });
+    // A first job teaches the task its usual hold (600 ms): a job waits up to twice that (at most 1 s).
+    await task.addJob({ tenant: "teach", ms: 600 });
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "ride")).some((e) => e.end !== null),
+      { message: "the teaching job to run" },
+    );
+    await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
+    // h holds the cap; w (another tenant) meets it full, held here.
+    await task.addJob({ tenant: "h" });
+    await waitFor(async () => locks.status().held.length === 2, { message: "h to hold its slots" });
+    await task.addJob({ tenant: "w" });
+    await waitFor(async () => locks.status().handoffs.waitedHere > 0 || parks.length > 0, {
+      message: "w to wait here or park",
+      intervalMs: 1,
+    });
+    expect(parks).toEqual([]);
+    gate.resolve();
+    await waitFor(
+      async () =>
+        (await readExecutions(db.pool(), "ride")).filter((e) => e.end !== null).length === 3,
+      { message: "w to run" },
+    );
+    expect(parks).toEqual([]);
+    expect(locks.status().handoffs).toMatchObject({ waitedHere: 1, rodeWithUnlock: 1 });
+    expect(highestConcurrency(intervals(await readExecutions(db.pool(), "ride")))).toBe(1);
   });
 
   it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {
