@@ -188,6 +188,11 @@ async function contended(ctx: BenchContext, jobs: number) {
       fetchesPerJob: fetchCounts.reduce((a, b) => a + b, 0) / jobs,
       parksPerJob: parks / jobs,
       jobsNeverParked: fetchCounts.filter((n) => n === 1).length / jobs,
+      firstStartMs: Math.min(...runs.map((r) => r.start)) - started,
+      runP50Ms: percentile(
+        runs.map((r) => r.end - r.start),
+        50,
+      ),
       underCapShare: underCapMs / makespan,
       longestUnderCapMs,
       lockWaitP50Ms: percentile(lockWaits, 50),
@@ -267,7 +272,7 @@ export const limits = sizedSection(
         ),
         table(
           "Where the contended run's time goes (per job, and each hand-off split at the starting job's fetch)",
-          "fetches/job | parks/job | jobs run at first fetch | end → fetch p50 ms | fetch → start p50 ms | lock request queued p50 ms | lock statement round trip p50 ms | under the cap | longest under the cap ms",
+          "fetches/job | parks/job | jobs run at first fetch | end → fetch p50 ms | fetch → start p50 ms | lock request queued p50 ms | lock statement round trip p50 ms | under the cap | longest under the cap ms | first start ms | a run p50 ms",
           [
             [
               fmtFixed(c.fetchesPerJob, 2),
@@ -279,6 +284,8 @@ export const limits = sizedSection(
               fmtFixed(c.lockTripP50Ms, 1),
               `${fmtInt(c.underCapShare * 100)} %`,
               fmtInt(c.longestUnderCapMs),
+              fmtInt(c.firstStartMs),
+              fmtFixed(c.runP50Ms, 1),
             ],
           ],
         ),
