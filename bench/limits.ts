@@ -1,7 +1,8 @@
 /**
  * Section "limits": what several limits per job (`limits`) cost. In one process, a real graphile-worker
  * runner (concurrency 8, no lock-ahead):
- * - no contention: no-op jobs of distinct keys, with 1 limit (a plain exclusive task), 2 and 3 limits:
+ * - no contention: no-op jobs of distinct keys, with 1 limit (a plain exclusive task), 1 limit in a group
+ *   (what the group of the further limits costs by itself), 2 and 3 limits:
  *   jobs/s, lock statements per job (the lock session's count) and PostgreSQL's CPU per job (cpu.ts). The
  *   variants alternate, BENCH_ROUNDS rounds, medians.
  * - contended: `reschedule` jobs of 20 ms over 8 tenants with two limits (1 per tenant, a cap of 4 in all,
@@ -11,7 +12,7 @@
 import type { Runner } from "graphile-worker";
 import type { ExclusiveOptions, Locks } from "../src/index.js";
 import { cpuBetween, cpuSnapshot } from "./cpu.js";
-import { library } from "./library.js";
+import { library, timingProbe } from "./library.js";
 import { fmtFixed, fmtInt, goal, insertJobs, machineClock as clock, median } from "./lib.js";
 import { percentile, quietLogger, resetJobs, sizedSection, startRunner, table } from "./lib.js";
 import { waitUntilNoJobs, type BenchContext, type Goal } from "./lib.js";
@@ -27,8 +28,15 @@ const SIZES = {
 
 type Payload = { i: number };
 const byJob = (p: Payload) => p.i;
-const VARIANTS: Array<{ label: string; options: ExclusiveOptions<Payload> }> = [
+/** `reference`: a row for reading the others, without a goal of its own. */
+const VARIANTS: Array<{
+  label: string;
+  options: ExclusiveOptions<Payload>;
+  reference?: boolean;
+}> = [
   { label: "1 limit (plain exclusive)", options: { key: byJob } },
+  // (the second and third limits have groups: this row is what a group costs a single limit)
+  { label: "1 limit, in a group", options: { key: byJob, lockGroup: "first" }, reference: true },
   {
     label: "2 limits",
     options: { limits: [{ key: byJob }, { key: byJob, group: "second" }] },
@@ -77,32 +85,52 @@ async function uncontended(ctx: BenchContext, options: ExclusiveOptions<Payload>
   }
 }
 
-/** The contended run: executions recorded on this process's clock. */
+/**
+ * The contended run: executions recorded on this process's clock, and where the time between them goes.
+ * Every job is followed by its place in the enqueue (`i`, which its copies keep when it parks): when the
+ * worker got it (each fetch), when it parked (`job:rescheduled`), and when its task started and ended.
+ */
 async function contended(ctx: BenchContext, jobs: number) {
   const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
-  const runs: Array<{ start: number; end: number }> = [];
+  const runs: Array<{ start: number; end: number; i: number }> = [];
+  const fetches: number[][] = Array.from({ length: jobs }, () => []);
+  let parks = 0;
+  locks.events.on("job:rescheduled", () => parks++);
+  // The lock session's statements: how long a lock request waited to be sent, and its round trip.
+  const lockWaits: number[] = [];
+  const lockTrips: number[] = [];
+  timingProbe?.setTimingProbe({
+    lock(queuedAt, sentAt, answeredAt) {
+      lockWaits.push(sentAt - queuedAt);
+      lockTrips.push(answeredAt - sentAt);
+    },
+    unlock() {},
+  });
   let runner: Runner | undefined;
   try {
+    type P = { t: number; i: number };
     const task = locks.exclusive(
       "limits_contended",
-      async () => {
+      async (payload: P) => {
         const start = clock();
         await new Promise((resolve) => setTimeout(resolve, TASK_MS));
-        runs.push({ start, end: clock() });
+        runs.push({ start, end: clock(), i: payload.i });
       },
       {
         onConflict: "reschedule",
-        limits: [
-          { key: (p: { t: number }) => p.t },
-          { key: () => "cap", limit: CAP, group: "bench-cap" },
-        ],
+        limits: [{ key: (p: P) => p.t }, { key: () => "cap", limit: CAP, group: "bench-cap" }],
       },
     );
     await locks.connect();
     runner = await startRunner({
       connectionString: ctx.url,
       concurrency: CONCURRENCY,
-      taskList: { limits_contended: task },
+      taskList: {
+        limits_contended: (payload, helpers) => {
+          fetches[(payload as P).i]?.push(clock());
+          return task(payload, helpers);
+        },
+      },
       pollInterval: 2000,
     });
     locks.attach(runner);
@@ -111,32 +139,75 @@ async function contended(ctx: BenchContext, jobs: number) {
     await locks.addJobs(
       Array.from({ length: jobs }, (_, i) => ({
         identifier: "limits_contended",
-        payload: { t: i % TENANTS },
+        payload: { t: i % TENANTS, i },
       })),
     );
     await waitUntilNoJobs(ctx.pool, 300_000);
     const lastEnd = Math.max(...runs.map((r) => r.end));
     const makespan = lastEnd - started;
-    // Hand-off: for each start after the first CAP, the gap since the latest end before it.
+    // Hand-off: for each start after the first CAP, the gap since the latest end before it, split at the
+    // starting job's last fetch before its start: end → fetch (unlock, wake, graphile-worker's fetch) and
+    // fetch → start (the lock statement). A fetch before that end counts as 0 for the first part.
     const ends = runs.map((r) => r.end).sort((a, b) => a - b);
-    const starts = runs.map((r) => r.start).sort((a, b) => a - b);
     const gaps: number[] = [];
-    for (const s of starts.slice(CAP)) {
+    const toFetch: number[] = [];
+    const toStart: number[] = [];
+    for (const r of [...runs].sort((a, b) => a.start - b.start).slice(CAP)) {
       let latest = -Infinity;
       for (const e of ends) {
-        if (e > s) break;
+        if (e > r.start) break;
         latest = e;
       }
-      if (latest > -Infinity) gaps.push(s - latest);
+      if (latest === -Infinity) continue;
+      gaps.push(r.start - latest);
+      const fetched = Math.max(...fetches[r.i]!.filter((f) => f <= r.start));
+      toFetch.push(Math.max(0, fetched - latest));
+      toStart.push(r.start - Math.max(fetched, latest));
     }
+    // The cap's idle time: from the enqueue to the last end, how long fewer than CAP jobs ran, and the
+    // longest such stretch.
+    const marks = runs
+      .flatMap((r) => [
+        { at: r.start, d: 1 },
+        { at: r.end, d: -1 },
+      ])
+      .sort((a, b) => a.at - b.at || a.d - b.d);
+    let running = 0;
+    let since = started;
+    let underCapMs = 0;
+    let longestUnderCapMs = 0;
+    for (const m of marks) {
+      if (running < CAP) {
+        underCapMs += m.at - since;
+        longestUnderCapMs = Math.max(longestUnderCapMs, m.at - since);
+      }
+      running += m.d;
+      since = m.at;
+    }
+    const fetchCounts = fetches.map((f) => f.length);
     return {
       executions: runs.length,
       makespanMs: makespan,
       idealMs: (jobs * TASK_MS) / CAP,
       handoffP50Ms: percentile(gaps, 50),
       handoffP90Ms: percentile(gaps, 90),
+      endToFetchP50Ms: percentile(toFetch, 50),
+      fetchToStartP50Ms: percentile(toStart, 50),
+      fetchesPerJob: fetchCounts.reduce((a, b) => a + b, 0) / jobs,
+      parksPerJob: parks / jobs,
+      jobsNeverParked: fetchCounts.filter((n) => n === 1).length / jobs,
+      firstStartMs: Math.min(...runs.map((r) => r.start)) - started,
+      runP50Ms: percentile(
+        runs.map((r) => r.end - r.start),
+        50,
+      ),
+      underCapShare: underCapMs / makespan,
+      longestUnderCapMs,
+      lockWaitP50Ms: percentile(lockWaits, 50),
+      lockTripP50Ms: percentile(lockTrips, 50),
     };
   } finally {
+    timingProbe?.setTimingProbe(null);
     await runner?.stop();
     await locks.release();
     await resetJobs(ctx.pool);
@@ -165,6 +236,7 @@ export const limits = sizedSection(
     const base = med[0]!;
     const goals: Goal[] = [];
     for (let i = 1; i < med.length; i++) {
+      if (VARIANTS[i]!.reference) continue;
       goals.push(
         goal(
           `limits: ${VARIANTS[i]!.label}, lock statements per job vs 1 limit`,
@@ -204,6 +276,25 @@ export const limits = sizedSection(
               fmtFixed(ratio, 2),
               fmtFixed(c.handoffP50Ms, 1),
               fmtFixed(c.handoffP90Ms, 1),
+            ],
+          ],
+        ),
+        table(
+          "Where the contended run's time goes (per job, and each hand-off split at the starting job's fetch)",
+          "fetches/job | parks/job | jobs run at first fetch | end → fetch p50 ms | fetch → start p50 ms | lock request queued p50 ms | lock statement round trip p50 ms | under the cap | longest under the cap ms | first start ms | a run p50 ms",
+          [
+            [
+              fmtFixed(c.fetchesPerJob, 2),
+              fmtFixed(c.parksPerJob, 2),
+              `${fmtInt(c.jobsNeverParked * 100)} %`,
+              fmtFixed(c.endToFetchP50Ms, 1),
+              fmtFixed(c.fetchToStartP50Ms, 1),
+              fmtFixed(c.lockWaitP50Ms, 1),
+              fmtFixed(c.lockTripP50Ms, 1),
+              `${fmtInt(c.underCapShare * 100)} %`,
+              fmtInt(c.longestUnderCapMs),
+              fmtInt(c.firstStartMs),
+              fmtFixed(c.runP50Ms, 1),
             ],
           ],
         ),

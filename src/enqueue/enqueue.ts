@@ -241,6 +241,13 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       const safetyNetMs = exclusive.reschedule.maxDelay;
       if (!unique && !limited && !spec?.runAt && safetyNetMs >= 1000) line = { key, safetyNetMs };
       spec = { ...spec, flags: [...(spec?.flags ?? []), lockFlag(key)] };
+    } else if (exclusive?.onConflict === "reschedule" && limitKeys) {
+      // Several limits: the lines of its limits of one slot (a limit of several slots has no line order,
+      // and a job added waiting in its line would leave its other slots idle).
+      const keys = limitKeys.filter((l) => l.slots.length === 1).map((l) => l.slots[0]!);
+      const safetyNetMs = exclusive.reschedule.maxDelay;
+      if (keys.length > 0 && !unique && !limited && !spec?.runAt && safetyNetMs >= 1000)
+        line = { key: keys[0]!, keys, safetyNetMs };
     }
     // The first slot of the key (of its first limit, with several): what a superseding enqueue names, and,
     // as a flag on a job of a `reschedule` task that `lockFlag` does not name, how one finds it waiting.

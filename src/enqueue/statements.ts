@@ -46,9 +46,11 @@ export interface EnqueuePlan {
   /**
    * A job of a `reschedule` task (one slot, not unique, no `runAt`): its key, and how long it may wait in
    * line before its safety net fetches it (the task's `reschedule.maxDelay`). In a bulk enqueue, such a job
-   * after the first of its key is added waiting in line (enqueue_jobs in sql/000001.sql).
+   * after the first of its key is added waiting in line (enqueue_jobs in sql/000001.sql). A job with
+   * several limits has as many lines as it has limits of one slot (`keys`, in order; `key` is the first): in a
+   * bulk enqueue it waits in the first of them that an earlier job of the batch has taken the front of.
    */
-  line?: { key: bigint; safetyNetMs: number } | null;
+  line?: { key: bigint; keys?: readonly bigint[]; safetyNetMs: number } | null;
   /**
    * A superseding enqueue (`supersede`): the key (slot 0) whose older jobs the new job supersedes, in the
    * same statement (no preemptive check then).
@@ -311,12 +313,14 @@ export async function addJobs(
     } else {
       plain++;
       if (plan.line) {
+        const keys = plan.line.keys ?? [plan.line.key];
         // (a superseding job is never added waiting: the front it would wait behind is one it removes)
-        if (fronts.has(plan.line.key) && plan.supersede == null) {
+        const behind = plan.supersede == null ? keys.find((key) => fronts.has(key)) : undefined;
+        if (behind !== undefined) {
           item.park_ms = plan.line.safetyNetMs;
           parkPos.push(plain);
-          parkKeys.push(plan.line.key.toString());
-        } else fronts.add(plan.line.key);
+          parkKeys.push(behind.toString());
+        } else for (const key of keys) fronts.add(key);
       }
     }
     return item;

@@ -61,6 +61,13 @@ export interface HandoffCounts {
    * `handedOver`).
    */
   localQueue: number;
+  /**
+   * Requests of jobs with several limits that found a limit full, with a slot held here, and waited for a
+   * release of this process rather than park.
+   */
+  waitedHere: number;
+  /** Requests of jobs with several limits sent in the statement of the unlock that freed a slot they took. */
+  rodeWithUnlock: number;
 }
 
 /** What the hand-off needs of the lock session. */
@@ -121,6 +128,8 @@ export class Handoff {
     wokenHere: 0,
     keptForArrival: 0,
     localQueue: 0,
+    waitedHere: 0,
+    rodeWithUnlock: 0,
   };
   /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();

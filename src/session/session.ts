@@ -17,7 +17,8 @@
  * - A request of a job with several limits (`limits`) counts every slot it tries as pending and takes one
  *   slot of each limit or none, in one call of its statement (try_lock_all, sql/000002.sql). Its hold is one
  *   `Hold` registered under each key it took, released in one unlock, marked lost once; it is never handed
- *   over in memory nor woken early (a single key's hand-off cannot promise every limit).
+ *   over in memory nor woken early (a single key's hand-off cannot promise every limit). A request of this
+ *   process may take its slots in the statement that carries their unlock, which runs before its locks.
  * - Requests are coalesced: the requests of one turn of the event loop share a statement (batch.ts). Up to
  *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
  *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
@@ -109,6 +110,13 @@ export class LockSession extends SessionBook {
   private closing = false;
   /** Acquisitions in this process waiting for a key this process is releasing. */
   private successorsWaiting = 0;
+  /** Requests of jobs with several limits waiting for a hold of this process to be released (`awaitRelease`). */
+  private readonly releaseWatchers = new Set<() => void>();
+  /**
+   * Requests woken by a release (`releaseWatchers`) that have not yet looked again: the flush waits for
+   * them, so that a request queued then rides with the release's unlock.
+   */
+  private wakingRequests = 0;
   /** Hand-over checks waiting for the answer of the next lock statement (`confirmWithNext`). */
   private confirmQueue: Array<(alive: boolean) => void> = [];
   protected override readonly handoff: Handoff;
@@ -314,21 +322,28 @@ export class LockSession extends SessionBook {
 
   /**
    * A job with several limits: one slot of each, all or nothing, in one statement (try_lock_all). Only the
-   * slots this process neither holds nor is acquiring are sent (no re-entrant success); a limit with none of
-   * those is full here, unless its slots are only being acquired or released by this process: then the
-   * request waits for that answer and looks again. A conflict says which limit was full (`full`).
+   * slots this process neither holds nor is acquiring are sent (no re-entrant success), and the slots of a
+   * hold of several limits whose unlock is queued for the next statement (`unlockRides`): that statement
+   * unlocks them before it tries any slot, so the freed slot passes on in one round trip. A limit with none
+   * of those is full here, unless its slots are only being acquired or released by this process: then the
+   * request waits for that answer and looks again. A `reschedule` job that finds a limit full, some of its
+   * slots held here by jobs with several limits, waits for a hold of this process to be released, for at
+   * most its `releaseWaitMs` (`awaitRelease`), and looks again, rather than park at once: its request then
+   * rides with that unlock. It holds nothing while it waits, and the statement still puts it behind the jobs
+   * waiting in line (is_next). A conflict says which limit was full (`full`).
    */
   private async acquireAll(
     limits: ReadonlyArray<readonly bigint[]>,
     info: HoldInfo,
   ): Promise<AcquireResult> {
     const texts = limits.map((slots) => slots.map(String));
+    let until: number | undefined;
     for (;;) {
       if (this.connection.state !== "ready") await this.connection.ensureReady();
       const free: string[][] = [];
       let full = -1;
       for (let i = 0; i < texts.length; i++) {
-        const open = texts[i]!.filter((k) => this.isFree(k));
+        const open = texts[i]!.filter((k) => this.isFree(k) || this.unlockRides(k));
         if (open.length === 0) {
           full = i;
           break;
@@ -336,6 +351,8 @@ export class LockSession extends SessionBook {
         free.push(open);
       }
       if (full < 0) {
+        if (free.some((open) => open.some((k) => this.holds.has(k))))
+          this.handoff.counts.rodeWithUnlock++;
         const flat = free.flat();
         const acquisition = new Acquisition(
           flat,
@@ -359,7 +376,19 @@ export class LockSession extends SessionBook {
         continue;
       }
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
-      if (!releasing) return { acquired: false, local: true, full };
+      if (!releasing) {
+        if (!info.reschedule || !keys.some((k) => this.holds.get(k)?.stacked))
+          return { acquired: false, local: true, full };
+        if (until === undefined) {
+          until = performance.now() + info.releaseWaitMs;
+          this.handoff.counts.waitedHere++;
+        }
+        if (!(await this.awaitRelease(until))) return { acquired: false, local: true, full };
+        this.wakingRequests--;
+        // (after this turn's requests, the flush held back for them goes)
+        this.scheduleFlush();
+        continue;
+      }
       this.successorsWaiting++;
       this.scheduleFlush();
       try {
@@ -368,6 +397,48 @@ export class LockSession extends SessionBook {
         this.successorsWaiting--;
       }
     }
+  }
+
+  /**
+   * Whether `key` is a slot of a hold of several limits whose unlock waits in the queue of the next statement,
+   * and no request of this process is acquiring it: a request queued now goes in that same statement (the
+   * batch takes both queues whole), whose unlocks run before its lock requests (sql.ts, `lockBatch`). Such a
+   * hold is never handed over in memory, so the unlock is certain to be in that statement.
+   */
+  private unlockRides(key: string): boolean {
+    const hold = this.holds.get(key);
+    return (
+      hold !== undefined &&
+      hold.stacked &&
+      hold.releaseRequested &&
+      !this.pending.has(key) &&
+      !this.closing &&
+      this.unlockQueue.includes(hold)
+    );
+  }
+
+  /**
+   * Waits until a hold of this process is released (true), or until `until` (false). The caller that was
+   * answered true looks again at once and then counts itself out of `wakingRequests`: until then the flush
+   * that carries the release's unlock waits, so that a request queued on that look rides with the unlock
+   * (`unlockRides`).
+   */
+  private awaitRelease(until: number): Promise<boolean> {
+    const left = until - performance.now();
+    if (left <= 0) return Promise.resolve(false);
+    return new Promise<boolean>((resolve) => {
+      const done = (released: boolean) => {
+        clearTimeout(timer);
+        this.releaseWatchers.delete(watcher);
+        resolve(released);
+      };
+      const watcher = () => {
+        this.wakingRequests++;
+        done(true);
+      };
+      const timer = setTimeout(() => done(false), left);
+      this.releaseWatchers.add(watcher);
+    });
   }
 
   /** Queues a lock request for the next statement; its keys count as held meanwhile (`pending`). */
@@ -406,6 +477,7 @@ export class LockSession extends SessionBook {
     )
       return;
     this.queueUnlock(hold);
+    if (hold.stacked) for (const watcher of [...this.releaseWatchers]) watcher();
   }
 
   private queueUnlock(hold: HoldImpl): void {
@@ -450,6 +522,7 @@ export class LockSession extends SessionBook {
   }
 
   private flush(): void {
+    if (this.wakingRequests > 0) return;
     const { client, generation } = this.connection;
     if (this.inFlight.length >= this.maxInFlight || this.connection.state !== "ready" || !client)
       return;

@@ -14,7 +14,7 @@ import { useExclusiveHarness } from "../support/exclusive.js";
 import { readExecutions, type Execution } from "../support/executions.js";
 
 const h = useExclusiveHarness("truncate test_executions, test_events");
-const { db, newLocks, runner } = h;
+const { db, cleanups, newLocks, runner } = h;
 
 interface Job {
   tenant: string;
@@ -379,6 +379,103 @@ describe("limits: several limits per job", () => {
     await waitFor(async () => (await readExecutions(db.pool(), "dropper")).length === 1, {
       message: "the job to run once the limit frees",
     });
+  });
+
+  it("locks.addJobs adds a job behind an earlier job of the batch with its key waiting in that limit's line; all run once", async () => {
+    const locks = newLocks();
+    const task = locks.exclusive("enqueue_line", recording("enqueue_line"), {
+      ...tenantAndCap(2),
+      // (a safety net long enough for a line at enqueue)
+      reschedule: { minDelay: 20, maxDelay: 30_000 },
+    });
+    const tenants = ["a", "a", "b", "a", "c", "b"];
+    const results = await locks.addJobs(
+      tenants.map((tenant, n) => ({ identifier: "enqueue_line", payload: { tenant, n, ms: 20 } })),
+    );
+    const idOf = new Map(results.map((r, n) => [r.job!.id, n]));
+    const { rows } = await h.q<{ job_id: string; lock_key: string }>(
+      "select job_id::text, lock_key::text from graphile_worker_locks.waiters order by pos",
+    );
+    // Each tenant's first job is runnable; the others wait in their tenant's line (not the cap's).
+    const tenantKey = (t: string) => slotKeys("enqueue_line", t, 1)[0]!.toString();
+    expect(rows.map((r) => [idOf.get(r.job_id), r.lock_key])).toEqual([
+      [1, tenantKey("a")],
+      [3, tenantKey("a")],
+      [5, tenantKey("b")],
+    ]);
+    await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { enqueue_line: task },
+      pollInterval: 100,
+    });
+    await waitFor(
+      async () =>
+        (await readExecutions(db.pool(), "enqueue_line")).filter((e) => e.end !== null).length ===
+        tenants.length,
+      { message: "every job to run", timeoutMs: 60_000 },
+    );
+    const executions = await readExecutions(db.pool(), "enqueue_line");
+    expect(executions.map((e) => Number(e.note)).sort((a, b) => a - b)).toEqual(
+      tenants.map((_, n) => n),
+    );
+    const c = concurrency(executions);
+    expect(c.all).toBeLessThanOrEqual(2);
+    for (const [, n] of c.perTenant) expect(n).toBe(1);
+    expect(await h.parkedCount()).toBe(0);
+  });
+
+  it("a job that finds a limit full, its slot held here, waits for that release and rides with its unlock, rather than park", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const body = recording("ride");
+    const task = locks.exclusive(
+      "ride",
+      async (payload: Job, helpers) => {
+        if (payload.tenant === "h") await gate.promise;
+        await body(payload, helpers);
+      },
+      {
+        onConflict: "reschedule",
+        limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", group: "ride_cap" }],
+        // (safety nets far away: a job that parked would not run within the test)
+        reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+      },
+    );
+    const parks: bigint[] = [];
+    locks.events.on("job:rescheduled", (e) => parks.push(e.lockKey));
+    await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { ride: task },
+      pollInterval: 100,
+    });
+    // A first job teaches the task its usual hold (600 ms): a job waits up to twice that (at most 1 s).
+    await task.addJob({ tenant: "teach", ms: 600 });
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "ride")).some((e) => e.end !== null),
+      { message: "the teaching job to run" },
+    );
+    await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
+    // h holds the cap; w (another tenant) meets it full, held here.
+    await task.addJob({ tenant: "h" });
+    await waitFor(async () => locks.status().held.length === 2, { message: "h to hold its slots" });
+    await task.addJob({ tenant: "w" });
+    await waitFor(async () => locks.status().handoffs.waitedHere > 0 || parks.length > 0, {
+      message: "w to wait here or park",
+      intervalMs: 1,
+    });
+    expect(parks).toEqual([]);
+    gate.resolve();
+    await waitFor(
+      async () =>
+        (await readExecutions(db.pool(), "ride")).filter((e) => e.end !== null).length === 3,
+      { message: "w to run" },
+    );
+    expect(parks).toEqual([]);
+    expect(locks.status().handoffs).toMatchObject({ waitedHere: 1, rodeWithUnlock: 1 });
+    expect(highestConcurrency(intervals(await readExecutions(db.pool(), "ride")))).toBe(1);
   });
 
   it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {
