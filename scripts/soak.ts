@@ -7,9 +7,13 @@
  * jobs with force_unlock_workers as an operator would), terminates lock sessions and graphile-worker
  * connections with pg_terminate_backend, restarts PostgreSQL once, and freezes the lock sessions' network
  * (every worker's lock session goes through a proxy in this process) for longer than the heartbeat timeout.
- * Then the queue is drained and the records (written with the database's clock) are checked.
+ * Then the queue is drained and the records (on the database's clock: an execution starts when its body
+ * is entered, and ends with a write made before it returns) are checked.
  *
- *   npm run soak -- [--duration S] [--seed N] [--workers N] [--json]
+ *   npm run soak -- [--duration S] [--seed N] [--workers N] [--hunt] [--json] [--dump FILE]
+ *
+ * `--dump FILE` writes the run's records (executions, events, job errors, enqueues) and its report to FILE as
+ * JSON when a violation is found.
  *
  * Exits 1 on any violation: overlapping executions of a key not preceded by a `lock:lost` abort, a job
  * lost, a successful execution repeated without a chaos event to explain it, an attempt burned by a lock
@@ -20,6 +24,7 @@
  */
 import { fork, type ChildProcess } from "node:child_process";
 import { randomInt } from "node:crypto";
+import { writeFile } from "node:fs/promises";
 import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -52,11 +57,14 @@ function parseOptions(argv: string[]) {
       workers: { type: "string" },
       json: { type: "boolean", default: false },
       hunt: { type: "boolean", default: false },
+      dump: { type: "string" },
       help: { type: "boolean", default: false },
     },
   });
   if (values.help) {
-    console.log("usage: npm run soak -- [--duration S] [--seed N] [--workers N] [--hunt] [--json]");
+    console.log(
+      "usage: npm run soak -- [--duration S] [--seed N] [--workers N] [--hunt] [--json] [--dump FILE]",
+    );
     process.exit(0);
   }
   const integer = (
@@ -81,6 +89,7 @@ function parseOptions(argv: string[]) {
     workers: integer("workers", values.workers, 3, 2, 16),
     json: values.json,
     hunt: values.hunt,
+    dump: values.dump,
   };
 }
 
@@ -673,6 +682,14 @@ async function main(): Promise<number> {
     };
     if (options.json) console.log(JSON.stringify(report, null, 2));
     else printReport(report);
+    // The run's own records, for reading a violation beside the chaos that came with it.
+    if (options.dump && violations.length > 0) {
+      const dump: Record<string, unknown> = { report };
+      for (const table of ["executions", "events", "job_errors", "enqueues"])
+        dump[table] = (await admin.query(`select * from ${SOAK_SCHEMA}.${table} order by 1`)).rows;
+      await writeFile(options.dump, JSON.stringify(dump, null, 1));
+      console.log(`records written to ${options.dump}`);
+    }
     return violations.length > 0 ? 1 : 0;
   } finally {
     for (const child of children) child.kill("SIGKILL");

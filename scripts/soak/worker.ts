@@ -121,14 +121,54 @@ const sleep = (ms: number, signal: AbortSignal | undefined): Promise<void> =>
     signal?.addEventListener("abort", onAbort, { once: true });
   });
 
+/**
+ * This process's clock on the database's (seconds to add), from the sample of least round trip: an
+ * execution's start is the instant its body was entered, not when its row reached the database (which a busy
+ * machine delays by up to hundreds of milliseconds, long enough to put a job that lost its lock after a
+ * later holder's start). Its end stays the database's clock of a write made before the body returns, which
+ * is before the release.
+ */
+const clockOffset = await (async () => {
+  let best = { rtt: Number.POSITIVE_INFINITY, offset: 0 };
+  for (let i = 0, failures = 0; i < 7; i++) {
+    const sent = performance.now();
+    let rows: Array<{ t: number }>;
+    try {
+      ({ rows } = await records.query<{ t: number }>(
+        "select extract(epoch from clock_timestamp())::float8 as t",
+      ));
+    } catch (error) {
+      // (PostgreSQL restarting as this process starts)
+      if (++failures > 80) throw error;
+      i--;
+      await new Promise((resolve) => setTimeout(resolve, 250));
+      continue;
+    }
+    const rtt = performance.now() - sent;
+    const mid = (performance.timeOrigin + sent + rtt / 2) / 1000;
+    if (rtt < best.rtt) best = { rtt, offset: Number(rows[0]!.t) - mid };
+  }
+  return best.offset;
+})();
+const databaseNow = (): number => (performance.timeOrigin + performance.now()) / 1000 + clockOffset;
+
 let executions = 0;
 const body = async (task: string, payload: SoakPayload, helpers: JobHelpers): Promise<void> => {
   if (breakMode === "lose" && ++executions % 10 === 0) return;
   const runOnce = async (): Promise<void> => {
+    const entered = databaseNow();
     const { rows } = await records.query<{ id: string }>(
-      `insert into ${SOAK_SCHEMA}.executions (ref, job_id, task, lock_key, worker, attempts)
-       values ($1, $2, $3, $4, $5, $6) returning id`,
-      [payload.ref, helpers.job.id, task, `${task}:${payload.k}`, name, helpers.job.attempts],
+      `insert into ${SOAK_SCHEMA}.executions (ref, job_id, task, lock_key, worker, attempts, started_at)
+       values ($1, $2, $3, $4, $5, $6, to_timestamp($7)) returning id`,
+      [
+        payload.ref,
+        helpers.job.id,
+        task,
+        `${task}:${payload.k}`,
+        name,
+        helpers.job.attempts,
+        entered,
+      ],
     );
     const id = rows[0]!.id;
     try {
