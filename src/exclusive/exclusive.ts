@@ -324,12 +324,24 @@ export function makeExclusiveTask<TPayload>(
       ? runHeld(result.hold, payload, helpers)
       : acquireAndRun(payload, helpers);
 
+  /**
+   * A job of a task with a lock and a rate asks the rate first, counting nothing (a probe), and takes its
+   * lock only when its slot has come; it is admitted for real once it holds the lock (runTask). A job the
+   * rate refuses goes back to the queue, or waits for its near slot, without ever holding its key.
+   */
+  const probeAndRun = async (payload: unknown, helpers: JobHelpers) => {
+    if (!(await gate.admit(helpers.job, helpers, gateKeys(helpers.job), true))) return;
+    return acquireAndRun(payload, helpers);
+  };
+  const probed = options.lock && options.rate !== null;
+
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // A task without a lock: only its start is checked (rate, pause).
     if (!options.lock) return runTask(payload, helpers, helpers);
-    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
+    // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);
-    if (!ahead) return acquireAndRun(payload, helpers);
+    if (!ahead) return probed ? probeAndRun(payload, helpers) : acquireAndRun(payload, helpers);
     if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
     return ahead.promise.then((result) => runLockedAhead(result, payload, helpers));
   };
