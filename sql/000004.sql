@@ -27,6 +27,13 @@
 -- refused at its reserved moment (the jobs before it started later than planned) reserves again, keeping
 -- its place in line (`pos`). A reservation counts only while its job exists: one whose job was deleted or
 -- completed elsewhere stalls nobody, and is removed once it is older than a period.
+--
+-- The slots of a backlog are spaced: each reservation is at least period / limit after the one before it
+-- (rate_plan). A key with no backlog starts up to `limit` (or `burst`) jobs at once; the jobs that meet the
+-- rate then get one slot every period / limit, so each period from the backlog's first start holds `limit`
+-- starts, less at most one that lateness pushes into the next. (Repeating the first burst instead, a period
+-- on, would ask every start to be later than its slot by less than the gap between two starts of that
+-- burst, a fraction of a millisecond: each start a little later pushes one out of its period.)
 
 -- 1. The data model ---------------------------------------------------------------------------------------
 
@@ -83,6 +90,23 @@ language sql immutable as $$
   )
 $$;
 
+-- The earliest instant >= p_now for the next job behind the reservations `p_ahead` (the latest, any order),
+-- given the key's log: one more start must fit the log and the reservations (rate_next), and comes at
+-- least period / limit after the latest reservation.
+create function :GWL_SCHEMA.rate_plan(
+  p_log timestamptz[],
+  p_ahead timestamptz[],
+  p_limit int,
+  p_period interval,
+  p_burst int,
+  p_now timestamptz
+) returns timestamptz
+language sql immutable as $$
+  select greatest(
+    :GWL_SCHEMA.rate_next(p_log || p_ahead, p_limit, p_period, p_burst, p_now),
+    (select max(t) from unnest(p_ahead) t) + p_period / p_limit)
+$$;
+
 -- Decides whether job p_job_id starts now, in one transaction: when a key of p_pause_keys is paused, it
 -- goes back to the queue until the pause ends; else, with a rate (p_rate_key not null), it starts if it
 -- fits the rate (see the top of this file), otherwise it waits for a near slot ('wait': `at` is the slot) or
@@ -95,7 +119,8 @@ $$;
 -- counted, and the job reserves that moment. It takes its lock and then asks again for real (its
 -- reservation lets it start). So a job the rate refuses never holds its key's lock, and the job whose slot
 -- has come does not meet that lock held by one the rate refuses. A job that meets its lock held after all
--- is parked, and its copy keeps the reservation (give_back_job) and its place.
+-- is parked, and its copy keeps the reservation (give_back_job) and its place. `p_probed`: the start of a
+-- job that probed and holds its lock.
 create function :GWL_SCHEMA.rate_start(
   p_job_id bigint,
   p_rate_key bigint,
@@ -109,7 +134,8 @@ create function :GWL_SCHEMA.rate_start(
   p_wait_reserved interval,
   p_lead interval,
   p_hold interval default interval '0',
-  p_probe boolean default false
+  p_probe boolean default false,
+  p_probed boolean default false
 ) returns table (admitted boolean, at timestamptz, copy_id bigint, reason text, now timestamptz)
 language plpgsql volatile as $$
 declare
@@ -159,7 +185,7 @@ begin
     return;
   end if;
 
-  select r.pos into v_pos from :GWL_SCHEMA.rate_reservations r
+  select r.pos, r.at into v_pos, v_at from :GWL_SCHEMA.rate_reservations r
     where r.job_id = p_job_id and r.rate_key = p_rate_key;
   -- (the log is in order: its limit-th and burst-th latest are read by place)
   v_n := cardinality(v_starts);
@@ -176,7 +202,13 @@ begin
     order by r.pos desc
     limit p_limit);
   v_plan := case when cardinality(v_ahead) = 0 then v_actual
-    else :GWL_SCHEMA.rate_next(v_starts || v_ahead, p_limit, p_period, p_burst, v_now) end;
+    else :GWL_SCHEMA.rate_plan(v_starts, v_ahead, p_limit, p_period, p_burst, v_now) end;
+  -- A job that probed (its moment had come), then took its lock, is decided on the actual starts alone:
+  -- a job ahead of it in the plan may be parked in its key's line (its reservation stands for a start not
+  -- made yet), and refusing this one now would keep the lock held while it waits, or give it back twice.
+  if p_probed and v_at is not null and v_at <= v_now then
+    v_plan := v_actual;
+  end if;
 
   if v_actual <= v_now and v_plan <= v_now and p_probe then
     -- A probe counts no start, but the job reserves this moment (or keeps its reservation, now), so that

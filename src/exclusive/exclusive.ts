@@ -1,7 +1,8 @@
 /**
  * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
  * and applies the conflict strategy when the key is held. A task with a `rate` or a pause has its start
- * checked next (rates/gate.ts; with `lock: false`, only that), and a snooze or pause it throws is carried out.
+ * checked next (rates/gate.ts; with `lock: false`, only that; with a rate, the job asks it once before it
+ * takes its key, without counting a start), and a snooze or pause it throws is carried out.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError, SupersededError } from "../errors.js";

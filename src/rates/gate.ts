@@ -109,6 +109,8 @@ export class RateGate {
   async admit(job: Job, helpers: JobHelpers, keys: GateKeys, probe = false): Promise<boolean> {
     const { ctx, taskIdentifier } = this;
     const rate = this.options.rate;
+    // A job of a task with a lock and a rate probed before it took its lock (exclusive.ts), and holds it.
+    const probed = !probe && this.options.lock && rate !== null;
     const values = [
       job.id,
       keys.rate?.key.toString() ?? null,
@@ -123,15 +125,17 @@ export class RateGate {
       `${RATE_LEAD_MS} milliseconds`,
       `${RATE_HOLD_MS} milliseconds`,
       probe,
+      probed,
     ];
     const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
     const turn = keys.rate?.key.toString();
     // A fresh job takes its turn at its key (turns.ts); a job that comes for its reserved slot, or asks
     // again for a near one, goes straight to the database: its statement may wait there for its slot, and
-    // must not hold up the process's other jobs of the key meanwhile.
+    // must not hold up the process's other jobs of the key meanwhile. So does a job that probed and holds
+    // its lock: its slot has come, and the key's next job must not meet its lock.
     let waited = false;
     for (;;) {
-      const row = await (turn === undefined || reserved || waited
+      const row = await (turn === undefined || reserved || waited || probed
         ? query<StartRow>(helpers, this.sql.rateStart, values)
         : this.turns.run(turn, reserved, () =>
             query<StartRow>(helpers, this.sql.rateStart, values),

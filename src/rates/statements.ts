@@ -4,11 +4,11 @@
 
 export function rateStatements(s: string, w: string) {
   return {
-    /** rate_start: admits job $1 or gives it back; $13: a probe, which counts nothing (see sql/000004.sql). */
+    /** rate_start: admits job $1 or gives it back; $13: a probe, which counts nothing; $14: the job probed and holds its lock (see sql/000004.sql). */
     rateStart: `select r.admitted, r.at, r.copy_id::text as copy_id, r.reason, r.now
       from ${s}.rate_start($1::bigint, $2::bigint, $3::text, $4::int, $5::interval, $6::int,
         $7::bigint[], $8::int, $9::interval, $10::interval, $11::interval, $12::interval,
-        $13::boolean) r`,
+        $13::boolean, $14::boolean) r`,
     /** Gives job $1 back to run $2 from now. */
     snooze: `select r.copy_id::text as copy_id, r.run_at, clock_timestamp() as now from ${s}.snooze_job($1::bigint, $2::interval, $3::int) r`,
     /** Makes the copies $1, given back over their rate, runnable ahead of the jobs queued after them. */
@@ -35,7 +35,7 @@ export function rateStatements(s: string, w: string) {
         (extract(epoch from k.period) * 1000)::float8 as period,
         (select count(*) from unnest(k.starts) t where t > clock_timestamp() - k.period)::int as used,
         (select count(*) from live where live.rate_key = k.rate_key)::int as waiting,
-        ${s}.rate_next(k.starts || array(
+        ${s}.rate_plan(k.starts, array(
             select live.at from live where live.rate_key = k.rate_key order by live.pos desc limit k.lim
           ), k.lim, k.period, k.burst, clock_timestamp()) as next_at,
         clock_timestamp() as now
