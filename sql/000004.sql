@@ -27,13 +27,6 @@
 -- refused at its reserved moment (the jobs before it started later than planned) reserves again, keeping
 -- its place in line (`pos`). A reservation counts only while its job exists: one whose job was deleted or
 -- completed elsewhere stalls nobody, and is removed once it is older than a period.
---
--- The slots of a backlog are spaced: each reservation is at least period / limit after the one before it
--- (rate_plan). A key with no backlog starts up to `limit` (or `burst`) jobs at once; the jobs that meet the
--- rate then get one slot every period / limit, so each period from the backlog's first start holds `limit`
--- starts, less at most one that lateness pushes into the next. (Repeating the first burst instead, a period
--- on, would ask every start to be later than its slot by less than the gap between two starts of that
--- burst, a fraction of a millisecond: each start a little later pushes one out of its period.)
 
 -- 1. The data model ---------------------------------------------------------------------------------------
 
@@ -88,23 +81,6 @@ language sql immutable as $$
     (select t from unnest(p_log) t order by t desc offset p_burst - 1 limit 1)
       + p_period * p_burst / p_limit
   )
-$$;
-
--- The earliest instant >= p_now for the next job behind the reservations `p_ahead` (the latest, any order),
--- given the key's log: one more start must fit the log and the reservations (rate_next), and comes at
--- least period / limit after the latest reservation.
-create function :GWL_SCHEMA.rate_plan(
-  p_log timestamptz[],
-  p_ahead timestamptz[],
-  p_limit int,
-  p_period interval,
-  p_burst int,
-  p_now timestamptz
-) returns timestamptz
-language sql immutable as $$
-  select greatest(
-    :GWL_SCHEMA.rate_next(p_log || p_ahead, p_limit, p_period, p_burst, p_now),
-    (select max(t) from unnest(p_ahead) t) + p_period / p_limit)
 $$;
 
 -- Decides whether job p_job_id starts now, in one transaction: when a key of p_pause_keys is paused, it
@@ -202,7 +178,7 @@ begin
     order by r.pos desc
     limit p_limit);
   v_plan := case when cardinality(v_ahead) = 0 then v_actual
-    else :GWL_SCHEMA.rate_plan(v_starts, v_ahead, p_limit, p_period, p_burst, v_now) end;
+    else :GWL_SCHEMA.rate_next(v_starts || v_ahead, p_limit, p_period, p_burst, v_now) end;
   -- A job that probed (its moment had come), then took its lock, is decided on the actual starts alone:
   -- a job ahead of it in the plan may be parked in its key's line (its reservation stands for a start not
   -- made yet), and refusing this one now would keep the lock held while it waits, or give it back twice.

@@ -35,7 +35,7 @@ export function rateStatements(s: string, w: string) {
         (extract(epoch from k.period) * 1000)::float8 as period,
         (select count(*) from unnest(k.starts) t where t > clock_timestamp() - k.period)::int as used,
         (select count(*) from live where live.rate_key = k.rate_key)::int as waiting,
-        ${s}.rate_plan(k.starts, array(
+        ${s}.rate_next(k.starts || array(
             select live.at from live where live.rate_key = k.rate_key order by live.pos desc limit k.lim
           ), k.lim, k.period, k.burst, clock_timestamp()) as next_at,
         clock_timestamp() as now
