@@ -67,7 +67,7 @@ async function startsByKey(): Promise<Map<string, Array<{ n: number; at: number 
 
 describe("rate across 3 processes", () => {
   for (const lock of [false, true]) {
-    it(`a backlog of thousands over 3 keys: never more than limit starts in any period, each job once, no attempt burned${lock ? "" : "; at least limit - 1 starts in each period from the first start and in each window after the first period, at most about one give-back per job"} (lock: ${lock})`, async () => {
+    it(`a backlog of thousands over 3 keys: never more than limit starts in any period, each job once, no attempt burned${lock ? "" : "; at least limit - 1 starts in each period from the first start, at most about one give-back per job"} (lock: ${lock})`, async () => {
       await reset();
       const limit = 20;
       // (long enough that a busy machine's fetch latency is small beside the spacing of the slots)
@@ -104,12 +104,14 @@ describe("rate across 3 processes", () => {
         const at = byKey.get(k)!.map((s) => s.at);
         expect(at).toHaveLength(perKey);
         expect(maxStartsInWindow(at, period), `key ${k}`).toBeLessThanOrEqual(limit);
-        // How well the rate was used (the todos below): the fewest starts in a period, the periods taken
-        // one after another from the key's first start, and in a window [s, s + period) from any start s a
-        // period or more after the first; and the longest stretch without a start.
+        // How well the rate was used: the fewest starts in a period, the periods taken one after another
+        // from the key's first start (the backlog exists from it), and in a window [s, s + period) from any
+        // start s a period or more after the first; and the longest stretch without a start.
         const sorted = [...at].sort((x, y) => x - y);
         const gap = Math.max(...sorted.slice(1).map((t, i) => t - sorted[i]!));
         const fewest = minStartsInPeriods(at, period);
+        // (the reading asserted: "starts per period", as the bench's rate row counts them)
+        if (!lock) expect(fewest, `key ${k}`).toBeGreaterThanOrEqual(limit - 1);
         console.log(
           `lock: ${lock}, key ${k}: fewest starts in a period from the first ${fewest} of ${limit}; in a window from any start after the first period ${minStartsInWindow(at, period, period)}; longest gap ${gap} ms`,
         );
@@ -135,18 +137,15 @@ describe("rate across 3 processes", () => {
       expect(count("job:throttled")).toBeLessThanOrEqual(keys.length * perKey * 1.1);
     }, 360_000);
   }
-  // Not met yet; the runs above print the figures. TEST_LONG=1 at load 10 to 22 on 2 cores. lock: false:
-  // 19 to 20 of 20 in each period from the first start (one run); 16 to 19 in the worst window from a
+  // The runs above print both readings. TEST_LONG=1 at load 10 to 22 on 2 cores. lock: false: 20 of 20 in
+  // each period from the first start (asserted above); 14 to 19 in the worst window from a
   // start after the first period: a backlog's slots repeat the first burst a period on, so such a window
   // stays full only while each start is later than its slot by less than the gap between two starts of
   // that burst. Spacing the slots period / limit apart gave 17 to 20 in that window but 1.03 to 1.32
-  // give-backs per job (0.95 without), and 18 in one period under extra load: not kept. lock: true: 3 to
-  // 19 in the worst period, 1.4 to 3.7 give-backs per job: a job late for its slot (its lock statement, a
+  // give-backs per job (0.95 without), and 18 in one period under extra load: not kept. Not met with a
+  // lock: 3 to 19 in the worst period, 1.4 to 3.7 give-backs per job: a job late for its slot (its lock statement, a
   // park behind the lock of the slot before it) gives the jobs behind it in line later slots, and they
   // are given back again.
-  it.todo(
-    "with a backlog the rate is used: at least limit - 1 starts in each period from the first start (lock: false)",
-  );
   it.todo(
     "with a backlog and a lock, at least limit - 1 starts in each period and at most about one give-back per job (lock: true)",
   );
