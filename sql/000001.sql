@@ -502,7 +502,9 @@ end;
 $$;
 
 -- Gives a running job back to the queue (reschedule_job), recording the row given back (given_back) with
--- `p_owner_pid`, the lock session of the process that gives it back. Returns the copy's id.
+-- `p_owner_pid`, the lock session of the process that gives it back. A slot the job reserved over its rate
+-- (rate_reservations, sql/000004.sql) passes to the copy, so a job parked in a line, deferred or paused
+-- keeps its place among its key's reservations. Returns the copy's id.
 create function :GWL_SCHEMA.give_back_job(p_job_id bigint, p_run_at timestamptz, p_owner_pid int)
 returns bigint
 language plpgsql volatile as $$
@@ -514,6 +516,7 @@ begin
       values (p_job_id, p_owner_pid, v_new_id)
       on conflict (job_id) do update
         set owner_pid = excluded.owner_pid, copy_id = excluded.copy_id, given_back_at = now();
+    update :GWL_SCHEMA.rate_reservations r set job_id = v_new_id where r.job_id = p_job_id;
   end if;
   return v_new_id;
 end;

@@ -89,6 +89,14 @@ $$;
 -- goes back to the queue with a reservation of its slot ('rate'). Returns whether it was admitted, the
 -- instant of its start or of its copy's run_at, the copy's id, why it was refused ('paused', 'rate' or
 -- 'wait'), and the clock when it was decided.
+--
+-- A probe (`p_probe`) is the same decision for a job that has not taken its execution lock yet: it is
+-- given back or told to wait as above, but where it would start it is answered 'free': no start is
+-- counted, and the job reserves that moment. It takes its lock and then asks again for real (its
+-- reservation lets it start). So a job the rate refuses never holds its key's lock, and the job whose slot
+-- has come does not meet that lock held by one the rate refuses. A job that meets its lock held after all
+-- is parked, and its copy keeps the reservation (give_back_job) and its place. `p_probed`: the start of a
+-- job that probed and holds its lock.
 create function :GWL_SCHEMA.rate_start(
   p_job_id bigint,
   p_rate_key bigint,
@@ -101,7 +109,9 @@ create function :GWL_SCHEMA.rate_start(
   p_wait interval,
   p_wait_reserved interval,
   p_lead interval,
-  p_hold interval default interval '0'
+  p_hold interval default interval '0',
+  p_probe boolean default false,
+  p_probed boolean default false
 ) returns table (admitted boolean, at timestamptz, copy_id bigint, reason text, now timestamptz)
 language plpgsql volatile as $$
 declare
@@ -140,9 +150,9 @@ begin
     where p.pause_key = any(p_pause_keys) and p.until > v_now;
   if v_until is not null then
     v_copy := :GWL_SCHEMA.give_back_job(p_job_id, v_until, p_owner_pid);
-    -- (a job with a reservation keeps its place in line)
-    update :GWL_SCHEMA.rate_reservations r set job_id = v_copy, at = greatest(r.at, v_until)
-      where r.job_id = p_job_id and v_copy is not null;
+    -- (a job with a reservation keeps its place in line: give_back_job passed it to the copy)
+    update :GWL_SCHEMA.rate_reservations r set at = greatest(r.at, v_until)
+      where r.job_id = v_copy;
     return query select false, v_until, v_copy, 'paused'::text, v_now;
     return;
   end if;
@@ -151,7 +161,7 @@ begin
     return;
   end if;
 
-  select r.pos into v_pos from :GWL_SCHEMA.rate_reservations r
+  select r.pos, r.at into v_pos, v_at from :GWL_SCHEMA.rate_reservations r
     where r.job_id = p_job_id and r.rate_key = p_rate_key;
   -- (the log is in order: its limit-th and burst-th latest are read by place)
   v_n := cardinality(v_starts);
@@ -169,7 +179,23 @@ begin
     limit p_limit);
   v_plan := case when cardinality(v_ahead) = 0 then v_actual
     else :GWL_SCHEMA.rate_next(v_starts || v_ahead, p_limit, p_period, p_burst, v_now) end;
+  -- A job that probed (its moment had come), then took its lock, is decided on the actual starts alone:
+  -- a job ahead of it in the plan may be parked in its key's line (its reservation stands for a start not
+  -- made yet), and refusing this one now would keep the lock held while it waits, or give it back twice.
+  if p_probed and v_at is not null and v_at <= v_now then
+    v_plan := v_actual;
+  end if;
 
+  if v_actual <= v_now and v_plan <= v_now and p_probe then
+    -- A probe counts no start, but the job reserves this moment (or keeps its reservation, now), so that
+    -- the probes after it plan their slots after it rather than all finding this one free.
+    insert into :GWL_SCHEMA.rate_reservations as r (job_id, rate_key, at, run_at)
+      select p_job_id, p_rate_key, v_now, j.run_at from :GRAPHILE_WORKER_SCHEMA._private_jobs j
+      where j.id = p_job_id
+      on conflict (job_id) do update set at = excluded.at;
+    return query select false, v_now, null::bigint, 'free'::text, v_now;
+    return;
+  end if;
   if v_actual <= v_now and v_plan <= v_now then
     update :GWL_SCHEMA.rates r
       set starts = (v_starts || v_now)[greatest(1, cardinality(v_starts) + 2 - p_limit):],
@@ -208,8 +234,7 @@ begin
       insert into :GWL_SCHEMA.rate_reservations (job_id, rate_key, at, run_at)
         values (v_copy, p_rate_key, v_plan, v_run_at);
     else
-      update :GWL_SCHEMA.rate_reservations r set job_id = v_copy, at = v_plan
-        where r.job_id = p_job_id;
+      update :GWL_SCHEMA.rate_reservations r set at = v_plan where r.job_id = v_copy;
     end if;
   end if;
   return query select false, v_plan - p_lead, v_copy, 'rate'::text, v_now;

@@ -205,9 +205,10 @@ export function makeLocks(options: LocksOptions): Locks {
 
   const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
   const lockAhead = new LockAhead(session, (job) => {
-    // (a task without an execution lock takes none ahead either)
+    // (a task without an execution lock takes none ahead either, nor one with a rate: its jobs take their
+    // lock only once the rate lets them start, exclusive.ts)
     const task = exclusiveTasks.get(job.task_identifier);
-    return task?.options.lock ? task.lockPlan(job) : null;
+    return task?.options.lock && task.options.rate === null ? task.lockPlan(job) : null;
   });
 
   const wakes = new Wakes(idleWorkers, async (reserved, count) => {

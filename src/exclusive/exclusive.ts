@@ -1,7 +1,8 @@
 /**
  * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
  * and applies the conflict strategy when the key is held. A task with a `rate` or a pause has its start
- * checked next (rates/gate.ts; with `lock: false`, only that), and a snooze or pause it throws is carried out.
+ * checked next (rates/gate.ts; with `lock: false`, only that; with a rate, the job asks it once before it
+ * takes its key, without counting a start), and a snooze or pause it throws is carried out.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError, SupersededError } from "../errors.js";
@@ -341,13 +342,26 @@ export function makeExclusiveTask<TPayload>(
       ? runHeld(result.hold, payload, helpers)
       : acquireAndRun(payload, helpers, local);
 
+  /**
+   * A job of a task with a lock and a rate asks the rate first, counting nothing (a probe), and takes its
+   * lock only when its slot has come; it is admitted for real once it holds the lock (runTask). A job the
+   * rate refuses goes back to the queue, or waits for its near slot, without ever holding its key.
+   */
+  const probeAndRun = async (payload: unknown, helpers: JobHelpers, local: boolean) => {
+    if (!(await gate.admit(helpers.job, helpers, gateKeys(helpers.job), true))) return;
+    return acquireAndRun(payload, helpers, local);
+  };
+  const probed = options.lock && options.rate !== null;
+
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // A task without a lock: only its start is checked (rate, pause).
     if (!options.lock) return runTask(payload, helpers, helpers);
-    // With lock-ahead the key was derived (and usually taken) when the job was fetched.
+    // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
+    // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);
     const local = ctx.fetchedHere(helpers.job.id) && timed;
-    if (!ahead) return acquireAndRun(payload, helpers, local);
+    if (!ahead)
+      return probed ? probeAndRun(payload, helpers, local) : acquireAndRun(payload, helpers, local);
     if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers, local);
     return ahead.promise.then((result) => runLockedAhead(result, payload, helpers, local));
   };

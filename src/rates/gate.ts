@@ -27,7 +27,7 @@ interface StartRow {
   admitted: boolean;
   at: Date;
   copy_id: string | null;
-  reason: "rate" | "paused" | "wait" | null;
+  reason: "rate" | "paused" | "wait" | "free" | null;
   now: Date;
 }
 
@@ -50,9 +50,8 @@ const RATE_LEAD_MS = 20;
 const RATE_HOLD_MS = 250;
 /**
  * The process that gave a copy back wakes it this much before its slot: a busy server's statements and a
- * worker's fetch then happen before the slot, and the copy waits for it in its worker. Only without a
- * lock: a copy with a lock would hold its key while it waits, and the jobs of the slots before it would
- * meet it.
+ * worker's fetch then happen before the slot, and the copy waits for it in its worker (a copy with an
+ * execution lock waits before it takes its lock: see `admit`'s probe).
  */
 const RATE_WAKE_AHEAD_MS = 500;
 
@@ -101,10 +100,17 @@ export class RateGate {
   /**
    * Whether `job` starts now. If not, it has been given back to the queue (its copy runs when its slot frees
    * or its key's pause ends; no attempt counted) and the task must return without running.
+   *
+   * `probe`: the job has not taken its execution lock yet. It is given back, or waits for a near slot, as
+   * above, but where it would start it is only answered true and nothing is counted: it then takes its lock
+   * and is admitted for real. So a job the rate refuses never holds its key's lock, which the job whose
+   * slot has come would meet (and park behind).
    */
-  async admit(job: Job, helpers: JobHelpers, keys: GateKeys): Promise<boolean> {
+  async admit(job: Job, helpers: JobHelpers, keys: GateKeys, probe = false): Promise<boolean> {
     const { ctx, taskIdentifier } = this;
     const rate = this.options.rate;
+    // A job of a task with a lock and a rate probed before it took its lock (exclusive.ts), and holds it.
+    const probed = !probe && this.options.lock && rate !== null;
     const values = [
       job.id,
       keys.rate?.key.toString() ?? null,
@@ -118,20 +124,24 @@ export class RateGate {
       `${RATE_WAIT_RESERVED_MS} milliseconds`,
       `${RATE_LEAD_MS} milliseconds`,
       `${RATE_HOLD_MS} milliseconds`,
+      probe,
+      probed,
     ];
     const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
     const turn = keys.rate?.key.toString();
     // A fresh job takes its turn at its key (turns.ts); a job that comes for its reserved slot, or asks
     // again for a near one, goes straight to the database: its statement may wait there for its slot, and
-    // must not hold up the process's other jobs of the key meanwhile.
+    // must not hold up the process's other jobs of the key meanwhile. So does a job that probed and holds
+    // its lock: its slot has come, and the key's next job must not meet its lock.
     let waited = false;
     for (;;) {
-      const row = await (turn === undefined || reserved || waited
+      const row = await (turn === undefined || reserved || waited || probed
         ? query<StartRow>(helpers, this.sql.rateStart, values)
         : this.turns.run(turn, reserved, () =>
             query<StartRow>(helpers, this.sql.rateStart, values),
           ));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
+      if (row.reason === "free") return true;
       if (row.admitted) {
         if (keys.rate && ctx.listening("rate:admitted"))
           ctx.emit("rate:admitted", { taskIdentifier, rateKey: keys.rate.key, job, at: row.at });
@@ -148,8 +158,7 @@ export class RateGate {
       }
       if (row.copy_id === null)
         throw new Error(`Could not give job ${job.id} back: it no longer exists`);
-      if (row.reason === "rate")
-        ctx.wakeIn(delayMs - (this.options.lock ? 0 : RATE_WAKE_AHEAD_MS), row.copy_id);
+      if (row.reason === "rate") ctx.wakeIn(delayMs - RATE_WAKE_AHEAD_MS, row.copy_id);
       else ctx.wakeIn(delayMs);
       helpers.logger.debug(
         `Job ${job.id} ${row.reason === "paused" ? "meets a paused key" : "is over its rate"}: its copy ${row.copy_id} runs at ${row.at.toISOString()}`,

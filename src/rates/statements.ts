@@ -4,10 +4,11 @@
 
 export function rateStatements(s: string, w: string) {
   return {
-    /** rate_start: admits job $1 or gives it back (see sql/000004.sql). */
+    /** rate_start: admits job $1 or gives it back; $13: a probe, which counts nothing; $14: the job probed and holds its lock (see sql/000004.sql). */
     rateStart: `select r.admitted, r.at, r.copy_id::text as copy_id, r.reason, r.now
       from ${s}.rate_start($1::bigint, $2::bigint, $3::text, $4::int, $5::interval, $6::int,
-        $7::bigint[], $8::int, $9::interval, $10::interval, $11::interval, $12::interval) r`,
+        $7::bigint[], $8::int, $9::interval, $10::interval, $11::interval, $12::interval,
+        $13::boolean, $14::boolean) r`,
     /** Gives job $1 back to run $2 from now. */
     snooze: `select r.copy_id::text as copy_id, r.run_at, clock_timestamp() as now from ${s}.snooze_job($1::bigint, $2::interval, $3::int) r`,
     /** Makes the copies $1, given back over their rate, runnable ahead of the jobs queued after them. */

@@ -36,6 +36,23 @@ export function minStartsInWindow(starts: readonly number[], periodMs: number, f
 }
 
 /**
+ * The fewest starts a period holds, the periods taken one after another from the first start,
+ * [first + k * period, first + (k + 1) * period), over those that end by the last start (while a backlog
+ * exists).
+ */
+export function minStartsInPeriods(starts: readonly number[], periodMs: number): number {
+  const sorted = [...starts].sort((a, b) => a - b);
+  const first = sorted[0]!;
+  const periods = Math.floor((sorted[sorted.length - 1]! - first) / periodMs);
+  const counts = new Array<number>(periods).fill(0);
+  for (const t of sorted) {
+    const k = Math.floor((t - first) / periodMs);
+    if (k < periods) counts[k]!++;
+  }
+  return Math.min(...counts);
+}
+
+/**
  * Records every stamp the database writes on an enqueue rate log, as it writes it, in `test_rate_stamps`
  * (rate_key, stamp): a trigger on the library's `enqueue_rates` (after its migration).
  */
