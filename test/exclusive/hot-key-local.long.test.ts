@@ -5,7 +5,7 @@
  * PostgreSQL, a real graphile-worker runner with lock-ahead attached. The key passes in memory only within a
  * bound of its last grant by a lock statement; then it goes through the database, where a job of another
  * lock session (a second `Locks` instance and runner, on connections of their own) older in the key's line
- * takes it.
+ * takes it. Run with TEST_LONG=1 (CI runs it with the long checks).
  */
 import { describe, expect, it } from "vitest";
 import { waitFor } from "../support/db.js";
