@@ -242,9 +242,7 @@ export class Handoff {
    * gets the connection's error (its hold is lost with the connection).
    */
   private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
-    hold.confirming = true;
     void this.host.confirmWithNext().then((alive) => {
-      hold.confirming = false;
       if (alive && !hold.lost) {
         probeStage("granted", request.info.jobId);
         request.resolve({ acquired: true, hold });
@@ -255,10 +253,9 @@ export class Handoff {
   /**
    * A `reschedule` job of a local queue (`localLine`) that finds `key` held by a job of this process, which
    * has not begun to release it: it waits here, in job id order, for the key to pass to it in memory
-   * (passLocal). It meets the conflict (it parks) when it waited its time limit (armFirst), and resolves
-   * "retry" (it asks for the key again, through the database) when the key goes back to the database
-   * instead. Null when it may not wait: not such a job, a hold of several limits or of a job that does not
-   * wait its turn, or `localLine` jobs already waiting for the key.
+   * (passLocal), for at most its `releaseWaitMs`, then meets the conflict ("retry": it asks again, through
+   * the database). Null when it may not wait: not such a job, a hold of several limits, or `localLine` jobs
+   * already waiting for the key.
    */
   waitHere(
     key: string,
@@ -283,9 +280,8 @@ export class Handoff {
 
   /**
    * Starts the time limit of the first job of `key`'s local line, if it has none: it waits for at most its
-   * `releaseWaitMs` from when it became first (longer while the job ahead waits for its hand-over check),
-   * then meets the conflict (it parks). A job that joins ahead of it (job id order) stops its timer and
-   * starts its own.
+   * `releaseWaitMs` from when it became first, then meets the conflict (it parks). A job behind it that has
+   * become first stops the timer of the one it overtook (job id order).
    */
   private armFirst(key: string): void {
     const line = this.localWaiters.get(key);
@@ -295,20 +291,13 @@ export class Handoff {
       clearTimeout(waiter.timer);
       waiter.timer = undefined;
     }
-    const wait = releaseWaitMs(first.request.info);
-    const expire = () => {
+    first.timer = setTimeout(() => {
       if (line![0] !== first) return;
-      // (the job ahead, passed the key in memory, waits for its check: that round trip is not its hold)
-      if (this.host.holdOf(key)?.confirming) {
-        first.timer = setTimeout(expire, wait);
-        return;
-      }
       line!.shift();
       if (line!.length === 0) this.localWaiters.delete(key);
       else this.armFirst(key);
       first.request.resolve({ acquired: false, local: true });
-    };
-    first.timer = setTimeout(expire, wait);
+    }, releaseWaitMs(first.request.info));
   }
 
   /**

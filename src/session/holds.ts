@@ -115,8 +115,6 @@ export class HoldImpl implements Hold {
    * the time of the hold it came from (see Handoff.passLocal).
    */
   grantedAt = performance.now();
-  /** Passed in memory, and waiting for the answer of the lock statement that confirms it (Handoff). */
-  confirming = false;
   private lostReason: Error | undefined;
   private readonly sinceMs = Date.now();
   lost = false;
