@@ -47,8 +47,6 @@ export interface LocksContext {
   limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
-  /** Whether a starting job was fetched into a local queue of an attached runner (and forgets it). */
-  fetchedHere(jobId: string): boolean;
   /**
    * Wakes a job given back to run in `delayMs` at that moment (rates/wakes.ts); `reservedCopy`: the copy's id,
    * when it was given back over its rate.

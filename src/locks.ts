@@ -225,7 +225,6 @@ export function makeLocks(options: LocksOptions): Locks {
     outage: { waitingForSession: 0, givingBack: 0 },
     emit,
     lockedAhead: (jobId) => lockAhead.take(jobId),
-    fetchedHere: (jobId) => lockAhead.fetchedHere(jobId),
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();

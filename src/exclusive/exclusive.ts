@@ -298,19 +298,7 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
-  /**
-   * The hold info of a job fetched into a local queue of this process: a `reschedule` job of a single key may
-   * wait here for it while another job of this process holds it (`localLine`), rather than park.
-   */
-  const queuedInfo = (job: Job, slots: readonly bigint[]): HoldInfo => {
-    const info = holdInfo(job, slots);
-    return info.reschedule && slots.length === 1
-      ? { ...info, localLine: holdTime.localLine() }
-      : info;
-  };
-
-  /** `local`: the job was fetched into a local queue of this process (see queuedInfo). */
-  const acquireAndRun = async (payload: unknown, helpers: JobHelpers, local = false) => {
+  const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
     if (options.limits) {
       // Several limits: the conflict strategy applies to the limit that was full (its slots, its line).
@@ -322,7 +310,7 @@ export function makeExclusiveTask<TPayload>(
       return runHeld(result.hold, payload, helpers);
     }
     const slots = keysOfJob(job);
-    const result = await giveBack.acquire(job, helpers, slots, local ? queuedInfo : holdInfo);
+    const result = await giveBack.acquire(job, helpers, slots, holdInfo);
     if (result === null) return;
     if (!result.acquired) return onConflict(job, helpers, slots, result.local);
     return runHeld(result.hold, payload, helpers);
@@ -332,24 +320,19 @@ export function makeExclusiveTask<TPayload>(
    * Runs a job whose lock-ahead came back: with its lock, or trying again if the key was held then, or if
    * the lock went with its connection while the job waited in the local queue (it never runs unlocked).
    */
-  const runLockedAhead = (
-    result: AcquireResult | null,
-    payload: unknown,
-    helpers: JobHelpers,
-    local: boolean,
-  ) =>
+  const runLockedAhead = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
     result?.acquired && !result.hold.lost
       ? runHeld(result.hold, payload, helpers)
-      : acquireAndRun(payload, helpers, local);
+      : acquireAndRun(payload, helpers);
 
   /**
    * A job of a task with a lock and a rate asks the rate first, counting nothing (a probe), and takes its
    * lock only when its slot has come; it is admitted for real once it holds the lock (runTask). A job the
    * rate refuses goes back to the queue, or waits for its near slot, without ever holding its key.
    */
-  const probeAndRun = async (payload: unknown, helpers: JobHelpers, local: boolean) => {
+  const probeAndRun = async (payload: unknown, helpers: JobHelpers) => {
     if (!(await gate.admit(helpers.job, helpers, gateKeys(helpers.job), true))) return;
-    return acquireAndRun(payload, helpers, local);
+    return acquireAndRun(payload, helpers);
   };
   const probed = options.lock && options.rate !== null;
 
@@ -359,11 +342,9 @@ export function makeExclusiveTask<TPayload>(
     // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
     // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);
-    const local = ctx.fetchedHere(helpers.job.id) && timed;
-    if (!ahead)
-      return probed ? probeAndRun(payload, helpers, local) : acquireAndRun(payload, helpers, local);
-    if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers, local);
-    return ahead.promise.then((result) => runLockedAhead(result, payload, helpers, local));
+    if (!ahead) return probed ? probeAndRun(payload, helpers) : acquireAndRun(payload, helpers);
+    if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
+    return ahead.promise.then((result) => runLockedAhead(result, payload, helpers));
   };
 
   return Object.assign(wrapped as Task, {

@@ -34,16 +34,6 @@ export class HoldTime {
   releaseWaitMs(): number {
     return Math.min(1000, Math.max(100, Math.round(2 * this.average)));
   }
-  /**
-   * How many jobs of a local queue may wait in this process for a key another of its jobs holds (see
-   * Handoff.waitHere): as many as usual holds fill in LOCAL_LINE_MS, at least one. Until the task is
-   * measured, any number (the first of them waits at most `releaseWaitMs`, 100 ms then, and the rest behind
-   * it).
-   */
-  localLine(): number {
-    if (this.samples < 3) return Number.MAX_SAFE_INTEGER;
-    return Math.max(1, Math.floor(LOCAL_LINE_MS / Math.max(1, this.average)));
-  }
 }
 
 /**
@@ -52,11 +42,6 @@ export class HoldTime {
  * (see bench/README.md, section "Early-wake lead").
  */
 const PREWAKE_LEAD_MS = 20;
-/**
- * How much of the holds of others a job of a local queue may wait for in this process, in usual holds, before
- * it parks instead of waiting: its worker stays busy meanwhile.
- */
-const LOCAL_LINE_MS = 1000;
 /** Tasks whose holds usually last longer than this wake their line at the release only. */
 const PREWAKE_MAX_HOLD_MS = 1000;
 

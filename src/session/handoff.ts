@@ -18,16 +18,6 @@
  *   first in its key's line, takes the key in memory when it arrives (`onArrival`); otherwise the key is
  *   unlocked as usual. So a hot key stays in the process that runs its line, and no job waits behind it but
  *   those younger in line.
- * - Jobs of a local queue: a `reschedule` job fetched into a local queue of this process (lock-ahead sees the
- *   batch) that finds its key held by another job of this process waits here (`waitHere`) instead of
- *   parking: the jobs of one batch, in job id order, then take the key from each other in memory
- *   (`passLocal`), each fetched once. At most the job's `localLine` jobs wait for a key (as many as the
- *   task's usual holds fill in a second), and the first of them for at most its `releaseWaitMs`, then it
- *   parks as before. Fairness bound: a key passes in memory this way only within the job's
- *   `releaseWaitMs` (100 ms to a second) of the last time a lock statement granted it; after that it is
- *   unlocked and goes through the database, where the line's order decides, and the first job waiting here
- *   asks for it again like any other. So a job of another process that waits in the key's line waits at most
- *   that bound and the hold running then, beyond what it would wait for this process's lock statements.
  * - Across sessions: a job woken early that finds its key held by another session waits in
  *   `awaitingRelease` for the release's notification (`onReleaseNotice`) or its time limit, then tries
  *   again, its key still pending meanwhile.
@@ -56,11 +46,6 @@ export interface HandoffCounts {
   wokenHere: number;
   /** Keys kept at their release for the job woken early that an idle worker of this process was fetching. */
   keptForArrival: number;
-  /**
-   * Keys passed in memory to a job of this process's local queue that waited here for them (also counted in
-   * `handedOver`).
-   */
-  localQueue: number;
   /**
    * Requests of jobs with several limits that found a limit full, with a slot held here, and waited for a
    * release of this process rather than park.
@@ -99,16 +84,6 @@ interface Waiting {
   timer: NodeJS.Timeout;
 }
 
-/** A job of a local queue waiting here for a key held by this process (see Handoff.waitHere). */
-interface LocalWaiter {
-  request: LockRequest;
-  /** The time limit, kept by the first job of the line only (see armFirst). */
-  timer?: NodeJS.Timeout;
-  jobId: bigint;
-  /** The job goes through the database after all: it asks for the key again once its hold is released. */
-  retry(): void;
-}
-
 /** A `reschedule` request's place among this process's jobs that wait for the same release. */
 export interface SuccessorTurn {
   /** Whether this request goes first, once the release answered; leaves the line. */
@@ -127,7 +102,6 @@ export class Handoff {
     afterRelease: 0,
     wokenHere: 0,
     keptForArrival: 0,
-    localQueue: 0,
     waitedHere: 0,
     rodeWithUnlock: 0,
   };
@@ -143,8 +117,6 @@ export class Handoff {
   private prewakeQueue: HoldImpl[] = [];
   /** Jobs woken early that wait for a hold of this process to pass them its key (see handOver). */
   private readonly handovers = new Map<string, Waiting>();
-  /** Jobs of a local queue waiting for a key this process holds, by key, in job id order (see waitHere). */
-  private readonly localWaiters = new Map<string, LocalWaiter[]>();
   /** Jobs woken early that wait for another session's release of their key (see awaitRelease). */
   private readonly awaitingRelease = new Map<string, Waiting>();
   /** For keys being acquired: the number of the last release notification seen for each. */
@@ -248,82 +220,6 @@ export class Handoff {
         request.resolve({ acquired: true, hold });
       } else request.reject(this.host.unavailable());
     });
-  }
-
-  /**
-   * A `reschedule` job of a local queue (`localLine`) that finds `key` held by a job of this process, which
-   * has not begun to release it: it waits here, in job id order, for the key to pass to it in memory
-   * (passLocal), for at most its `releaseWaitMs`, then meets the conflict ("retry": it asks again, through
-   * the database). Null when it may not wait: not such a job, a hold of several limits, or `localLine` jobs
-   * already waiting for the key.
-   */
-  waitHere(
-    key: string,
-    slots: readonly bigint[],
-    info: HoldInfo,
-  ): Promise<AcquireResult | "retry"> | null {
-    if (!info.reschedule || !info.localLine || info.jobId === null) return null;
-    const hold = this.host.holdOf(key);
-    if (!hold || hold.stacked || !hold.info.reschedule) return null;
-    let line = this.localWaiters.get(key);
-    if ((line?.length ?? 0) >= info.localLine) return null;
-    if (!line) this.localWaiters.set(key, (line = []));
-    const jobId = BigInt(info.jobId);
-    return new Promise<AcquireResult | "retry">((resolve, reject) => {
-      const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
-      const waiter: LocalWaiter = { request, jobId, retry: () => resolve("retry") };
-      const at = line.findIndex((w) => w.jobId > jobId);
-      line.splice(at < 0 ? line.length : at, 0, waiter);
-      this.armFirst(key);
-    });
-  }
-
-  /**
-   * Starts the time limit of the first job of `key`'s local line, if it has none: it waits for at most its
-   * `releaseWaitMs` from when it became first, then meets the conflict (it parks). A job behind it that has
-   * become first stops the timer of the one it overtook (job id order).
-   */
-  private armFirst(key: string): void {
-    const line = this.localWaiters.get(key);
-    const first = line?.[0];
-    if (!first || first.timer) return;
-    for (const waiter of line!) {
-      clearTimeout(waiter.timer);
-      waiter.timer = undefined;
-    }
-    first.timer = setTimeout(() => {
-      if (line![0] !== first) return;
-      line!.shift();
-      if (line!.length === 0) this.localWaiters.delete(key);
-      else this.armFirst(key);
-      first.request.resolve({ acquired: false, local: true });
-    }, releaseWaitMs(first.request.info));
-  }
-
-  /**
-   * At `hold`'s release, when jobs of a local queue wait here for its key (waitHere): within the first's
-   * `releaseWaitMs` of the key's last grant by a lock statement, the key passes to the first of them in
-   * memory, as a hand-over; after that, the key is unlocked (it goes through the database, where the line's
-   * order decides) and the first asks for it again. Returns whether it passed.
-   */
-  passLocal(hold: HoldImpl): boolean {
-    const key = hold.keyText;
-    const line = this.localWaiters.get(key);
-    const next = line?.shift();
-    if (!next) return false;
-    clearTimeout(next.timer);
-    if (line!.length === 0) this.localWaiters.delete(key);
-    else this.armFirst(key);
-    if (performance.now() - hold.grantedAt >= releaseWaitMs(next.request.info)) {
-      next.retry();
-      return false;
-    }
-    // (a job woken early for the key stays so: it takes the key in memory at a later release, see handOver)
-    this.counts.handedOver++;
-    this.counts.localQueue++;
-    probeStage("handedOver", next.request.info.jobId);
-    this.confirmHandOver(this.host.passKey(hold, next.request), next.request);
-    return true;
   }
 
   /**
@@ -465,13 +361,7 @@ export class Handoff {
 
   /** The connection is gone: jobs waiting for a key fail as if they had asked now, and early wakes are moot. */
   dropAll(error: Error): void {
-    const local = [...this.localWaiters.values()].flat();
-    this.localWaiters.clear();
-    for (const waiting of [
-      ...this.handovers.values(),
-      ...this.awaitingRelease.values(),
-      ...local,
-    ]) {
+    for (const waiting of [...this.handovers.values(), ...this.awaitingRelease.values()]) {
       clearTimeout(waiting.timer);
       waiting.request.reject(error);
     }

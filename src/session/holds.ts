@@ -36,12 +36,6 @@ export interface RescheduleHoldInfo extends HoldInfoBase {
   prewakeAfterMs: number | null;
   /** For a job woken early: how long it waits for its key's release before it parks again. */
   releaseWaitMs: number;
-  /**
-   * For a job fetched into a local queue of this process (lock-ahead): how many of this process's jobs,
-   * itself included, may wait here for the key when a job of this process holds it, rather than park (see
-   * Handoff.waitHere). Absent: none.
-   */
-  localLine?: number;
 }
 
 /** The keys whose lines the release of a hold for `info` wakes. */
@@ -110,11 +104,6 @@ export class HoldImpl implements Hold {
   prewakeTimer: NodeJS.Timeout | undefined;
   /** The statement carrying this hold's early wake, until it answered. */
   prewaking: Promise<void> | null = null;
-  /**
-   * When (`performance.now()`) a lock statement last granted this hold's key; a key passed in memory keeps
-   * the time of the hold it came from (see Handoff.passLocal).
-   */
-  grantedAt = performance.now();
   private lostReason: Error | undefined;
   private readonly sinceMs = Date.now();
   lost = false;

@@ -12,10 +12,6 @@
  * its concurrency plus LOCK_AHEAD_MARGIN keys, whatever the size of its local queue: each is an entry of
  * PostgreSQL's shared lock table (see the README's lock table sizing).
  *
- * Every job of a fetched batch is remembered until it starts or is handed back (`fetchedHere`): a
- * `reschedule` job of a key another job of this process holds then waits here for the key rather than
- * parking (see Handoff.waitHere), so that a hot key's jobs fetched together are each fetched once.
- *
  * Holding the lock from fetch to start is stricter, never looser: the job is claimed by this worker from
  * the moment it is fetched.
  */
@@ -78,8 +74,6 @@ export class LockAhead {
     { acquisition: AheadAcquisition; queue: QueueAhead }
   >();
   private readonly queues = new WeakMap<object, QueueAhead>();
-  /** Jobs fetched into a local queue that have neither started nor been handed back. */
-  private readonly queued = new Set<string>();
 
   constructor(
     private readonly session: LockSession,
@@ -93,13 +87,7 @@ export class LockAhead {
       state = { queue, ahead: 0 };
       this.queues.set(queue, state);
     }
-    for (const job of jobs) this.queued.add(job.id);
     this.fill(state, jobs);
-  }
-
-  /** Whether job `jobId`, starting, was fetched into a local queue (and forgets it). */
-  fetchedHere(jobId: string): boolean {
-    return this.queued.size > 0 && this.queued.delete(jobId);
   }
 
   /**
@@ -148,14 +136,10 @@ export class LockAhead {
 
   /** Jobs handed back by the local queue: their locks taken ahead are released. */
   returned(jobs: readonly Job[]): void {
-    for (const job of jobs) {
-      this.queued.delete(job.id);
-      this.giveBack(job.id);
-    }
+    for (const job of jobs) this.giveBack(job.id);
   }
 
   releaseAll(): void {
-    this.queued.clear();
     for (const id of [...this.pending.keys()]) this.giveBack(id);
   }
 

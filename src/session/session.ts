@@ -35,9 +35,8 @@
  *   behind a transaction pooler, GWL_LOCK_SESSION_POOLED): no job ever runs unlocked.
  * - Every lock statement answers with `pg_backend_pid()`, checked against the connection's backend: what a
  *   statement took on another backend is never granted.
- * - A key passes without an unlock only from a finished hold to the job that hold woke early, or to a job of
- *   this process's local queue that waits for it (handoff.ts): the old hold is settled before the new one is
- *   made, and PostgreSQL sees the key held throughout. A job
+ * - A key passes without an unlock only from a finished hold to the job that hold woke early (handoff.ts):
+ *   the old hold is settled before the new one is made, and PostgreSQL sees the key held throughout. A job
  *   woken early by another session waits, its key still `pending`, for the release's notification or its
  *   time limit, then tries the key again.
  * - A supersede notice (supersede.ts) only aborts the signals of the holds of the key's older jobs: it never
@@ -155,9 +154,7 @@ export class LockSession extends SessionBook {
           this.holds.delete(from.keyText);
           from.settle(RELEASED);
           // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
-          const hold = this.grant(request, from.keyText, from.generation, true);
-          hold.grantedAt = from.grantedAt;
-          return hold;
+          return this.grant(request, from.keyText, from.generation, true);
         },
         confirmWithNext: () =>
           new Promise<boolean>((resolve) => {
@@ -293,10 +290,7 @@ export class LockSession extends SessionBook {
       const releasing = keys.map((k) => this.holds.get(k)).find((h) => h?.releaseRequested);
       if (!releasing) {
         const handedOver =
-          keys.length === 1
-            ? (this.handoff.onLocalConflict(keys[0]!, slots, info) ??
-              this.handoff.waitHere(keys[0]!, slots, info))
-            : null;
+          keys.length === 1 ? this.handoff.onLocalConflict(keys[0]!, slots, info) : null;
         if (!handedOver) return { acquired: false, local: heldElsewhere === undefined };
         const result = await handedOver;
         if (result === "retry") continue;
@@ -473,7 +467,7 @@ export class LockSession extends SessionBook {
     if (
       !hold.stacked &&
       this.holds.get(hold.keyText) === hold &&
-      (this.handoff.handOver(hold) || this.handoff.passLocal(hold) || this.handoff.keepFor(hold))
+      (this.handoff.handOver(hold) || this.handoff.keepFor(hold))
     )
       return;
     this.queueUnlock(hold);
