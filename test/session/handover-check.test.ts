@@ -113,7 +113,7 @@ describe("hand-over check", () => {
       async (p: { n: number; gated?: boolean }) => {
         const span = { start: performance.now(), end: null as number | null };
         spans.set(p.n, span);
-        await (p.gated ? gate.promise : sleep(500));
+        await (p.gated ? gate.promise : sleep(800));
         span.end = performance.now();
       },
       { key: () => "one key", onConflict: "reschedule" },
@@ -128,9 +128,15 @@ describe("hand-over check", () => {
     });
     cleanups.push(async () => proxy.thaw());
     locks.attach(r);
+    // graphile-worker's fetches in flight
+    let fetching = 0;
+    r.events.on("worker:getJob:start", () => void fetching++);
+    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+      r.events.on(done, () => void (fetching = Math.max(0, fetching - 1)));
 
-    // Three jobs of 500 ms teach the task its usual hold: a job woken early then waits up to a second (the
-    // most) for its key, and so long is a key kept for it, time enough for a slow server to bring 102 here.
+    // Three jobs of 800 ms teach the task its usual hold: the next job in line is woken 780 ms into a hold,
+    // and a job woken early waits up to a second (the most) for its key, and so long is a key kept for it,
+    // time enough for a slow server to bring 102 here.
     await locks.addJobs([0, 1, 2].map((n) => ({ identifier: "kept_for_arrival", payload: { n } })));
     await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
       message: "the teaching jobs to run",
@@ -139,8 +145,23 @@ describe("hand-over check", () => {
 
     // 100 runs, then 101 holds the key with 102 in line; the runner's network freezes as 101 takes the key,
     // so that 102, woken early for an idle worker here, is not fetched before 101 ends.
+    // The freeze waits for every fetch in flight to come back (that of 100's worker after its completion
+    // above all): one let through at the thaw could bring 102 in place of the worker nudged for it, which
+    // then comes back empty and gives up the key kept for 102.
+    let held101 = false;
+    let frozen = false;
+    const freezeWhenNoFetch = () => {
+      if (held101 && fetching === 0 && !frozen) {
+        frozen = true;
+        proxy.freeze();
+      }
+    };
+    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+      r.events.on(done, freezeWhenNoFetch);
     locks.events.on("lock:acquired", ({ job }) => {
-      if ((job.payload as { n: number }).n === 101) proxy.freeze();
+      if ((job.payload as { n: number }).n !== 101) return;
+      held101 = true;
+      freezeWhenNoFetch();
     });
     const before = locks.status().handoffs;
     await locks.addJobs(
