@@ -9,7 +9,8 @@
  * every task as `rescheduled`), so that a removed copy is traced back to its enqueue.
  *
  * `supersedeViolations` counts: an enqueue whose job neither ran to its end nor was superseded (stopped,
- * ended on its way, or removed waiting), and a superseded job that failed or ran again afterwards.
+ * ended on its way, or removed waiting), and a superseded job that failed or ran again after it was superseded
+ * (an attempt that failed before, for the chaos, is graphile-worker's retry, which then ends superseded).
  * Overlaps of a key are the soak's own check.
  */
 import type { JobHelpers, Task } from "graphile-worker";
@@ -158,7 +159,8 @@ export async function supersedeViolations(admin: pg.Pool): Promise<{
          where p.ref = s.ref and (
            exists (select 1 from ${SOAK_SCHEMA}.executions x
              where x.job_id = p.job_id and x.started_at > p.at)
-           or exists (select 1 from ${SOAK_SCHEMA}.job_errors j where j.job_id = p.job_id))) as retried
+           or exists (select 1 from ${SOAK_SCHEMA}.job_errors j
+             where j.job_id = p.job_id and j.at > p.at))) as retried
      from ${SOAK_SCHEMA}.super_enqueues s`,
   );
   const counts: Record<string, number> = { enqueued: rows.length, retried: 0 };
