@@ -7,7 +7,7 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { makeLocks, type HandoffCounts, type Locks } from "../../src/index.js";
-import { useTestDatabase, waitFor } from "../support/db.js";
+import { useTestDatabase, waitForNoJobs } from "../support/db.js";
 import { maxConcurrencyPerKey, readEvents, readExecutions } from "../support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
 
@@ -48,15 +48,7 @@ describe("a hot key across two processes", () => {
             attach: true,
           }),
         );
-      await waitFor(
-        async () => {
-          const { rows } = await db
-            .pool()
-            .query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
-          return rows[0]!.n === 0;
-        },
-        { timeoutMs: 240_000, message: "all jobs to finish" },
-      );
+      await waitForNoJobs(db.pool(), { timeoutMs: 240_000 });
     } finally {
       await Promise.all(workers.map((w) => w.stop()));
     }

@@ -12,7 +12,7 @@ import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { advisoryParts, slotKeys } from "../../src/key.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
-import { useTestDatabase, waitFor } from "../support/db.js";
+import { useTestDatabase, waitFor, waitForNoJobs } from "../support/db.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
 
 const SCRIPT = "limits-worker.ts";
@@ -85,15 +85,7 @@ function perKey(runs: readonly Run[]): Map<string, number> {
 }
 
 async function drained(timeoutMs: number): Promise<void> {
-  await waitFor(
-    async () => {
-      const { rows } = await db
-        .pool()
-        .query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
-      return rows[0]!.n === 0;
-    },
-    { timeoutMs, message: "all jobs to finish" },
-  );
+  await waitForNoJobs(db.pool(), { timeoutMs });
 }
 
 /**

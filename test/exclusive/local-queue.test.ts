@@ -10,7 +10,7 @@ import * as gw18 from "graphile-worker-0.18";
 import type { JobHelpers } from "graphile-worker";
 import { describe, expect, it } from "vitest";
 import { makeLocks, type ExclusiveOptions, type Locks } from "../../src/index.js";
-import { waitFor } from "../support/db.js";
+import { waitForNoJobs } from "../support/db.js";
 import { maxConcurrencyPerKey, readExecutions, type Execution } from "../support/executions.js";
 import { useScratchDatabases } from "../support/scratch.js";
 
@@ -129,15 +129,10 @@ async function runOneKey(
     );
     runner = await version.run({ url, taskList: { one_key: task } });
     if (wrap) locks.attach(runner as Parameters<Locks["attach"]>[0]);
-    await waitFor(
-      async () => {
-        const { rows } = await pool.query<{ n: number }>(
-          "select count(*)::int as n from graphile_worker.jobs",
-        );
-        return rows[0]!.n === 0;
-      },
-      { timeoutMs: 50_000, message: `all ${JOBS} jobs to complete` },
-    );
+    await waitForNoJobs(pool, {
+      timeoutMs: 50_000,
+      message: `all ${JOBS} jobs to complete`,
+    });
     await runner.stop();
     runner = undefined;
   } finally {

@@ -4,7 +4,7 @@
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { lockKey, makeLocks, type HandoffCounts, type Locks } from "../../src/index.js";
-import { useTestDatabase, waitFor } from "../support/db.js";
+import { useTestDatabase, waitFor, waitForNoJobs } from "../support/db.js";
 import { maxConcurrencyPerKey, readEvents, readExecutions } from "../support/executions.js";
 import {
   startWorkerProcess,
@@ -32,15 +32,7 @@ async function reset() {
 }
 
 async function drained(): Promise<void> {
-  await waitFor(
-    async () => {
-      const { rows } = await db
-        .pool()
-        .query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs");
-      return rows[0]!.n === 0;
-    },
-    { timeoutMs: 60_000, message: "all jobs to finish" },
-  );
+  await waitForNoJobs(db.pool(), { timeoutMs: 60_000 });
 }
 
 /**

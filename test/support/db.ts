@@ -186,6 +186,19 @@ export async function waitFor<T>(
   }
 }
 
+/** Waits until graphile-worker's queue (`graphile_worker.jobs`, as `pool` sees it) holds no job. */
+export async function waitForNoJobs(
+  pool: pg.Pool,
+  { timeoutMs, message = "all jobs to finish" }: { timeoutMs: number; message?: string },
+): Promise<void> {
+  await waitFor(
+    async () =>
+      (await pool.query<{ n: number }>("select count(*)::int as n from graphile_worker.jobs"))
+        .rows[0]!.n === 0,
+    { timeoutMs, message },
+  );
+}
+
 export interface Deferred<T> {
   promise: Promise<T>;
   resolve(value: T | PromiseLike<T>): void;
