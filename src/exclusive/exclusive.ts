@@ -33,6 +33,9 @@ interface LockPlan {
   limits?: bigint[][];
 }
 
+/** The answer of a job whose hold was lost before its task started: it did not run. */
+const LOST_BEFORE_START: unique symbol = Symbol("lost before start");
+
 export function makeExclusiveTask<TPayload>(
   ctx: LocksContext,
   taskIdentifier: string,
@@ -198,13 +201,21 @@ export function makeExclusiveTask<TPayload>(
 
   /**
    * Runs the task (admitted by the gate first, when the task has one; a job it refuses has gone back to the
-   * queue), and carries out a snooze or pause it throws.
+   * queue), and carries out a snooze or pause it throws. A job whose `hold` was lost before its task started
+   * (the lock session died after it took the key) does not start: LOST_BEFORE_START.
    */
-  const runTask = async (payload: unknown, helpers: JobHelpers, taskHelpers: JobHelpers) => {
+  const runTask = async (
+    payload: unknown,
+    helpers: JobHelpers,
+    taskHelpers: JobHelpers,
+    hold?: Hold,
+  ): Promise<unknown> => {
     const { job } = helpers;
     let keys: GateKeys | undefined;
     const keysOf = () => (keys ??= gateKeys(job));
+    if (hold?.lost) return LOST_BEFORE_START;
     if (gated && !(await gate.admit(job, helpers, keysOf()))) return;
+    if (hold?.lost) return LOST_BEFORE_START;
     try {
       const value = await task(payload as TPayload, taskHelpers);
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
@@ -272,9 +283,19 @@ export function makeExclusiveTask<TPayload>(
       }
       let value: unknown;
       try {
-        value = await runTask(payload, helpers, aborts.helpers(helpers, hold));
+        value = await runTask(payload, helpers, aborts.helpers(helpers, hold), hold);
       } catch (error) {
         if (!hold.supersededBy) throw error;
+      }
+      if (value === LOST_BEFORE_START) {
+        // Its abort would have come before the task could listen for it: the task never starts on a key
+        // PostgreSQL has already freed. The job takes its key again, on the session that replaces the lost
+        // one.
+        ran = false;
+        helpers.logger.info(
+          `Job ${helpers.job.id} did not start: its lock session was lost after it took lock ${hold.key}; it takes its key again`,
+        );
+        return acquireAndRun(payload, helpers);
       }
       if (hold.supersededBy) return ended(hold.supersededBy, helpers.job, helpers, "running");
       return value as ReturnType<Task>;
@@ -298,7 +319,10 @@ export function makeExclusiveTask<TPayload>(
     }
   };
 
-  const acquireAndRun = async (payload: unknown, helpers: JobHelpers) => {
+  const acquireAndRun = async (
+    payload: unknown,
+    helpers: JobHelpers,
+  ): Promise<ReturnType<Task>> => {
     const { job } = helpers;
     if (options.limits) {
       // Several limits: the conflict strategy applies to the limit that was full (its slots, its line).
@@ -338,7 +362,7 @@ export function makeExclusiveTask<TPayload>(
 
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // A task without a lock: only its start is checked (rate, pause).
-    if (!options.lock) return runTask(payload, helpers, helpers);
+    if (!options.lock) return runTask(payload, helpers, helpers) as Promise<ReturnType<Task>>;
     // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
     // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);

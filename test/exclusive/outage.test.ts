@@ -367,6 +367,66 @@ describe("an outage of the lock session", () => {
     holding = false;
   });
 
+  it("a job whose lock session is lost after it took its key but before its task started does not start on the freed key: it takes the key again", async () => {
+    const locks = newLocks({ reconnectDelay: { min: 50, max: 100 } });
+    // At body entry: whether the job's signal had already aborted, and the backend that held its key then.
+    const entries: Array<{ aborted: boolean; holder: number | null; session: number | null }> = [];
+    let key = 0n;
+    const task = locks.exclusive(
+      "late_start",
+      async (_p: Record<string, never>, helpers) => {
+        const aborted = helpers.abortSignal?.aborted ?? false;
+        const { rows } = await db
+          .pool()
+          .query<{ pid: number }>(
+            "select pid from graphile_worker_locks.held_locks where lock_key = $1",
+            [key.toString()],
+          );
+        entries.push({ aborted, holder: rows[0]?.pid ?? null, session: locks.status().pid });
+      },
+      // (`pausable`: the start asks the database whether the key is paused, on a pool connection: a test can
+      // hold that question up after the key was taken)
+      { pausable: true },
+    );
+    key = task.lockKey({});
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 1,
+      taskList: { late_start: task },
+    });
+    const errors: unknown[] = [];
+    r.events.on("job:error", ({ error }) => errors.push(error));
+    // The pause check waits on a lock of the pauses table, taken here, while the job holds its key.
+    const blocker = await h.connect();
+    await blocker.query("begin");
+    await blocker.query("lock table graphile_worker_locks.pauses in access exclusive mode");
+    const acquired = nextEvent(locks, "lock:acquired");
+    await task.addJob({});
+    await acquired;
+    await waitFor(
+      async () =>
+        (
+          await db
+            .pool()
+            .query(
+              "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%rate_start%'",
+            )
+        ).rowCount === 1,
+      { message: "the pause check to wait" },
+    );
+    const lost = nextEvent(locks, "lock:lost");
+    await db.pool().query("select pg_terminate_backend($1)", [locks.status().pid]);
+    expect((await lost).holds).toHaveLength(1);
+    await blocker.query("commit");
+    await waitFor(async () => entries.length > 0, { message: "the job to start" });
+    // It started on the session that replaced the lost one, holding its key there, its signal not aborted.
+    expect(entries).toHaveLength(1);
+    expect(entries[0]!.aborted).toBe(false);
+    expect(entries[0]!.holder).not.toBeNull();
+    expect(entries[0]!.holder).toBe(entries[0]!.session);
+    expect(errors).toEqual([]);
+  });
+
   it("refuses a negative lockSessionWait", () => {
     expect(() => makeLocks({ connectionString: db.url, lockSessionWait: -1 })).toThrow(
       InvalidArgumentError,
