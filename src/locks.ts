@@ -183,8 +183,26 @@ export function makeLocks(options: LocksOptions): Locks {
       );
   };
 
+  /** Removes throttled keys' start logs that no longer count, and ended pauses (sweep_start_rates). */
+  const sweepStartRates = () => {
+    if (released || !migrated) return;
+    migrated
+      .then(() => pool.query(sql.sweepStartRates))
+      .catch((error: unknown) =>
+        logger.warn(
+          `graphile-worker-locks: sweeping start logs and pauses failed: ${String(error)}`,
+          {
+            error,
+          },
+        ),
+      );
+  };
+
   // (and every minute: a job can also fail after it was given back, its process alive)
-  const cleanTimer = setInterval(cleanGivenBack, CLEAN_GIVEN_BACK_INTERVAL_MS);
+  const cleanTimer = setInterval(() => {
+    cleanGivenBack();
+    sweepStartRates();
+  }, CLEAN_GIVEN_BACK_INTERVAL_MS);
   cleanTimer.unref();
 
   const assertOpen = () => {

@@ -433,6 +433,8 @@ ${stacked}      union all
 
     /** Removes rate logs and debounce rows that no longer count (sweep_enqueue_limits in sql/000005.sql). */
     sweepEnqueueLimits: `select ${s}.sweep_enqueue_limits()::int as removed`,
+    /** Removes throttled keys' logs that no longer count and ended pauses (sql/000006.sql). */
+    sweepStartRates: `select ${s}.sweep_start_rates()::int as removed`,
 
     jobById: `select j.*, t.identifier as task_identifier from ${w}._private_jobs j
       join ${w}._private_tasks t on t.id = j.task_id where j.id = $1::bigint`,

@@ -125,8 +125,8 @@ export interface Locks {
    */
   rateStatus(): Promise<{ throttled: ThrottledKey[]; paused: PausedKey[] }>;
   /**
-   * Removes expired `uniqueFor` windows, and rate logs and debounce rows that no longer count, now (it also
-   * happens on its own); resolves how many.
+   * Removes expired `uniqueFor` windows, enqueue rate logs, debounce rows and throttled keys' start logs that
+   * no longer count, and ended pauses, now (it also happens on its own); resolves how many.
    */
   sweep(): Promise<number>;
   /** Every advisory lock held in the database, with its holder. */

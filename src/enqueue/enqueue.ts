@@ -174,6 +174,9 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     pool
       .query({ text: sql.sweepEnqueueLimits })
       .catch((error: unknown) => options.warn("sweeping rate logs and debounces failed", error));
+    pool
+      .query({ text: sql.sweepStartRates })
+      .catch((error: unknown) => options.warn("sweeping start logs and pauses failed", error));
   };
 
   /** Resolves an enqueue, validating everything before anything is written. */
@@ -457,7 +460,8 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
       lastSweep = Date.now();
       const windows = await pool.query<{ removed: number }>(sql.sweepUniqueWindows);
       const limits = await pool.query<{ removed: number }>(sql.sweepEnqueueLimits);
-      return windows.rows[0]!.removed + limits.rows[0]!.removed;
+      const starts = await pool.query<{ removed: number }>(sql.sweepStartRates);
+      return windows.rows[0]!.removed + limits.rows[0]!.removed + starts.rows[0]!.removed;
     },
   };
 }

@@ -191,6 +191,59 @@ describe("rate: burst, failures, reservations", () => {
   });
 });
 
+describe("rate: the sweep", () => {
+  it("removes a key's log once its newest start is a period old, and ended pauses; a log still counting stays, and the rate holds after", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    type P = { k: string; n: number; pauseMs?: number };
+    let paused = false;
+    const body = async (p: P) => {
+      if (p.pauseMs && !paused) {
+        paused = true;
+        throw new PauseError(p.pauseMs);
+      }
+    };
+    const rules = (period: number) => ({
+      lock: false,
+      key: (p: P) => p.k,
+      rate: { limit: 2, period },
+    });
+    const short = locks.exclusive("swept", body, rules(300));
+    const long = locks.exclusive("swept_long", body, rules(60_000));
+    await h.utils.addJobs([
+      { identifier: "swept", payload: { k: "a", n: 0 } },
+      { identifier: "swept", payload: { k: "b", n: 1, pauseMs: 200 }, maxAttempts: 1 },
+      { identifier: "swept_long", payload: { k: "a", n: 2 } },
+    ]);
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { swept: short, swept_long: long },
+    });
+    locks.attach(r);
+    await drained();
+    const logs = async () => (await h.q("select 1 from graphile_worker_locks.rates")).rows.length;
+    const pauses = async () =>
+      (await h.q("select 1 from graphile_worker_locks.pauses")).rows.length;
+    expect(await logs()).toBe(3);
+    expect(await pauses()).toBe(1);
+    // A period (and the pause) later, two logs and the pause no longer count; the long period's log does.
+    await new Promise((resolve) => setTimeout(resolve, 400));
+    expect(await locks.sweep()).toBe(3);
+    expect(await logs()).toBe(1);
+    expect(await pauses()).toBe(0);
+    expect(await locks.sweep()).toBe(0);
+    // The long period's log still counts: one more start now, the next waits for its slot a minute on.
+    await h.utils.addJobs([
+      { identifier: "swept_long", payload: { k: "a", n: 3 } },
+      { identifier: "swept_long", payload: { k: "a", n: 4 } },
+    ]);
+    await waitFor(async () => starts.some((x) => x.n >= 3), { message: "one more start" });
+    await new Promise((resolve) => setTimeout(resolve, 300));
+    expect(starts.filter((x) => x.n >= 3)).toHaveLength(1);
+  });
+});
+
 describe("snooze and pause", () => {
   it("snooze gives the job back for a while without counting an attempt", async () => {
     const locks = newLocks();
