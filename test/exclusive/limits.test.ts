@@ -255,6 +255,10 @@ describe("limits: several limits per job", () => {
       async () => (await readExecutions(db.pool(), "waits")).some((e) => e.end !== null),
       { message: "the parked job to run once the cap frees", timeoutMs: 20_000 },
     );
+    // (its slots are released once its task has returned, a moment after the end it recorded)
+    await waitFor(async () => (await locks.canStart("waits", { tenant: "t1" })).ok, {
+      message: "its slots to be released",
+    });
     expect(await locks.canStart("waits", { tenant: "t1" })).toEqual({ ok: true, blockers: [] });
   });
 
