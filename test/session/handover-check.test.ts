@@ -148,16 +148,26 @@ describe("hand-over check", () => {
     // The freeze waits for every fetch in flight to come back (that of 100's worker after its completion
     // above all): one let through at the thaw could bring 102 in place of the worker nudged for it, which
     // then comes back empty and gives up the key kept for 102.
+    // The worker that ran 100 fetches again once it has completed it; a freeze before that fetch came back
+    // would hold it up too, and at the thaw it could bring 102 ahead of the worker nudged for 102.
     let held101 = false;
     let frozen = false;
+    let worker100: string | undefined;
+    let settled100 = false;
     const freezeWhenNoFetch = () => {
-      if (held101 && fetching === 0 && !frozen) {
+      if (held101 && settled100 && fetching === 0 && !frozen) {
         frozen = true;
         proxy.freeze();
       }
     };
+    r.events.on("job:complete", ({ worker, job }) => {
+      if ((job.payload as { n: number }).n === 100) worker100 = worker.workerId;
+    });
     for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
-      r.events.on(done, freezeWhenNoFetch);
+      r.events.on(done, ({ worker }) => {
+        if (worker100 !== undefined && worker.workerId === worker100) settled100 = true;
+        freezeWhenNoFetch();
+      });
     locks.events.on("lock:acquired", ({ job }) => {
       if ((job.payload as { n: number }).n !== 101) return;
       held101 = true;
