@@ -1,7 +1,8 @@
 /**
  * Section "limits": what several limits per job (`limits`) cost. In one process, a real graphile-worker
  * runner (concurrency 8, no lock-ahead):
- * - no contention: no-op jobs of distinct keys, with 1 limit (a plain exclusive task), 1 limit in a group
+ * - no contention: no-op jobs of distinct keys, with no lock (graphile-worker alone: what one lock statement
+ *   per job costs is the next row less this one), 1 limit (a plain exclusive task), 1 limit in a group
  *   (what the group of the further limits costs by itself), 2 and 3 limits:
  *   jobs/s, lock statements per job (the lock session's count) and PostgreSQL's CPU per job (cpu.ts). The
  *   variants alternate, BENCH_ROUNDS rounds, medians.
@@ -28,12 +29,16 @@ const SIZES = {
 
 type Payload = { i: number };
 const byJob = (p: Payload) => p.i;
-/** `reference`: a row for reading the others, without a goal of its own. */
+/**
+ * `reference`: a row for reading the others, without a goal of its own. `options: null`: a plain
+ * graphile-worker task, no lock (what one lock statement per job costs is the plain exclusive row less it).
+ */
 const VARIANTS: Array<{
   label: string;
-  options: ExclusiveOptions<Payload>;
+  options: ExclusiveOptions<Payload> | null;
   reference?: boolean;
 }> = [
+  { label: "no lock (graphile-worker alone)", options: null, reference: true },
   { label: "1 limit (plain exclusive)", options: { key: byJob } },
   // (the second and third limits have groups: this row is what a group costs a single limit)
   { label: "1 limit, in a group", options: { key: byJob, lockGroup: "first" }, reference: true },
@@ -50,11 +55,16 @@ const VARIANTS: Array<{
 ];
 
 /** One uncontended run of `jobs` no-op jobs of a task under `options`. */
-async function uncontended(ctx: BenchContext, options: ExclusiveOptions<Payload>, jobs: number) {
+async function uncontended(
+  ctx: BenchContext,
+  options: ExclusiveOptions<Payload> | null,
+  jobs: number,
+) {
   const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
   let runner: Runner | undefined;
   try {
-    const task = locks.exclusive("limits_bench", async () => undefined, options);
+    const noop = async () => undefined;
+    const task = options ? locks.exclusive("limits_bench", noop, options) : noop;
     await locks.connect();
     runner = await startRunner({
       connectionString: ctx.url,
@@ -233,9 +243,11 @@ export const limits = sizedSection(
     }));
     ctx.log("limits: contended");
     const c = await contended(ctx, size.contended);
-    const base = med[0]!;
+    const base = med[1]!;
+    // One lock statement's share of PostgreSQL's CPU per job: the plain exclusive job's less a plain one's.
+    const lockCpu = base.serverCpuUsPerJob - med[0]!.serverCpuUsPerJob;
     const goals: Goal[] = [];
-    for (let i = 1; i < med.length; i++) {
+    for (let i = 2; i < med.length; i++) {
       if (VARIANTS[i]!.reference) continue;
       goals.push(
         goal(
@@ -243,6 +255,16 @@ export const limits = sizedSection(
           "no more (no extra round trip)",
           med[i]!.statementsPerJob,
           med[i]!.statementsPerJob <= base.statementsPerJob * 1.05,
+        ),
+      );
+      const further = VARIANTS[i]!.options!.limits!.length - 1;
+      const added = (med[i]!.serverCpuUsPerJob - base.serverCpuUsPerJob) / further;
+      goals.push(
+        goal(
+          `limits: ${VARIANTS[i]!.label}, PostgreSQL CPU per further limit ÷ one lock statement's (${fmtInt(lockCpu)} µs)`,
+          "≤ 1",
+          added / lockCpu,
+          added <= lockCpu,
         ),
       );
     }
@@ -264,6 +286,7 @@ export const limits = sizedSection(
           ]),
           [
             "PostgreSQL CPU is every server process's, over the run (cpu.ts): the lock statements' share of it is what a limit adds.",
+            "One lock statement's share: the plain exclusive row less the no-lock row.",
           ],
         ),
         table(
