@@ -214,8 +214,11 @@ export function makeExclusiveTask<TPayload>(
     let keys: GateKeys | undefined;
     const keysOf = () => (keys ??= gateKeys(job));
     if (hold?.lost) return LOST_BEFORE_START;
-    if (gated && !(await gate.admit(job, helpers, keysOf()))) return;
-    if (hold?.lost) return LOST_BEFORE_START;
+    if (gated) {
+      if (!(await gate.admit(job, helpers, keysOf()))) return;
+      // (the session may have been lost while the gate answered)
+      if (hold?.lost) return LOST_BEFORE_START;
+    }
     try {
       const value = await task(payload as TPayload, taskHelpers);
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
