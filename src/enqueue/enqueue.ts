@@ -174,9 +174,6 @@ export function makeEnqueuer(options: EnqueuerOptions): Enqueuer {
     pool
       .query({ text: sql.sweepEnqueueLimits })
       .catch((error: unknown) => options.warn("sweeping rate logs and debounces failed", error));
-    pool
-      .query({ text: sql.sweepStartRates })
-      .catch((error: unknown) => options.warn("sweeping start logs and pauses failed", error));
   };
 
   /** Resolves an enqueue, validating everything before anything is written. */
