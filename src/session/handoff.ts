@@ -13,7 +13,8 @@
  *   which carries the new hold's early wake, or any request or unlock of the same turn.
  * - Kept for a job fetched here: a hold released before the job it woke early arrived, while an idle worker
  *   of this process nudged to fetch that job is fetching, keeps its key for it (`keepFor`) rather than
- *   unlocking: until that fetch brings another job or none, and for at most the woken job's `releaseWaitMs`
+ *   unlocking: until that fetch, and every other fetch of this process in flight when it came back, have
+ *   brought other jobs or none, and for at most the woken job's `releaseWaitMs`
  *   (the time the job itself waits for the key: twice the task's usual hold, 100 ms to a second). The job,
  *   first in its key's line, takes the key in memory when it arrives (`onArrival`); otherwise the key is
  *   unlocked as usual. So a hot key stays in the process that runs its line, and no job waits behind it but
@@ -24,6 +25,7 @@
  * - Successor lines: `reschedule` jobs of this process that meet the same release go on in job id order, the
  *   job woken early first (`joinLine`).
  */
+import type { Worker } from "graphile-worker";
 import type { IdleWorkers } from "./idle.js";
 import {
   LOST,
@@ -192,8 +194,7 @@ export class Handoff {
     const key = hold.keyText;
     const next = this.handovers.get(key);
     if (!next) return false;
-    this.prewoken.delete(key);
-    this.fetchedHere.delete(key);
+    this.forget(key);
     clearTimeout(next.timer);
     this.handovers.delete(key);
     this.counts.handedOver++;
@@ -249,8 +250,7 @@ export class Handoff {
     if (!kept || info.jobId === null || this.prewoken.get(key) !== info.jobId) return null;
     clearTimeout(kept.timer);
     this.kept.delete(key);
-    this.prewoken.delete(key);
-    this.fetchedHere.delete(key);
+    this.forget(key);
     this.counts.handedOver++;
     probeStage("handedOver", info.jobId);
     return new Promise<AcquireResult>((resolve, reject) => {
@@ -270,8 +270,7 @@ export class Handoff {
 
   /** `key`'s hold here has ended (unlocked). */
   released(key: string): void {
-    this.prewoken.delete(key);
-    this.fetchedHere.delete(key);
+    this.forget(key);
   }
 
   /** A lock request for `key` has been answered. */
@@ -313,24 +312,40 @@ export class Handoff {
   /** `hold`'s early wake woke job `jobId`. */
   prewoke(hold: HoldImpl, jobId: string, wakeHere: boolean): void {
     // (a hold released meanwhile has told the woken job at its release, in the database)
-    if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested)
+    if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested) {
+      const before = this.prewoken.get(hold.keyText);
+      if (before !== undefined && before !== jobId) this.idleWorkers?.unwatch(before);
       this.prewoken.set(hold.keyText, jobId);
+    }
     this.counts.prewakes++;
     // (should no worker be idle any more, the release announces the job if it is still unfetched)
     const key = hold.keyText;
-    const fetched = (got: string | null) => {
-      if (got === jobId || this.prewoken.get(key) !== jobId) return;
-      // That worker fetched another job, or none: the woken job is not on its way here.
+    const notComing = () => {
+      if (this.prewoken.get(key) !== jobId) return;
       this.fetchedHere.delete(key);
+      this.idleWorkers?.unwatch(jobId);
       const kept = this.kept.get(key);
       if (!kept) return;
       clearTimeout(kept.timer);
       this.kept.delete(key);
       this.host.unlock(kept.hold);
     };
+    const fetched = (got: string | null, worker: Worker) => {
+      const idle = this.idleWorkers!;
+      if (got === jobId || idle.started(jobId) || this.prewoken.get(key) !== jobId) return;
+      // That worker fetched another job, or none. Another fetch of this process in flight may have taken the
+      // woken job from under it: the key stays kept until those fetches are back (within the keep's time
+      // limit), and is given up if no worker here started the job.
+      idle.afterFetchesInFlight(worker, () => {
+        if (!idle.started(jobId)) notComing();
+      });
+    };
     if (wakeHere && this.idleWorkers?.nudge(fetched)) {
       this.counts.wokenHere++;
-      if (this.prewoken.get(key) === jobId) this.fetchedHere.add(key);
+      if (this.prewoken.get(key) === jobId) {
+        this.fetchedHere.add(key);
+        this.idleWorkers.watch(jobId);
+      }
     }
   }
 
@@ -370,12 +385,22 @@ export class Handoff {
       hold.settle(LOST);
     }
     this.kept.clear();
+    for (const jobId of this.prewoken.values()) this.idleWorkers?.unwatch(jobId);
     this.fetchedHere.clear();
     this.handovers.clear();
     this.awaitingRelease.clear();
     this.releaseNotices.clear();
     this.prewoken.clear();
     this.prewakeQueue = [];
+  }
+
+  /** Forgets the job woken early for `key`. */
+  private forget(key: string): void {
+    const jobId = this.prewoken.get(key);
+    if (jobId === undefined) return;
+    this.prewoken.delete(key);
+    this.fetchedHere.delete(key);
+    this.idleWorkers?.unwatch(jobId);
   }
 
   /** Parks `request` in `waiting` under its key for its `releaseWaitMs`, then takes it out and calls `onTimeout`. */

@@ -12,7 +12,13 @@ import type { Worker, WorkerEvents } from "graphile-worker";
 export class IdleWorkers {
   private readonly idle = new Set<Worker>();
   /** Nudged workers whose fetch someone waits for, with what to tell them (the job's id, or null: none). */
-  private readonly fetching = new Map<Worker, (jobId: string | null) => void>();
+  private readonly fetching = new Map<Worker, (jobId: string | null, worker: Worker) => void>();
+  /** Workers whose fetch is in flight, nudged or not. */
+  private readonly inFlight = new Set<Worker>();
+  /** Those waiting for a set of fetches in flight to come back (see afterFetchesInFlight). */
+  private readonly settleWaiters = new Set<{ workers: Set<Worker>; done: () => void }>();
+  /** Jobs watched for their start by any worker here, with whether it started (see watch). */
+  private readonly watched = new Map<string, boolean>();
 
   /** How many workers are idle now. */
   get count(): number {
@@ -23,7 +29,7 @@ export class IdleWorkers {
    * Makes one idle worker fetch a job now; false if none was idle. `fetched`, if given, hears which job that
    * fetch got (null: none).
    */
-  nudge(fetched?: (jobId: string | null) => void): boolean {
+  nudge(fetched?: (jobId: string | null, worker: Worker) => void): boolean {
     for (const worker of this.idle) {
       this.idle.delete(worker);
       try {
@@ -38,18 +44,54 @@ export class IdleWorkers {
     return false;
   }
 
+  /**
+   * Calls `done` once every fetch in flight now (but `except`'s) has come back; at once if no other fetch is
+   * in flight. Fetches that start later are not waited for.
+   */
+  afterFetchesInFlight(except: Worker | null, done: () => void): void {
+    const workers = new Set([...this.inFlight].filter((worker) => worker !== except));
+    if (workers.size === 0) done();
+    else this.settleWaiters.add({ workers, done });
+  }
+
+  /** Notes from now on whether any worker here starts job `jobId` (see started), until `unwatch`. */
+  watch(jobId: string): void {
+    this.watched.set(jobId, false);
+  }
+
+  /** Whether a worker here started job `jobId` since `watch`. */
+  started(jobId: string): boolean {
+    return this.watched.get(jobId) === true;
+  }
+
+  unwatch(jobId: string): void {
+    this.watched.delete(jobId);
+  }
+
   /** Follows a runner's workers; returns a function that stops following them. */
   attach(events: WorkerEvents): () => void {
     const told = (worker: Worker, jobId: string | null) => {
+      this.inFlight.delete(worker);
+      if (jobId !== null && this.watched.has(jobId)) this.watched.set(jobId, true);
+      for (const waiter of this.settleWaiters) {
+        if (!waiter.workers.delete(worker) || waiter.workers.size > 0) continue;
+        this.settleWaiters.delete(waiter);
+        waiter.done();
+      }
       const fetched = this.fetching.get(worker);
       if (!fetched) return;
       this.fetching.delete(worker);
-      fetched(jobId);
+      fetched(jobId, worker);
     };
     const onEmpty = ({ worker }: { worker: Worker }) => {
       this.idle.add(worker);
       told(worker, null);
     };
+    const onFetch = ({ worker }: { worker: Worker }) => {
+      this.idle.delete(worker);
+      this.inFlight.add(worker);
+    };
+    const onError = ({ worker }: { worker: Worker }) => told(worker, null);
     const onBusy = ({ worker }: { worker: Worker }) => {
       this.idle.delete(worker);
     };
@@ -60,13 +102,15 @@ export class IdleWorkers {
       told(worker, null);
     };
     events.on("worker:getJob:empty", onEmpty);
-    events.on("worker:getJob:start", onBusy);
+    events.on("worker:getJob:start", onFetch);
+    events.on("worker:getJob:error", onError);
     events.on("worker:release", onBusy);
     events.on("worker:stop", onStop);
     events.on("job:start", onStart);
     return () => {
       events.off("worker:getJob:empty", onEmpty);
-      events.off("worker:getJob:start", onBusy);
+      events.off("worker:getJob:start", onFetch);
+      events.off("worker:getJob:error", onError);
       events.off("worker:release", onBusy);
       events.off("worker:stop", onStop);
       events.off("job:start", onStart);

@@ -6,6 +6,7 @@
  * Real PostgreSQL, a real graphile-worker runner.
  */
 import { setTimeout as sleep } from "node:timers/promises";
+
 import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { startProxy } from "../../scripts/soak/proxy.js";
@@ -198,6 +199,109 @@ describe("hand-over check", () => {
       handedOver: mid.handedOver + 1,
       keptForArrival: mid.keptForArrival + 1,
     });
+    expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
+    await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
+  });
+  it("a key kept for a job woken early stays kept when the nudged worker comes back without it while another worker here brings it", async () => {
+    // Two runners of this process: X runs the holder and has an idle worker, nudged for the woken job, that
+    // may not take it (a forbidden flag); Y may take it, its fetch held up by a frozen proxy while the nudged
+    // worker comes back empty. The key is kept until Y's fetch is back, and Y's job takes it in memory.
+    const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
+    cleanups.push(() => proxy.close());
+    const proxied = new URL(h.db.url);
+    proxied.hostname = "127.0.0.1";
+    proxied.port = String(proxy.port);
+    const locks = newLocks();
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const spans = new Map<number, { start: number; end: number | null }>();
+    const task = locks.exclusive(
+      "kept_while_fetching",
+      async (p: { n: number; gated?: boolean }) => {
+        const span = { start: performance.now(), end: null as number | null };
+        spans.set(p.n, span);
+        await (p.gated ? gate.promise : sleep(900));
+        span.end = performance.now();
+      },
+      { key: () => "one key", onConflict: "reschedule" },
+    );
+    const x = await runner({
+      connectionString: h.db.url,
+      concurrency: 2,
+      pollInterval: 60_000,
+      forbiddenFlags: ["y_only"],
+      taskList: { kept_while_fetching: task },
+    });
+    const y = await runner({
+      connectionString: proxied.toString(),
+      concurrency: 1,
+      pollInterval: 100,
+      forbiddenFlags: ["x_only"],
+      taskList: { kept_while_fetching: task },
+    });
+    cleanups.push(async () => proxy.thaw());
+    locks.attach(x);
+    locks.attach(y);
+
+    // Three jobs of 900 ms teach the task its usual hold: the next job in line is woken 880 ms into a hold,
+    // and a key is kept for it for a second at most.
+    await locks.addJobs(
+      [0, 1, 2].map((n) => ({
+        identifier: "kept_while_fetching",
+        payload: { n },
+        flags: ["x_only"],
+      })),
+    );
+    await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
+      message: "the teaching jobs to run",
+    });
+    await waitFor(async () => (await parkedCount()) === 0, { message: "the line to empty" });
+
+    // 100 holds the key in X; 101 (for X) and 102 (for Y only) meet it and wait in line. 100's release wakes
+    // 101, whose hold, having a line, wakes 102 early for an idle worker of this process.
+    let xFetching = 0;
+    x.events.on("worker:getJob:start", () => void xFetching++);
+    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+      x.events.on(done, () => void (xFetching = Math.max(0, xFetching - 1)));
+    const held = (n: number) =>
+      nextEvent(locks, "lock:acquired", (e) => (e.job.payload as { n: number }).n === n);
+    const held100 = held(100);
+    await locks.addJob("kept_while_fetching", { n: 100 }, { flags: ["x_only"] });
+    await held100;
+    const held101 = held(101);
+    const parked102 = nextEvent(
+      locks,
+      "job:rescheduled",
+      (e) => (e.job.payload as { n: number }).n === 102,
+    );
+    await locks.addJob("kept_while_fetching", { n: 101, gated: true }, { flags: ["x_only"] });
+    await locks.addJob("kept_while_fetching", { n: 102 }, { flags: ["y_only"] });
+    await parked102;
+    await held101;
+    const mid = locks.status().handoffs;
+    // Y's next poll is held up in flight, so that an idle worker of X is the one nudged for 102; it may not
+    // take 102 and comes back empty.
+    let yFetching = false;
+    y.events.on("worker:getJob:start", () => {
+      if (yFetching) return;
+      yFetching = true;
+      proxy.freeze();
+    });
+    await waitFor(async () => yFetching, { message: "Y to fetch" });
+    await waitFor(
+      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && xFetching === 0,
+      { message: "101 to wake 102 early for an idle worker of X, which comes back empty" },
+    );
+    gate.resolve();
+    await waitFor(async () => spans.get(101)?.end != null, { message: "101 to end" });
+    // (its release runs as its task returns)
+    await sleep(50);
+    expect(locks.status().handoffs.keptForArrival).toBe(mid.keptForArrival + 1);
+    expect(spans.has(102)).toBe(false);
+    proxy.thaw();
+
+    await waitFor(async () => spans.get(102)?.end != null, { message: "102 to run" });
+    expect(locks.status().handoffs.handedOver).toBe(mid.handedOver + 1);
     expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
     await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
   });
