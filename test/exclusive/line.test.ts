@@ -645,6 +645,35 @@ describe("reschedule hand-off", () => {
     expect(woken).toEqual([{ id: first }]);
   });
 
+  it("a release with nobody in line writes no row: the line is locked by a transaction-level advisory lock, held to its end", async () => {
+    const { key, holder } = await heldLine("pn", 0);
+    const releaser = await connect();
+    await releaser.query("select pg_advisory_lock($1)", [key]);
+    await releaser.query("begin");
+    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
+    const pid = await asLockSession(releaser);
+    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
+    // (this transaction's own row counts, for the library's tables)
+    const { rows: written } = await releaser.query<{ table: string; rows: string }>(
+      `select relname as table, (n_tup_ins + n_tup_upd + n_tup_del)::text as rows
+         from pg_stat_xact_user_tables where schemaname = 'graphile_worker_locks' and n_tup_ins + n_tup_upd + n_tup_del > 0`,
+    );
+    expect(written).toEqual([]);
+    // The line stays locked until the release's transaction ends: a parker's check waits for it.
+    const { rows: line } = await q<{ held: boolean }>(
+      `select exists (select 1 from pg_locks where locktype = 'advisory' and granted and objsubid = 2 and pid = $2
+         and classid = (($1::bigint >> 32)::int)::oid and objid = ((($1::bigint << 32) >> 32)::int)::oid) as held`,
+      [key, pid],
+    );
+    expect(line).toEqual([{ held: true }]);
+    const checker = await connect();
+    const checkerPid = await backendPid(checker);
+    const checked = checker.query("select graphile_worker_locks.lock_lines($1) as n", [[key]]);
+    await waitForLockWait(checkerPid, "the check to wait for the release's transaction");
+    await releaser.query("commit");
+    expect((await checked).rows[0]!.n).toBe(1);
+  });
+
   it("an early wake left to the holder's process is not announced; its release announces it if still unfetched", async () => {
     const { key, holder, waiting } = await heldLine("pq", 2);
     const listener = await connect();
