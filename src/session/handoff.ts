@@ -14,7 +14,8 @@
  * - Kept for a job fetched here: a hold released before the job it woke early arrived, while an idle worker
  *   of this process nudged to fetch that job is fetching, keeps its key for it (`keepFor`) rather than
  *   unlocking: until that fetch, and every other fetch of this process in flight when it came back, have
- *   brought other jobs or none, and for at most the woken job's `releaseWaitMs`
+ *   brought other jobs or none (see bench/README.md, "Keeping a key while this process's fetches are
+ *   out"), and for at most the woken job's `releaseWaitMs`
  *   (the time the job itself waits for the key: twice the task's usual hold, 100 ms to a second). The job,
  *   first in its key's line, takes the key in memory when it arrives (`onArrival`); otherwise the key is
  *   unlocked as usual. So a hot key stays in the process that runs its line, and no job waits behind it but

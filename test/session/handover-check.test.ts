@@ -220,7 +220,7 @@ describe("hand-over check", () => {
       async (p: { n: number; gated?: boolean }) => {
         const span = { start: performance.now(), end: null as number | null };
         spans.set(p.n, span);
-        await (p.gated ? gate.promise : sleep(900));
+        await (p.gated ? gate.promise : sleep(400));
         span.end = performance.now();
       },
       { key: () => "one key", onConflict: "reschedule" },
@@ -243,8 +243,8 @@ describe("hand-over check", () => {
     locks.attach(x);
     locks.attach(y);
 
-    // Three jobs of 900 ms teach the task its usual hold: the next job in line is woken 880 ms into a hold,
-    // and a key is kept for it for a second at most.
+    // Three jobs of 400 ms teach the task its usual hold: the next job in line is woken 380 ms into a hold,
+    // and a key is kept for it for 800 ms at most.
     await locks.addJobs(
       [0, 1, 2].map((n) => ({
         identifier: "kept_while_fetching",
