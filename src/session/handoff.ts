@@ -26,7 +26,6 @@
  * - Successor lines: `reschedule` jobs of this process that meet the same release go on in job id order, the
  *   job woken early first (`joinLine`).
  */
-import type { Worker } from "graphile-worker";
 import type { IdleWorkers } from "./idle.js";
 import {
   LOST,
@@ -331,13 +330,13 @@ export class Handoff {
       this.kept.delete(key);
       this.host.unlock(kept.hold);
     };
-    const fetched = (got: string | null, worker: Worker) => {
+    const fetched = (got: string | null) => {
       const idle = this.idleWorkers!;
       if (got === jobId || idle.started(jobId) || this.prewoken.get(key) !== jobId) return;
       // That worker fetched another job, or none. Another fetch of this process in flight may have taken the
       // woken job from under it: the key stays kept until those fetches are back (within the keep's time
       // limit), and is given up if no worker here started the job.
-      idle.afterFetchesInFlight(worker, () => {
+      idle.afterFetchesInFlight(() => {
         if (!idle.started(jobId)) notComing();
       });
     };

@@ -12,7 +12,7 @@ import type { Worker, WorkerEvents } from "graphile-worker";
 export class IdleWorkers {
   private readonly idle = new Set<Worker>();
   /** Nudged workers whose fetch someone waits for, with what to tell them (the job's id, or null: none). */
-  private readonly fetching = new Map<Worker, (jobId: string | null, worker: Worker) => void>();
+  private readonly fetching = new Map<Worker, (jobId: string | null) => void>();
   /** Workers whose fetch is in flight, nudged or not. */
   private readonly inFlight = new Set<Worker>();
   /** Those waiting for a set of fetches in flight to come back (see afterFetchesInFlight). */
@@ -29,7 +29,7 @@ export class IdleWorkers {
    * Makes one idle worker fetch a job now; false if none was idle. `fetched`, if given, hears which job that
    * fetch got (null: none).
    */
-  nudge(fetched?: (jobId: string | null, worker: Worker) => void): boolean {
+  nudge(fetched?: (jobId: string | null) => void): boolean {
     for (const worker of this.idle) {
       this.idle.delete(worker);
       try {
@@ -45,13 +45,12 @@ export class IdleWorkers {
   }
 
   /**
-   * Calls `done` once every fetch in flight now (but `except`'s) has come back; at once if no other fetch is
-   * in flight. Fetches that start later are not waited for.
+   * Calls `done` once every fetch in flight now has come back; at once if none is. Fetches that start later
+   * are not waited for. (A nudged worker's `fetched` hears of its fetch once it is no longer in flight.)
    */
-  afterFetchesInFlight(except: Worker | null, done: () => void): void {
-    const workers = new Set([...this.inFlight].filter((worker) => worker !== except));
-    if (workers.size === 0) done();
-    else this.settleWaiters.add({ workers, done });
+  afterFetchesInFlight(done: () => void): void {
+    if (this.inFlight.size === 0) done();
+    else this.settleWaiters.add({ workers: new Set(this.inFlight), done });
   }
 
   /** Notes from now on whether any worker here starts job `jobId` (see started), until `unwatch`. */
@@ -81,7 +80,7 @@ export class IdleWorkers {
       const fetched = this.fetching.get(worker);
       if (!fetched) return;
       this.fetching.delete(worker);
-      fetched(jobId, worker);
+      fetched(jobId);
     };
     const onEmpty = ({ worker }: { worker: Worker }) => {
       this.idle.add(worker);
