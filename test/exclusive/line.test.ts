@@ -52,6 +52,21 @@ async function asLockSession(client: pg.Client): Promise<number> {
   return backendPid(client);
 }
 
+/**
+ * The holder's lock session (a connection of its own) releases `key` of job `holder` with the lock statement,
+ * held open in a transaction: its unlock has happened (session locks are not transactional), its wake and its
+ * line lock last until the transaction ends.
+ */
+async function releaseInOpenTransaction(key: string, holder: string) {
+  const releaser = await connect();
+  await releaser.query("select pg_advisory_lock($1)", [key]);
+  await releaser.query("begin");
+  const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
+  const pid = await asLockSession(releaser);
+  await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
+  return { releaser, pid };
+}
+
 /** Waits until backend `pid` waits for a lock another transaction holds. */
 async function waitForLockWait(pid: number, message: string): Promise<void> {
   await waitFor(
@@ -570,14 +585,8 @@ describe("reschedule hand-off", () => {
     const { locks, key, ids, holder, waiting } = await heldLine("pr", 2);
     const [first, second] = waiting as [string, string];
     const parker = (await locks.addJob("pr", { n: 3 })).job!.id;
-    // The holder's session releases with the lock statement, held open in a transaction: its unlock has
-    // happened (session locks are not transactional), its wake is not yet committed.
-    const releaser = await connect();
-    await releaser.query("select pg_advisory_lock($1)", [key]);
-    await releaser.query("begin");
-    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const pid = await asLockSession(releaser);
-    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
+    // The holder's session releases with the lock statement, held open in a transaction.
+    const { releaser } = await releaseInOpenTransaction(key, holder);
     // A job that met the key held has parked and now checks whether the key is free.
     const checker = await connect();
     const checkerPid = await backendPid(checker);
@@ -647,12 +656,7 @@ describe("reschedule hand-off", () => {
 
   it("a release with nobody in line writes no row: the line is locked by a transaction-level advisory lock, held to its end", async () => {
     const { key, holder } = await heldLine("pn", 0);
-    const releaser = await connect();
-    await releaser.query("select pg_advisory_lock($1)", [key]);
-    await releaser.query("begin");
-    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const pid = await asLockSession(releaser);
-    await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
+    const { releaser, pid } = await releaseInOpenTransaction(key, holder);
     // (this transaction's own row counts, for the library's tables)
     const { rows: written } = await releaser.query<{ table: string; rows: string }>(
       `select relname as table, (n_tup_ins + n_tup_upd + n_tup_del)::text as rows

@@ -9,6 +9,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 
 import pg from "pg";
 import { describe, expect, it } from "vitest";
+import type { Locks } from "../../src/index.js";
 import { startProxy } from "../../scripts/soak/proxy.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
@@ -30,6 +31,37 @@ function countStatements() {
     return (original as (...a: unknown[]) => unknown).apply(this, args);
   } as typeof original;
   return counts;
+}
+
+/** A freezable proxy in front of the test database, closed by the test's cleanups, and the URL through it. */
+async function proxiedDatabase() {
+  const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
+  cleanups.push(() => proxy.close());
+  const proxied = new URL(h.db.url);
+  proxied.hostname = "127.0.0.1";
+  proxied.port = String(proxy.port);
+  return { proxy, proxied };
+}
+
+/**
+ * A `reschedule` task on one key whose jobs (payload `n`) record their span on the machine clock: a gated
+ * job runs until `gate` resolves (at the latest when the test ends), any other for `ms`.
+ */
+function spannedTask(locks: Locks, identifier: string, ms: number) {
+  const gate = deferred();
+  cleanups.push(async () => gate.resolve());
+  const spans = new Map<number, { start: number; end: number | null }>();
+  const task = locks.exclusive(
+    identifier,
+    async (p: { n: number; gated?: boolean }) => {
+      const span = { start: performance.now(), end: null as number | null };
+      spans.set(p.n, span);
+      await (p.gated ? gate.promise : sleep(ms));
+      span.end = performance.now();
+    },
+    { key: () => "one key", onConflict: "reschedule" },
+  );
+  return { task, spans, gate };
 }
 
 describe("hand-over check", () => {
@@ -100,25 +132,9 @@ describe("hand-over check", () => {
   it("a key released before the job it woke early arrives here is kept for that job, which takes it in memory", async () => {
     // The runner's connections go through a proxy, so that the woken job's fetch can be held up; the lock
     // session's do not.
-    const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
-    cleanups.push(() => proxy.close());
-    const proxied = new URL(h.db.url);
-    proxied.hostname = "127.0.0.1";
-    proxied.port = String(proxy.port);
+    const { proxy, proxied } = await proxiedDatabase();
     const locks = newLocks();
-    const gate = deferred();
-    cleanups.push(async () => gate.resolve());
-    const spans = new Map<number, { start: number; end: number | null }>();
-    const task = locks.exclusive(
-      "kept_for_arrival",
-      async (p: { n: number; gated?: boolean }) => {
-        const span = { start: performance.now(), end: null as number | null };
-        spans.set(p.n, span);
-        await (p.gated ? gate.promise : sleep(800));
-        span.end = performance.now();
-      },
-      { key: () => "one key", onConflict: "reschedule" },
-    );
+    const { task, spans, gate } = spannedTask(locks, "kept_for_arrival", 800);
     // No polling: a poll started while the proxy is frozen would keep its worker from counting as idle. The
     // jobs are fetched on graphile-worker's notification, or by an idle worker the lock session nudges.
     const r = await runner({
@@ -206,25 +222,9 @@ describe("hand-over check", () => {
     // Two runners of this process: X runs the holder and has an idle worker, nudged for the woken job, that
     // may not take it (a forbidden flag); Y may take it, its fetch held up by a frozen proxy while the nudged
     // worker comes back empty. The key is kept until Y's fetch is back, and Y's job takes it in memory.
-    const proxy = await startProxy(Number(new URL(h.db.url).port || 5432));
-    cleanups.push(() => proxy.close());
-    const proxied = new URL(h.db.url);
-    proxied.hostname = "127.0.0.1";
-    proxied.port = String(proxy.port);
+    const { proxy, proxied } = await proxiedDatabase();
     const locks = newLocks();
-    const gate = deferred();
-    cleanups.push(async () => gate.resolve());
-    const spans = new Map<number, { start: number; end: number | null }>();
-    const task = locks.exclusive(
-      "kept_while_fetching",
-      async (p: { n: number; gated?: boolean }) => {
-        const span = { start: performance.now(), end: null as number | null };
-        spans.set(p.n, span);
-        await (p.gated ? gate.promise : sleep(400));
-        span.end = performance.now();
-      },
-      { key: () => "one key", onConflict: "reschedule" },
-    );
+    const { task, spans, gate } = spannedTask(locks, "kept_while_fetching", 400);
     const x = await runner({
       connectionString: h.db.url,
       concurrency: 2,
