@@ -189,8 +189,9 @@ async function startContainer(options: StartPostgresOptions): Promise<StartedPos
     const stop = (): Promise<void> =>
       (stopping ??= (async () => {
         removeSignalHandlers();
-        process.off("exit", onExit);
         await container.stop({ remove: true });
+        // Only now: an exit while the engine is still stopping it still removes the container.
+        process.off("exit", onExit);
       })());
     // Synchronous: when we exit without stop(), have the engine remove the container.
     const onExit = (): void => {
