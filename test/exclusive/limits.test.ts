@@ -351,6 +351,50 @@ describe("limits: several limits per job", () => {
     await other.release();
   });
 
+  it("a job that drops on conflict wakes, at its release, a job another task parked in its grouped limit's line", async () => {
+    const locks = newLocks();
+    const gate = deferred();
+    // The holder's first limit is its own key space, its second the group "card" that refund shares.
+    const charge = locks.exclusive("charge", recording("charge", () => gate.promise), {
+      limits: [{ key: (p: Job) => p.tenant }, { key: (p: Job) => p.tenant, group: "card" }],
+    });
+    const refund = locks.exclusive("refund", recording("refund"), {
+      key: (p: Job) => p.tenant,
+      lockGroup: "card",
+      onConflict: "reschedule",
+      // (a parked job's safety net is far: only the release's wake runs it within the test)
+      reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+    });
+    await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { charge, refund },
+      pollInterval: 100,
+    });
+    await h.utils.addJob("charge", { tenant: "u1" });
+    await waitFor(async () => (await readExecutions(db.pool(), "charge")).length === 1, {
+      message: "the charge to start",
+    });
+    await h.utils.addJob("refund", { tenant: "u1" });
+    await waitFor(async () => (await h.parkedCount()) === 1, {
+      message: "the refund to park in the group's line",
+    });
+    const released = new Promise<void>((resolve) =>
+      locks.events.on("lock:released", (e) => e.taskIdentifier === "charge" && resolve()),
+    );
+    gate.resolve();
+    await released;
+    // Woken by the release's own statement: no waiter is left once it is answered.
+    expect(await h.parkedCount()).toBe(0);
+    await waitFor(
+      async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
+      { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
+    );
+    const [c] = await readExecutions(db.pool(), "charge");
+    const [r] = await readExecutions(db.pool(), "refund");
+    expect(r!.start).toBeGreaterThanOrEqual(c!.end!);
+  });
+
   it("drop: a full limit drops the job at run time and up front, naming the limit's key", async () => {
     const locks = newLocks();
     const task = locks.exclusive("dropper", recording("dropper"), {
