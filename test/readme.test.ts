@@ -1,24 +1,23 @@
 /**
- * The TypeScript snippets of the README and of docs/*.md, run as written (with `connectionString` provided
- * and the package import pointed at the source), each in its own process on a database of its own, as a
- * reader's first run would be; what they print must match their `// …` comments.
+ * The TypeScript snippets of docs/*.md, run as written (with `connectionString` provided and the package
+ * import pointed at the source), each in its own process on a database of its own, as a reader's first run
+ * would be; what they print must match their `// …` comments. The README's snippets run the same way in
+ * test/preset/first-use.test.ts, on a database with graphile-worker's schema only (a reader's first run of
+ * the library).
  */
 import { readdir, readFile, rm } from "node:fs/promises";
 import { afterAll, describe, expect, it } from "vitest";
 import { freshDatabase } from "./support/db.js";
-import { expectedOutput, runSnippet } from "./support/readme.js";
+import { expectedOutput, readmeSnippets, runSnippet } from "./support/readme.js";
 
 const root = new URL("../", import.meta.url);
 const dir = new URL("./.readme/", import.meta.url);
 
-/** The Markdown files whose snippets run: the README, then docs/*.md in name order. */
-const files = [
-  "README.md",
-  ...(await readdir(new URL("docs/", root)))
-    .filter((name) => name.endsWith(".md"))
-    .sort()
-    .map((name) => `docs/${name}`),
-];
+/** The Markdown files whose snippets run: docs/*.md in name order. */
+const files = (await readdir(new URL("docs/", root)))
+  .filter((name) => name.endsWith(".md"))
+  .sort()
+  .map((name) => `docs/${name}`);
 const snippets: Array<{ file: string; index: number; source: string }> = [];
 for (const file of files) {
   const text = await readFile(new URL(file, root), "utf8");
@@ -33,8 +32,8 @@ afterAll(async () => {
 
 describe("documentation snippets", () => {
   it("there are snippets to run in the README and in docs/", () => {
-    expect(snippets.filter((s) => s.file === "README.md").length).toBeGreaterThanOrEqual(2);
-    expect(snippets.filter((s) => s.file.startsWith("docs/")).length).toBeGreaterThanOrEqual(1);
+    expect(readmeSnippets.length).toBeGreaterThanOrEqual(2);
+    expect(snippets.length).toBeGreaterThanOrEqual(1);
   });
 
   for (const { file, index, source } of snippets) {

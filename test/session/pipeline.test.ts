@@ -3,8 +3,8 @@
  * unanswered leaves at once, in a statement of its own, instead of waiting a round trip for that answer;
  * an unlock nobody waits for leaves at once on an idle connection (with lock-ahead in use, after up to 2 ms
  * waiting for a statement to ride) and otherwise waits for a statement to ride with. Real PostgreSQL and a
- * real runner; the lock session connects through a TCP proxy that delays every answer by DELAY_MS, so that
- * a statement's round trip is long enough to see what is sent during it.
+ * real runner; the lock session connects through a TCP proxy that, once it is connected, delays every answer
+ * by DELAY_MS, so that a statement's round trip is long enough to see what is sent during it.
  */
 import { afterEach, describe, expect, it } from "vitest";
 import { setTimingProbe } from "../../src/session/timing-probe.js";
@@ -19,24 +19,30 @@ const { db, cleanups, newLocks, runner } = h;
 /** How long the proxy holds every chunk from PostgreSQL to the client. */
 const DELAY_MS = 250;
 
-/** A TCP proxy in front of PostgreSQL that delays what the server sends by `delayMs` (in order). */
-async function slowProxy(delayMs: number): Promise<string> {
+/**
+ * A TCP proxy in front of PostgreSQL that, once `slow()` was called, delays what the server sends by
+ * `delayMs` (in order). Before, it passes everything at once: a session connects at full speed.
+ */
+async function slowProxy(delayMs: number): Promise<{ url: string; slow(): void }> {
+  let delay = 0;
   const { url } = await startProxy(db.url, cleanups, (inbound, open) => {
     const outbound = open();
     inbound.pipe(outbound);
     outbound.on("data", (chunk: Buffer) => {
-      setTimeout(() => {
-        if (!inbound.destroyed) inbound.write(chunk);
-      }, delayMs);
+      if (delay === 0) inbound.write(chunk);
+      else
+        setTimeout(() => {
+          if (!inbound.destroyed) inbound.write(chunk);
+        }, delay);
     });
     const close = () => {
       inbound.destroy();
       outbound.destroy();
     };
     inbound.on("error", close).on("close", close);
-    outbound.on("error", close).on("close", () => setTimeout(close, delayMs));
+    outbound.on("error", close).on("close", () => setTimeout(close, delay));
   });
-  return url;
+  return { url, slow: () => void (delay = delayMs) };
 }
 
 afterEach(() => setTimingProbe(null));
@@ -61,8 +67,10 @@ async function pipelinedTask(
   body: (k: string) => unknown = () => undefined,
   lockAhead = false,
 ) {
-  const locks = newLocks({ lockConnectionString: await slowProxy(DELAY_MS) });
+  const proxy = await slowProxy(DELAY_MS);
+  const locks = newLocks({ lockConnectionString: proxy.url });
   await locks.connect();
+  proxy.slow();
   const requests: Timing[] = [];
   const unlocks: Timing[] = [];
   setTimingProbe({
