@@ -355,9 +355,13 @@ describe("limits: several limits per job", () => {
     const locks = newLocks();
     const gate = deferred();
     // The holder's first limit is its own key space, its second the group "card" that refund shares.
-    const charge = locks.exclusive("charge", recording("charge", () => gate.promise), {
-      limits: [{ key: (p: Job) => p.tenant }, { key: (p: Job) => p.tenant, group: "card" }],
-    });
+    const charge = locks.exclusive(
+      "charge",
+      recording("charge", () => gate.promise),
+      {
+        limits: [{ key: (p: Job) => p.tenant }, { key: (p: Job) => p.tenant, group: "card" }],
+      },
+    );
     const refund = locks.exclusive("refund", recording("refund"), {
       key: (p: Job) => p.tenant,
       lockGroup: "card",
