@@ -68,11 +68,10 @@ export function makeExclusiveTask<TPayload>(
           releaseWaitMs: holdTime.releaseWaitMs(),
         };
 
-  // Of a job with several limits, the limits whose keys other tasks may share. A limit of this task's own
-  // key space has no line to wake unless this task parks jobs in it, as for a task of one key.
-  const sharedLimits =
-    options.limits?.map((limit) => limit.group !== undefined || options.lockGroup !== undefined) ??
-    [];
+  // Of a job with several limits, the limits whose keys other tasks may share (a limit's group defaults to the
+  // task's lockGroup, filled in by the options). A limit of this task's own key space has no line to wake
+  // unless this task parks jobs in it, as for a task of one key.
+  const sharedLimits = options.limits?.map((limit) => limit.group !== undefined) ?? [];
 
   /** The hold info of a job with several limits, whose lines are `lines` (each limit's slot 0). */
   const stackedInfo = (job: Job, lines: readonly bigint[]): HoldInfo =>

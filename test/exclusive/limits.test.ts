@@ -5,7 +5,7 @@
  * runners. The cross-process proofs are in limits.long.test.ts.
  */
 import { describe, expect, it } from "vitest";
-import { InvalidArgumentError } from "../../src/index.js";
+import { InvalidArgumentError, type Locks } from "../../src/index.js";
 import { advisoryParts, lockKey, slotKeys } from "../../src/key.js";
 import { validateTaskRules } from "../../src/preset/rules.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
@@ -68,6 +68,27 @@ async function isHeld(key: bigint): Promise<boolean> {
       [classid, objid],
     );
   return rows.length > 0;
+}
+
+/**
+ * Lets the running `charge` job end (`gate`), and checks that its release woke the `refund` job parked in its
+ * line in the release's own statement (the parked job's safety net is far: no waiter is left once the
+ * release is answered), and that the refund then ran, starting after the charge ended.
+ */
+async function releaseWakesParkedRefund(locks: Locks, gate: { resolve(): void }): Promise<void> {
+  const released = new Promise<void>((resolve) =>
+    locks.events.on("lock:released", (e) => e.taskIdentifier === "charge" && resolve()),
+  );
+  gate.resolve();
+  await released;
+  expect(await h.parkedCount()).toBe(0);
+  await waitFor(
+    async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
+    { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
+  );
+  const [c] = await readExecutions(db.pool(), "charge");
+  const [r] = await readExecutions(db.pool(), "refund");
+  expect(r!.start).toBeGreaterThanOrEqual(c!.end!);
 }
 
 describe("lockGroup: tasks that share a key space", () => {
@@ -134,23 +155,9 @@ describe("lockGroup: tasks that share a key space", () => {
           message: "the refund to be parked",
         });
       }
-      const released = new Promise<void>((resolve) =>
-        locks.events.on("lock:released", (e) => e.taskIdentifier === "charge" && resolve()),
-      );
-      gate.resolve();
-      if (strategy === "reschedule") {
-        // The release of a `drop` task's hold woke the parked job in its own statement (its safety net
-        // is 15 s or more away): no waiter is left once the release is answered.
-        await released;
-        expect(await h.parkedCount()).toBe(0);
-        await waitFor(
-          async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
-          { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
-        );
-        const [c] = await readExecutions(db.pool(), "charge");
-        const [r] = await readExecutions(db.pool(), "refund");
-        expect(r!.start).toBeGreaterThanOrEqual(c!.end!);
-      }
+      // The release of a `drop` task's hold wakes the parked job (its safety net is 15 s or more away).
+      if (strategy === "reschedule") await releaseWakesParkedRefund(locks, gate);
+      else gate.resolve();
     },
   );
 });
@@ -383,20 +390,7 @@ describe("limits: several limits per job", () => {
     await waitFor(async () => (await h.parkedCount()) === 1, {
       message: "the refund to park in the group's line",
     });
-    const released = new Promise<void>((resolve) =>
-      locks.events.on("lock:released", (e) => e.taskIdentifier === "charge" && resolve()),
-    );
-    gate.resolve();
-    await released;
-    // Woken by the release's own statement: no waiter is left once it is answered.
-    expect(await h.parkedCount()).toBe(0);
-    await waitFor(
-      async () => (await readExecutions(db.pool(), "refund")).some((e) => e.end !== null),
-      { message: "the parked refund to run after the charge", timeoutMs: 20_000 },
-    );
-    const [c] = await readExecutions(db.pool(), "charge");
-    const [r] = await readExecutions(db.pool(), "refund");
-    expect(r!.start).toBeGreaterThanOrEqual(c!.end!);
+    await releaseWakesParkedRefund(locks, gate);
   });
 
   it("drop: a full limit drops the job at run time and up front, naming the limit's key", async () => {
