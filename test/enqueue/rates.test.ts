@@ -335,6 +335,143 @@ describe("keys, groups and overrides", () => {
   });
 });
 
+describe("a batch's keys", () => {
+  it("each key's room taken in the batch's order, on top of its log; a key that meets a unique item goes one by one", async () => {
+    const rate = (key: string, limit = 5) => ({ limit, period: 600_000, key: () => key });
+    // Three stamps already on key "full": room for two more.
+    for (let i = 0; i < 3; i++) {
+      expect(
+        (await h.locks.addJob("keyed", { pre: i }, { enqueueRate: rate("full") })).outcome,
+      ).toBe("added");
+    }
+    const batch = [
+      ...[0, 1, 2, 3].map((n) => ({
+        identifier: "keyed",
+        payload: { k: "full", n },
+        enqueueRate: rate("full"),
+      })),
+      ...[0, 1, 2].map((n) => ({
+        identifier: "keyed",
+        payload: { k: "fresh", n },
+        queueName: "keyed-q",
+        enqueueRate: rate("fresh", 2),
+      })),
+      // A key whose items include a unique one: all of its items are decided one by one.
+      { identifier: "keyed", payload: { k: "mixed", n: 0 }, enqueueRate: rate("mixed", 2) },
+      {
+        identifier: "keyed",
+        payload: { k: "mixed", n: 1 },
+        enqueueRate: rate("mixed", 2),
+        unique: "queued" as const,
+      },
+      { identifier: "keyed", payload: { k: "mixed", n: 2 }, enqueueRate: rate("mixed", 2) },
+    ];
+    const results = await h.locks.addJobs(batch);
+    expect(results.map((r) => r.outcome)).toEqual([
+      "added",
+      "added",
+      "rateLimited",
+      "rateLimited",
+      "added",
+      "added",
+      "rateLimited",
+      "added",
+      "added",
+      "rateLimited",
+    ]);
+    results.forEach((r, i) => {
+      expect(r.job?.payload ?? null, `item ${i}`).toEqual(
+        r.outcome === "added" ? batch[i]!.payload : null,
+      );
+    });
+    const { rows: queued } = await db.pool().query<{ n: number }>(
+      `select count(*)::int as n from graphile_worker.jobs
+       where task_identifier = 'keyed' and queue_name = 'keyed-q'`,
+    );
+    expect(queued[0]!.n).toBe(2);
+    // The jobs of a key decided together have ids in the batch's order.
+    expect(Number(results[0]!.job!.id)).toBeLessThan(Number(results[1]!.job!.id));
+    expect(Number(results[4]!.job!.id)).toBeLessThan(Number(results[5]!.job!.id));
+    // Each log holds every admission as a stamp, and the next enqueue of a full key is refused.
+    expect(await stampsOf(enqueueRateKey("keyed", "full"))).toHaveLength(5);
+    expect(await stampsOf(enqueueRateKey("keyed", "fresh"))).toHaveLength(2);
+    expect(await stampsOf(enqueueRateKey("keyed", "mixed"))).toHaveLength(2);
+    for (const key of ["full", "fresh", "mixed"]) {
+      const limit = key === "full" ? 5 : 2;
+      expect(
+        (await h.locks.addJob("keyed", { after: key }, { enqueueRate: rate(key, limit) })).outcome,
+        key,
+      ).toBe("rateLimited");
+    }
+    expect(await jobCount("task_identifier = 'keyed'")).toBe(3 + 2 + 2 + 2);
+  });
+
+  it("batches of shared and fresh keys in opposite orders from 8 connections never deadlock, and admit exactly `limit` per key, while the sweep runs", async () => {
+    const connections = await clients(8);
+    const limit = 3;
+    const shared = ["s0", "s1", "s2", "s3", "s4", "s5"];
+    const enqueueRate = (key: string, period = 600_000) => ({
+      limit,
+      period,
+      key: () => key,
+    });
+    let sweeping = true;
+    const sweeps = (async () => {
+      while (sweeping) await h.locks.sweep();
+    })();
+    const results: Array<{ key: string; outcome: string }> = [];
+    try {
+      await Promise.all(
+        connections.map(async (c, i) => {
+          for (let round = 0; round < 15; round++) {
+            // Shared keys forwards or backwards, fresh keys of the round between them, and keys whose
+            // stamps leave the window within the run (their rows may be swept between two batches).
+            const order = i % 2 === 0 ? shared : [...shared].reverse();
+            const keys = [
+              ...order.slice(0, 3),
+              `fresh-${round}-${i % 4}`,
+              ...order.slice(3),
+              `short-${i % 3}`,
+            ];
+            const batch = keys.map((key, n) => ({
+              identifier: "crossed",
+              payload: { key, i, round, n },
+              enqueueRate: enqueueRate(key, key.startsWith("short") ? 1 : 600_000),
+            }));
+            const out = await h.locks.addJobs(batch, { pgClient: c });
+            out.forEach((r, n) => results.push({ key: keys[n]!, outcome: r.outcome }));
+          }
+        }),
+      );
+    } finally {
+      sweeping = false;
+      await sweeps;
+    }
+    const added = (key: string) =>
+      results.filter((r) => r.key === key && r.outcome === "added").length;
+    for (const key of shared) expect(added(key), key).toBe(limit);
+    for (let round = 0; round < 15; round++) {
+      for (let k = 0; k < 4; k++) expect(added(`fresh-${round}-${k}`)).toBe(2);
+    }
+    expect(await jobCount("task_identifier = 'crossed'")).toBe(
+      results.filter((r) => r.outcome === "added").length,
+    );
+  });
+
+  it("a key met under another limit in the same batch goes one by one, each item under its own limit", async () => {
+    const rate = (limit: number) => ({ limit, period: 600_000, key: () => "two-limits" });
+    const results = await h.locks.addJobs(
+      [3, 3, 1, 3].map((limit, n) => ({
+        identifier: "two_limits",
+        payload: { n },
+        enqueueRate: rate(limit),
+      })),
+    );
+    // Item 2 under a limit of 1 meets two stamps; item 3 under 3 finds the third slot.
+    expect(results.map((r) => r.outcome)).toEqual(["added", "added", "rateLimited", "added"]);
+  });
+});
+
 describe("sweep", () => {
   it("removes a key's log once its newest stamp is a period old, not before", async () => {
     const enqueueRate = { limit: 2, period: 300, key: () => "swept" };

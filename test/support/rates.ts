@@ -62,12 +62,13 @@ export async function recordRateStamps(db: pg.Pool): Promise<void> {
       stamp timestamptz not null);
     create function test_record_rate_stamp() returns trigger language plpgsql as $$
     begin
-      -- (each write of a log adds one stamp, its newest)
-      if tg_op = 'UPDATE' and old.stamps is not distinct from new.stamps then
-        return null;
-      end if;
+      -- (a write of a log adds its stamps later than the log's newest before it: one, or a batch's
+      -- admissions of the key, all at one instant)
       insert into test_rate_stamps (rate_key, stamp)
-        values (new.rate_key, (select max(u.t) from unnest(new.stamps) as u(t)));
+        select new.rate_key, u.t from unnest(new.stamps) as u(t)
+        where u.t > coalesce((select max(o.t) from unnest(case when tg_op = 'UPDATE' then old.stamps end)
+          as o(t)), '-infinity')
+        order by u.t;
       return null;
     end;
     $$;
