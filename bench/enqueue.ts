@@ -41,6 +41,13 @@ const RATE_FRESH = { enqueueRate: { limit: 1000, period: WINDOW_SECONDS * 1000 }
  * oldest (100 enqueues take well over a millisecond), so every enqueue is admitted with a full log.
  */
 const RATE_ONE_KEY = { enqueueRate: { limit: 100, period: 1, key: () => "one" } };
+/**
+ * Ten keys under a limit of 100 per millisecond: a batch of 1,000 has 100 items of each, all admitted (a
+ * batch takes well over a millisecond), each key's log full from the second batch on.
+ */
+const RATE_TEN_KEYS = {
+  enqueueRate: { limit: 100, period: 1, key: (p: { k: string }) => Number(p.k.split(":")[1]) % 10 },
+};
 
 interface Tools {
   pool: pg.Pool;
@@ -248,6 +255,12 @@ const VARIANTS: Variant[] = [
     "locks.addJobs enqueueRate, a fresh key each",
     "bulk-locks-plain",
     locksBulk(RATE_FRESH),
+  ),
+  variant(
+    "bulk-rate/ten-keys",
+    "locks.addJobs enqueueRate, 10 keys, full logs of 100",
+    "bulk-locks-plain",
+    locksBulk(RATE_TEN_KEYS),
   ),
   variant("bulk-unique/fresh", UNIQUE_ACTIVE, LIBRARY_KEYED, uniqueActive),
   variant("bulk-unique/duplicate", UNIQUE_ACTIVE, KEYED, uniqueActive, seedWith(uniqueActive)),
