@@ -31,6 +31,7 @@ import {
 import { readHeldLocks } from "./held-locks.js";
 import { rateBlockers, readPaused, readThrottled } from "./rates/status.js";
 import { Wakes } from "./rates/wakes.js";
+import { RATE_LEAD_MS, RATE_WAKE_AHEAD_MS, RATE_WAKE_DEFER_MS } from "./rates/gate.js";
 import { IdleWorkers } from "./session/idle.js";
 import { LockAhead } from "./session/lock-ahead.js";
 import { LockSession } from "./session/session.js";
@@ -230,9 +231,20 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   const wakes = new Wakes(idleWorkers, async (reserved, count) => {
-    if (released) return;
-    if (reserved.length > 0) await pool.query(sql.rates.wakeReserved, [reserved]);
+    if (released) return [];
+    let later: Array<{ copy: string; delayMs: number }> = [];
+    if (reserved.length > 0) {
+      const { rows } = await pool.query<{ copy_id: string; at: Date; now: Date }>(
+        sql.rates.wakeReserved,
+        [reserved, `${RATE_WAKE_DEFER_MS} milliseconds`, `${RATE_LEAD_MS} milliseconds`],
+      );
+      later = rows.map((r) => ({
+        copy: r.copy_id,
+        delayMs: r.at.getTime() - r.now.getTime() - RATE_WAKE_AHEAD_MS,
+      }));
+    }
     if (count > 0) await pool.query(sql.rates.announce, [count]);
+    return later;
   });
 
   const ctx: LocksContext = {

@@ -42,7 +42,7 @@ const RATE_WAIT_MS = 250;
  */
 const RATE_WAIT_RESERVED_MS = 1000;
 /** A job given back over its rate becomes runnable this much before its slot, and waits for it as above. */
-const RATE_LEAD_MS = 20;
+export const RATE_LEAD_MS = 20;
 /**
  * A job waiting for its reserved slot asks again this much ahead of it, and the start statement holds it
  * until the slot, on the key's row: so it starts at its slot even when the statement is slow to get there.
@@ -53,7 +53,13 @@ const RATE_HOLD_MS = 250;
  * worker's fetch then happen before the slot, and the copy waits for it in its worker (a copy with an
  * execution lock waits before it takes its lock: see `admit`'s probe).
  */
-const RATE_WAKE_AHEAD_MS = 500;
+export const RATE_WAKE_AHEAD_MS = 500;
+/**
+ * A copy whose slot, planned again when its process wakes it (the jobs ahead of it started later than
+ * planned), is further away than this is not woken: its run_at moves to its new slot, and it is woken
+ * `RATE_WAKE_AHEAD_MS` ahead of that (wakes.ts, wake_reserved_planned in sql/000010.sql).
+ */
+export const RATE_WAKE_DEFER_MS = RATE_WAKE_AHEAD_MS + 250;
 
 /** Runs a statement on the job's pool connection; a connection whose state is uncertain is ended. */
 async function query<T>(

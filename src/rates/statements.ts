@@ -11,8 +11,13 @@ export function rateStatements(s: string, w: string) {
         $13::boolean, $14::boolean) r`,
     /** Gives job $1 back to run $2 from now. */
     snooze: `select r.copy_id::text as copy_id, r.run_at, clock_timestamp() as now from ${s}.snooze_job($1::bigint, $2::interval, $3::int) r`,
-    /** Makes the copies $1, given back over their rate, runnable ahead of the jobs queued after them. */
-    wakeReserved: `select ${s}.wake_reserved($1::bigint[])`,
+    /**
+     * Makes the copies $1, given back over their rate, runnable ahead of the jobs queued after them, those
+     * whose slot, planned again, is at most $2 away; answers the others with their new slots (their run_at
+     * moved to the slot less $3).
+     */
+    wakeReserved: `select r.copy_id::text as copy_id, r.at, r.now
+      from ${s}.wake_reserved_planned($1::bigint[], $2::interval, $3::interval) r`,
     /** Tells graphile-worker's workers that $1 jobs became runnable (as a new job does). */
     announce: `select ${s}.announce_jobs($1::int)`,
     /** Pauses key $2 (named $3) for $4 and gives job $1 back to run then. */

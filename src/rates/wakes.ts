@@ -4,7 +4,8 @@
  * every job queued after it. So the process that gave a job back wakes it at its moment: a copy given back
  * over its rate through `wake_reserved` (runnable ahead of the jobs queued after it, and announced to every
  * worker, in one statement), any other (a snooze, the end of a pause) by an idle worker of its own
- * (`nudge`), else by telling every worker, as for a new job. Should the process end first, the jobs run at
+ * (`nudge`), else by telling every worker, as for a new job. A copy whose slot moved later meanwhile (the
+ * jobs ahead of it started late) is not woken but waits, and is woken ahead of its new slot. Should the process end first, the jobs run at
  * their own `run_at`, at the next poll of any worker.
  *
  * A process sends one wake statement at a time: wakes that fall due while one is in flight go together in
@@ -31,11 +32,15 @@ export class Wakes {
 
   /**
    * @param idle - this process's idle workers
-   * @param send - wakes the copies `reserved` and tells every worker of `count` more jobs, in one round trip
+   * @param send - wakes the copies `reserved` and tells every worker of `count` more jobs; answers the copies
+   *   it did not wake because their slot moved later, each with how long from now to wake it instead
    */
   constructor(
     private readonly idle: IdleWorkers,
-    private readonly send: (reserved: string[], count: number) => Promise<void>,
+    private readonly send: (
+      reserved: string[],
+      count: number,
+    ) => Promise<Array<{ copy: string; delayMs: number }>>,
   ) {}
 
   /** A job becomes runnable in `delayMs`; `reservedCopy`: it is a copy given back over its rate. */
@@ -71,6 +76,9 @@ export class Wakes {
     this.pending = { count: 0, reserved: [] };
     this.sending = true;
     void this.send(reserved, count)
+      .then((later) => {
+        for (const { copy, delayMs } of later) this.in(delayMs, copy);
+      })
       .catch(() => undefined)
       .finally(() => {
         this.sending = false;

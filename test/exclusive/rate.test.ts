@@ -440,6 +440,7 @@ describe("rate: wakes", () => {
         // (a wake statement that takes a while, as on a busy server)
         await db.pool().query("select pg_sleep(0.05)");
         woken.push(...reserved);
+        return [];
       } finally {
         inFlight--;
       }
@@ -488,6 +489,72 @@ describe("rate: a reserved slot", () => {
       [slot.at],
     );
     expect(log).toEqual([{ ok: true }]);
+  });
+});
+
+describe("rate: a copy whose slot moved later", () => {
+  it("is not woken at its old slot: its reservation and run_at move to the new one, and its process wakes it then", async () => {
+    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
+    // Key 43, limit 2 per 3 s: two starts 100 ms ago and 50 ms ago. Copy `late` reserved a slot as planned
+    // when it was given back (a start expected long ago that came only now): its slot is now the first
+    // start's plus the period. Copy `next`, behind it in line, planned after `late`: the second start's plus
+    // the period. Copy `near` of key 44 (limit 1 per 400 ms, started 100 ms ago): its slot is 300 ms away,
+    // as planned.
+    const late = await h.utils.addJob("moved", { n: 0 }, { runAt: new Date(Date.now() + 60_000) });
+    const next = await h.utils.addJob("moved", { n: 1 }, { runAt: new Date(Date.now() + 60_000) });
+    const near = await h.utils.addJob("moved", { n: 2 }, { runAt: new Date(Date.now() + 60_000) });
+    await q(
+      `insert into graphile_worker_locks.rates (rate_key, label, lim, burst, period, starts) values
+         (43, 'moved', 2, 2, interval '3 seconds',
+          array[clock_timestamp() - interval '100 milliseconds', clock_timestamp() - interval '50 milliseconds']),
+         (44, 'near', 1, 1, interval '400 milliseconds', array[clock_timestamp() - interval '100 milliseconds'])`,
+    );
+    await q(
+      `insert into graphile_worker_locks.rate_reservations (job_id, rate_key, at, run_at)
+       values ($1, 43, clock_timestamp() - interval '10 milliseconds', now() - interval '1 hour'),
+              ($2, 43, clock_timestamp(), now() - interval '1 hour'),
+              ($3, 44, clock_timestamp() + interval '300 milliseconds', now() - interval '1 hour')`,
+      [late.id, next.id, near.id],
+    );
+    const { rows } = await q(
+      `select r.copy_id::text as copy_id, extract(epoch from r.at - s.starts[1]) * 1000 as after_first,
+         extract(epoch from r.at - s.starts[2]) * 1000 as after_second
+       from graphile_worker_locks.wake_reserved_planned($1, interval '750 milliseconds',
+         interval '20 milliseconds') r
+       cross join graphile_worker_locks.rates s where s.rate_key = 43 order by r.at`,
+      [[late.id, next.id, near.id]],
+    );
+    // `late` and `next` are answered with their new slots (each a period after a start); `near` is woken.
+    expect(rows.map((r) => r.copy_id)).toEqual([late.id, next.id]);
+    expect(Math.round(rows[0]!.after_first)).toBe(3000);
+    expect(Math.round(rows[1]!.after_second)).toBe(3000);
+    const { rows: jobs } = await q(
+      `select j.id::text as id, extract(epoch from j.run_at - v.at) * 1000 as before_slot,
+         j.run_at < now() as runnable
+       from graphile_worker._private_jobs j join graphile_worker_locks.rate_reservations v on v.job_id = j.id
+       where j.id = any($1) order by j.id`,
+      [[late.id, next.id, near.id]],
+    );
+    expect(jobs.map((j) => [j.id, j.runnable])).toEqual([
+      [late.id, false],
+      [next.id, false],
+      [near.id, true],
+    ]);
+    // (a moved copy's run_at: its new slot less the lead)
+    expect(jobs.slice(0, 2).map((j) => Math.round(j.before_slot))).toEqual([-20, -20]);
+
+    // The process's wakes: a copy answered as moved is woken again, ahead of its new slot.
+    const sent: string[][] = [];
+    const wakes = new Wakes(new IdleWorkers(), async (reserved) => {
+      sent.push(reserved);
+      return sent.length === 1 ? [{ copy: reserved[0]!, delayMs: 150 }] : [];
+    });
+    const t0 = performance.now();
+    wakes.in(0, "7");
+    await waitFor(async () => sent.length === 2, { message: "the moved copy woken again" });
+    wakes.clear();
+    expect(sent).toEqual([["7"], ["7"]]);
+    expect(performance.now() - t0).toBeGreaterThanOrEqual(150);
   });
 });
 
