@@ -2,11 +2,11 @@
  * Timed wakes of jobs given back to the queue for a later moment. graphile-worker fetches a job whose
  * `run_at` comes only at its next poll, and by `run_at`: a copy given back over its rate would wait behind
  * every job queued after it. So the process that gave a job back wakes it at its moment: a copy given back
- * over its rate through `wake_reserved` (runnable ahead of the jobs queued after it, and announced to every
- * worker, in one statement), any other (a snooze, the end of a pause) by an idle worker of its own
+ * over its rate through `wake_reserved_planned` (runnable ahead of the jobs queued after it, and announced
+ * to every worker, in one statement), any other (a snooze, the end of a pause) by an idle worker of its own
  * (`nudge`), else by telling every worker, as for a new job. A copy whose slot moved later meanwhile (the
- * jobs ahead of it started late) is not woken but waits, and is woken ahead of its new slot. Should the process end first, the jobs run at
- * their own `run_at`, at the next poll of any worker.
+ * jobs ahead of it started late) is not woken then: it is woken ahead of its new slot. Should the process
+ * end first, the jobs run at their own `run_at`, at the next poll of any worker.
  *
  * A process sends one wake statement at a time: wakes that fall due while one is in flight go together in
  * the next. (A statement per wake, each on a connection of its own, would open new connections just when
