@@ -458,25 +458,24 @@ describe("rate: wakes", () => {
 describe("rate: a reserved slot", () => {
   it("a job that asks for its reserved slot just ahead of it is held and starts at the slot, not sent back to wait", async () => {
     const job = await h.utils.addJob("held", { n: 0 });
-    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
     // Key 42, limit 1 per 400 ms: its last start 100 ms ago, so the next slot is 300 ms ahead, reserved
     // for the job.
-    await q(
+    await h.q(
       `insert into graphile_worker_locks.rates (rate_key, label, lim, burst, period, starts)
        values (42, 'held', 1, 1, interval '400 milliseconds', array[clock_timestamp() - interval '100 milliseconds'])`,
     );
-    await q(
+    await h.q(
       `insert into graphile_worker_locks.rate_reservations (job_id, rate_key, at, run_at)
        select $1, 42, r.starts[1] + r.period, now() from graphile_worker_locks.rates r where r.rate_key = 42`,
       [job.id],
     );
     const slot = (
-      await q(
+      await h.q(
         "select at::text as at from graphile_worker_locks.rate_reservations where job_id = $1",
         [job.id],
       )
     ).rows[0] as { at: string };
-    const { rows } = await q(
+    const { rows } = await h.q(
       `select r.admitted, r.reason
        from graphile_worker_locks.rate_start($1, 42, 'held', 1, interval '400 milliseconds', 1, '{}', null,
          interval '0', interval '1 second', interval '20 milliseconds', interval '1 second') r`,
@@ -484,7 +483,7 @@ describe("rate: a reserved slot", () => {
     );
     expect(rows[0]).toEqual({ admitted: true, reason: null });
     // (exactness: its start, now the key's last, is not before its slot)
-    const { rows: log } = await q(
+    const { rows: log } = await h.q(
       "select starts[1] >= $1::timestamptz as ok from graphile_worker_locks.rates where rate_key = 42",
       [slot.at],
     );
@@ -494,7 +493,6 @@ describe("rate: a reserved slot", () => {
 
 describe("rate: a copy whose slot moved later", () => {
   it("is not woken at its old slot: its reservation and run_at move to the new one, and its process wakes it then", async () => {
-    const q = (text: string, values: unknown[] = []) => db.pool().query(text, values);
     // Key 43, limit 2 per 3 s: two starts 100 ms ago and 50 ms ago. Copy `late` reserved a slot as planned
     // when it was given back (a start expected long ago that came only now): its slot is now the first
     // start's plus the period. Copy `next`, behind it in line, planned after `late`: the second start's plus
@@ -503,20 +501,20 @@ describe("rate: a copy whose slot moved later", () => {
     const late = await h.utils.addJob("moved", { n: 0 }, { runAt: new Date(Date.now() + 60_000) });
     const next = await h.utils.addJob("moved", { n: 1 }, { runAt: new Date(Date.now() + 60_000) });
     const near = await h.utils.addJob("moved", { n: 2 }, { runAt: new Date(Date.now() + 60_000) });
-    await q(
+    await h.q(
       `insert into graphile_worker_locks.rates (rate_key, label, lim, burst, period, starts) values
          (43, 'moved', 2, 2, interval '3 seconds',
           array[clock_timestamp() - interval '100 milliseconds', clock_timestamp() - interval '50 milliseconds']),
          (44, 'near', 1, 1, interval '400 milliseconds', array[clock_timestamp() - interval '100 milliseconds'])`,
     );
-    await q(
+    await h.q(
       `insert into graphile_worker_locks.rate_reservations (job_id, rate_key, at, run_at)
        values ($1, 43, clock_timestamp() - interval '10 milliseconds', now() - interval '1 hour'),
               ($2, 43, clock_timestamp(), now() - interval '1 hour'),
               ($3, 44, clock_timestamp() + interval '300 milliseconds', now() - interval '1 hour')`,
       [late.id, next.id, near.id],
     );
-    const { rows } = await q(
+    const { rows } = await h.q(
       `select r.copy_id::text as copy_id, extract(epoch from r.at - s.starts[1]) * 1000 as after_first,
          extract(epoch from r.at - s.starts[2]) * 1000 as after_second
        from graphile_worker_locks.wake_reserved_planned($1, interval '750 milliseconds',
@@ -528,7 +526,7 @@ describe("rate: a copy whose slot moved later", () => {
     expect(rows.map((r) => r.copy_id)).toEqual([late.id, next.id]);
     expect(Math.round(rows[0]!.after_first)).toBe(3000);
     expect(Math.round(rows[1]!.after_second)).toBe(3000);
-    const { rows: jobs } = await q(
+    const { rows: jobs } = await h.q(
       `select j.id::text as id, extract(epoch from j.run_at - v.at) * 1000 as before_slot,
          j.run_at < now() as runnable
        from graphile_worker._private_jobs j join graphile_worker_locks.rate_reservations v on v.job_id = j.id
