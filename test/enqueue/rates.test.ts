@@ -384,11 +384,7 @@ describe("a batch's keys", () => {
         r.outcome === "added" ? batch[i]!.payload : null,
       );
     });
-    const { rows: queued } = await db.pool().query<{ n: number }>(
-      `select count(*)::int as n from graphile_worker.jobs
-       where task_identifier = 'keyed' and queue_name = 'keyed-q'`,
-    );
-    expect(queued[0]!.n).toBe(2);
+    expect(await jobCount("task_identifier = 'keyed' and queue_name = 'keyed-q'")).toBe(2);
     // The jobs of a key decided together have ids in the batch's order.
     expect(Number(results[0]!.job!.id)).toBeLessThan(Number(results[1]!.job!.id));
     expect(Number(results[4]!.job!.id)).toBeLessThan(Number(results[5]!.job!.id));
