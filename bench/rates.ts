@@ -15,29 +15,39 @@ import { library } from "./library.js";
 import { fmtFixed, fmtInt, goal, insertJobs, median, now, percentile, quietLogger } from "./lib.js";
 import { sizedSection, startRunner, table, waitUntilNoJobs, type BenchContext } from "./lib.js";
 
-const SIZES = {
+/**
+ * A backlog run: `jobs` on one key at `limit` per `periodMs`, each job taking `taskMs`; `lock`: the task also
+ * takes its key's execution lock (`reschedule`).
+ */
+interface BacklogRun {
+  jobs: number;
+  limit: number;
+  periodMs: number;
+  taskMs: number;
+  lock: boolean;
+}
+const SIZES: Record<
+  "full" | "quick",
+  {
+    statements: number;
+    slices: number;
+    backlog: BacklogRun;
+    lockBacklog: BacklogRun;
+    jobs: number;
+  }
+> = {
   full: {
     statements: 2000,
     slices: 6,
-    backlog: 600,
-    limit: 50,
-    lockBacklog: 160,
-    lockLimit: 20,
-    lockPeriodMs: 1600,
-    lockTaskMs: 25,
-    periodMs: 1000,
+    backlog: { jobs: 600, limit: 50, periodMs: 1000, taskMs: 0, lock: false },
+    lockBacklog: { jobs: 160, limit: 20, periodMs: 1600, taskMs: 25, lock: true },
     jobs: 3000,
   },
   quick: {
     statements: 200,
     slices: 2,
-    backlog: 60,
-    limit: 10,
-    lockBacklog: 30,
-    lockLimit: 5,
-    lockPeriodMs: 500,
-    lockTaskMs: 25,
-    periodMs: 500,
+    backlog: { jobs: 60, limit: 10, periodMs: 500, taskMs: 0, lock: false },
+    lockBacklog: { jobs: 30, limit: 5, periodMs: 500, taskMs: 25, lock: true },
     jobs: 200,
   },
 };
@@ -83,14 +93,13 @@ async function statementCost(ctx: BenchContext, size: Size, limit: number) {
 }
 
 /**
- * A backlog on one key. `lock`: the task also takes its key's execution lock (`reschedule`), and its jobs
- * take `lockTaskMs` each (an API call, say), so the starts of a period come one after another, each once
- * the one before it ended, spread over part of the period; fetches then count parks too. The rate, not the
- * hand-offs, still sets the pace: a period's jobs one after another take well under the period.
+ * A backlog on one key. With a lock, the jobs take `taskMs` each (an API call, say), so the starts of a
+ * period come one after another, each once the one before it ended, spread over part of the period; fetches
+ * then count parks too. The rate, not the hand-offs, still sets the pace: a period's jobs one after another
+ * take well under the period.
  */
-async function backlog(ctx: BenchContext, size: Size, lock: boolean) {
-  const limit = lock ? size.lockLimit : size.limit;
-  const periodMs = lock ? size.lockPeriodMs : size.periodMs;
+async function backlog(ctx: BenchContext, run: BacklogRun) {
+  const { limit, periodMs, lock } = run;
   const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
   const starts: number[] = [];
   let throttled = 0;
@@ -98,16 +107,17 @@ async function backlog(ctx: BenchContext, size: Size, lock: boolean) {
   locks.events.on("rate:admitted", (e) => starts.push(e.at.getTime()));
   locks.events.on("job:throttled", () => throttled++);
   locks.events.on("job:rescheduled", () => parked++);
-  const work = lock
-    ? () => new Promise<void>((resolve) => setTimeout(resolve, size.lockTaskMs))
-    : async () => undefined;
+  const work =
+    run.taskMs > 0
+      ? () => new Promise<void>((resolve) => setTimeout(resolve, run.taskMs))
+      : async () => undefined;
   const task = locks.exclusive("bench_rated", work, {
     lock,
     ...(lock ? { onConflict: "reschedule" as const } : {}),
     key: () => "one",
     rate: { limit, period: periodMs },
   });
-  await insertJobs(ctx.pool, "bench_rated", lock ? size.lockBacklog : size.backlog);
+  await insertJobs(ctx.pool, "bench_rated", run.jobs);
   const runner = await startRunner({
     connectionString: ctx.url,
     concurrency: 8,
@@ -175,8 +185,8 @@ export const rates = sizedSection(
     const costs: Array<{ limit: number; log: number; gcra: number }> = [];
     for (const limit of [10, 100, 1000])
       costs.push({ limit, ...(await statementCost(ctx, size, limit)) });
-    const b = await backlog(ctx, size, false);
-    const bl = await backlog(ctx, size, true);
+    const b = await backlog(ctx, size.backlog);
+    const bl = await backlog(ctx, size.lockBacklog);
     const u = await unthrottled(ctx, size);
     return {
       tables: [
@@ -186,7 +196,7 @@ export const rates = sizedSection(
           costs.map((c) => [String(c.limit), fmtFixed(c.log, 0), fmtFixed(c.gcra, 0)]),
         ),
         table(
-          `Rates: a backlog on one key, concurrency 8: ${size.backlog} jobs at ${size.limit} per ${size.periodMs} ms; with a lock, ${size.lockBacklog} jobs of ${size.lockTaskMs} ms at ${size.lockLimit} per ${size.lockPeriodMs} ms`,
+          `Rates: a backlog on one key, concurrency 8: ${size.backlog.jobs} jobs at ${size.backlog.limit} per ${size.backlog.periodMs} ms; with a lock, ${size.lockBacklog.jobs} jobs of ${size.lockBacklog.taskMs} ms at ${size.lockBacklog.limit} per ${size.lockBacklog.periodMs} ms`,
           "task | starts per period / limit | start after slot p50 (ms) | p99 (ms) | fetches per job | give-backs per job | parks per job",
           (
             [
