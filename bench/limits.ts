@@ -12,13 +12,17 @@
  */
 import type { Runner } from "graphile-worker";
 import type { ExclusiveOptions, Locks } from "../src/index.js";
-import { cpuBetween, cpuSnapshot } from "./cpu.js";
 import { library, timingProbe } from "./library.js";
-import { fmtFixed, fmtInt, goal, insertJobs, machineClock as clock, median } from "./lib.js";
+import { fmtFixed, fmtInt, goal, machineClock as clock, median } from "./lib.js";
 import { percentile, quietLogger, resetJobs, sizedSection, startRunner, table } from "./lib.js";
 import { waitUntilNoJobs, type BenchContext, type Goal } from "./lib.js";
+import {
+  NOOP_CONCURRENCY as CONCURRENCY,
+  noopRun,
+  type NoopPayload,
+  type NoopRun,
+} from "./noop-run.js";
 
-const CONCURRENCY = 8;
 const TASK_MS = 20;
 const CAP = 4;
 const TENANTS = 8;
@@ -27,7 +31,7 @@ const SIZES = {
   quick: { jobs: 300, contended: 160 },
 };
 
-type Payload = { i: number };
+type Payload = NoopPayload;
 const byJob = (p: Payload) => p.i;
 /**
  * `reference`: a row for reading the others, without a goal of its own. `options: null`: a plain
@@ -53,47 +57,6 @@ const VARIANTS: Array<{
     },
   },
 ];
-
-/** One uncontended run of `jobs` no-op jobs of a task under `options`. */
-async function uncontended(
-  ctx: BenchContext,
-  options: ExclusiveOptions<Payload> | null,
-  jobs: number,
-) {
-  const locks: Locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
-  let runner: Runner | undefined;
-  try {
-    const noop = async () => undefined;
-    const task = options ? locks.exclusive("limits_bench", noop, options) : noop;
-    await locks.connect();
-    runner = await startRunner({
-      connectionString: ctx.url,
-      concurrency: CONCURRENCY,
-      taskList: { limits_bench: task },
-      pollInterval: 100,
-    });
-    await insertJobs(ctx.pool, "limits_bench", jobs);
-    const statementsBefore = locks.status().statements;
-    const cpuBefore = cpuSnapshot();
-    const started = clock();
-    await runner.addJob("limits_bench", { i: 0 }); // (wakes the runner, whatever its poll)
-    await waitUntilNoJobs(ctx.pool, 300_000);
-    const ms = clock() - started;
-    const cpu = cpuBetween(cpuBefore, cpuSnapshot());
-    // (the last unlocks may still be on their way: let them land before counting)
-    await new Promise((resolve) => setTimeout(resolve, 200));
-    const statements = locks.status().statements - statementsBefore;
-    return {
-      jobsPerSecond: ((jobs + 1) / ms) * 1000,
-      statementsPerJob: statements / (jobs + 1),
-      serverCpuUsPerJob: (cpu.serverMs / (jobs + 1)) * 1000,
-    };
-  } finally {
-    await runner?.stop();
-    await locks.release();
-    await resetJobs(ctx.pool);
-  }
-}
 
 /**
  * The contended run: executions recorded on this process's clock, and where the time between them goes.
@@ -227,13 +190,14 @@ async function contended(ctx: BenchContext, jobs: number) {
 export const limits = sizedSection(
   { id: "limits", title: "Several limits per job", sizes: SIZES, rounds: 3 },
   async (ctx, size, rounds) => {
-    const results = VARIANTS.map(() => [] as Array<Awaited<ReturnType<typeof uncontended>>>);
+    const results = VARIANTS.map(() => [] as NoopRun[]);
     // (warm-up, then rounds alternating the variants)
-    for (const v of VARIANTS) await uncontended(ctx, v.options, Math.min(300, size.jobs));
+    for (const v of VARIANTS)
+      await noopRun(ctx, "limits_bench", v.options, Math.min(300, size.jobs));
     for (let r = 0; r < rounds; r++) {
       for (let i = 0; i < VARIANTS.length; i++) {
         ctx.log(`limits: ${VARIANTS[i]!.label}, round ${r + 1}/${rounds}`);
-        results[i]!.push(await uncontended(ctx, VARIANTS[i]!.options, size.jobs));
+        results[i]!.push(await noopRun(ctx, "limits_bench", VARIANTS[i]!.options, size.jobs));
       }
     }
     const med = results.map((rs) => ({

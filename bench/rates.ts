@@ -7,13 +7,17 @@
  *    per period over the limit, each start's lateness after its slot freed (the limit-th previous start plus
  *    the period), and fetches per executed job (starts plus give-backs plus parks, over starts). Twice: a
  *    task with a rate only, and one that also takes its key's execution lock (`reschedule`).
- * 3. An unthrottled job of a throttled task (a lock and a rate it never meets) against a plain exclusive job,
- *    alternating, jobs per second.
+ * 3. An unthrottled job of a throttled task (a lock and a rate it never meets) against a plain exclusive job
+ *    and a plain graphile-worker job, alternating (noop-run.ts): what the rate adds per job, in time and in
+ *    PostgreSQL's CPU, against what one lock statement adds.
  */
 import pg from "pg";
 import { library } from "./library.js";
 import { fmtFixed, fmtInt, goal, insertJobs, median, now, percentile, quietLogger } from "./lib.js";
 import { sizedSection, startRunner, table, waitUntilNoJobs, type BenchContext } from "./lib.js";
+import { NOOP_CONCURRENCY, noopRun, type NoopPayload, type NoopRun } from "./noop-run.js";
+import type { Task } from "graphile-worker";
+import type { ExclusiveOptions } from "../src/index.js";
 
 /**
  * A backlog run: `jobs` on one key at `limit` per `periodMs`, each job taking `taskMs`; `lock`: the task also
@@ -144,39 +148,62 @@ async function backlog(ctx: BenchContext, run: BacklogRun) {
   };
 }
 
-/** Jobs per second of an unthrottled job of a throttled task and of a plain exclusive job, alternating. */
-async function unthrottled(ctx: BenchContext, size: Size) {
-  const locks = library.makeLocks({ connectionString: ctx.url, logger: quietLogger });
-  const tasks = {
-    bench_plain: locks.exclusive("bench_plain", async () => undefined, {}),
-    bench_ratedlock: locks.exclusive("bench_ratedlock", async () => undefined, {
-      rate: { limit: 1_000_000, period: 1000 },
-    }),
-  };
-  const rates = { bench_plain: [] as number[], bench_ratedlock: [] as number[] };
-  try {
-    for (let slice = 0; slice < size.slices; slice++) {
-      const order =
-        slice % 2 === 0
-          ? (["bench_plain", "bench_ratedlock"] as const)
-          : (["bench_ratedlock", "bench_plain"] as const);
-      for (const name of order) {
-        await insertJobs(ctx.pool, name, Math.ceil(size.jobs / size.slices));
-        const t0 = now();
-        const runner = await startRunner({
-          connectionString: ctx.url,
-          concurrency: 8,
-          taskList: { [name]: tasks[name] },
-        });
-        await waitUntilNoJobs(ctx.pool, 10 * 60_000);
-        rates[name].push(Math.ceil(size.jobs / size.slices) / ((now() - t0) / 1000));
-        await runner.stop();
-      }
+/**
+ * An unthrottled job of a throttled task, against a plain exclusive job and a plain graphile-worker job (what
+ * one lock statement costs is the plain exclusive run less that one), and a job with a rate and no lock:
+ * no-op jobs of distinct keys, each key far below its rate, the variants alternating slice by slice.
+ */
+const UNTHROTTLED: Array<{
+  label: string;
+  options: ExclusiveOptions<NoopPayload> | null;
+  body?: Task;
+}> = [
+  { label: "no lock, no rate (graphile-worker alone)", options: null },
+  { label: "plain exclusive (a lock)", options: {} },
+  { label: "lock + rate", options: { rate: { limit: 1_000_000, period: 1000 } } },
+  {
+    label: "rate only (no lock)",
+    options: { lock: false, rate: { limit: 1_000_000, period: 1000 } },
+  },
+  // The floor of a start counted in the database: a plain task whose job upserts one row of its own key,
+  // in one statement on graphile-worker's connection, as a rate's start does.
+  {
+    label: "no lock, the job upserts a row (a write's floor)",
+    options: null,
+    body: async (payload, helpers) => {
+      await helpers.withPgClient((client) =>
+        client.query(
+          `insert into bench_floor as f (k, n) values ($1, 1)
+           on conflict (k) do update set n = f.n + 1`,
+          [(payload as NoopPayload).i],
+        ),
+      );
+    },
+  },
+];
+
+async function unthrottled(ctx: BenchContext, size: Size): Promise<NoopRun[]> {
+  const runs = UNTHROTTLED.map(() => [] as NoopRun[]);
+  const jobs = Math.ceil(size.jobs / size.slices);
+  await ctx.pool.query(
+    "create table if not exists bench_floor (k bigint primary key, n int not null)",
+  );
+  for (const v of UNTHROTTLED)
+    await noopRun(ctx, "bench_unthrottled", v.options, Math.min(200, jobs), v.body);
+  for (let slice = 0; slice < size.slices; slice++) {
+    // (the order turns each slice, so that no variant always runs first or last)
+    for (let j = 0; j < UNTHROTTLED.length; j++) {
+      const i = (j + slice) % UNTHROTTLED.length;
+      ctx.log(`rates: unthrottled, ${UNTHROTTLED[i]!.label}, slice ${slice + 1}/${size.slices}`);
+      const v = UNTHROTTLED[i]!;
+      runs[i]!.push(await noopRun(ctx, "bench_unthrottled", v.options, jobs, v.body));
     }
-  } finally {
-    await locks.release();
   }
-  return { plain: median(rates.bench_plain), rated: median(rates.bench_ratedlock) };
+  return runs.map((rs) => ({
+    jobsPerSecond: median(rs.map((r) => r.jobsPerSecond)),
+    statementsPerJob: median(rs.map((r) => r.statementsPerJob)),
+    serverCpuUsPerJob: median(rs.map((r) => r.serverCpuUsPerJob)),
+  }));
 }
 
 export const rates = sizedSection(
@@ -188,6 +215,11 @@ export const rates = sizedSection(
     const b = await backlog(ctx, size.backlog);
     const bl = await backlog(ctx, size.lockBacklog);
     const u = await unthrottled(ctx, size);
+    const us = u.map((r) => 1e6 / r.jobsPerSecond);
+    const lockUs = us[1]! - us[0]!;
+    const rateUs = us[2]! - us[1]!;
+    const lockCpu = u[1]!.serverCpuUsPerJob - u[0]!.serverCpuUsPerJob;
+    const rateCpu = u[2]!.serverCpuUsPerJob - u[1]!.serverCpuUsPerJob;
     return {
       tables: [
         table(
@@ -214,9 +246,17 @@ export const rates = sizedSection(
           ]),
         ),
         table(
-          "Rates: an unthrottled job of a throttled task (lock + rate) against a plain exclusive job, jobs/s",
-          "plain exclusive | lock + rate | ratio",
-          [[fmtInt(u.plain), fmtInt(u.rated), fmtFixed(u.rated / u.plain, 2)]],
+          `Rates: an unthrottled job of a throttled task (${Math.ceil(size.jobs / size.slices)} no-op jobs of distinct keys a slice, concurrency ${NOOP_CONCURRENCY}, medians of ${size.slices} slices)`,
+          "variant | jobs/s | µs per job | PostgreSQL CPU µs/job",
+          UNTHROTTLED.map((v, i) => [
+            v.label,
+            fmtInt(u[i]!.jobsPerSecond),
+            fmtInt(1e6 / u[i]!.jobsPerSecond),
+            fmtInt(u[i]!.serverCpuUsPerJob),
+          ]),
+          [
+            "One lock statement's cost: the plain exclusive row less the first row; the rate's: the lock + rate row less the plain exclusive row.",
+          ],
         ),
       ],
       goals: [
@@ -232,8 +272,25 @@ export const rates = sizedSection(
         ),
         // (with a lock, a job whose slot comes while the job before it still runs also parks once)
         goal("with a lock: give-backs per executed job", "≤ 1", bl.giveBacks, bl.giveBacks <= 1),
+        goal(
+          `unthrottled: the rate's PostgreSQL CPU per job ÷ one lock statement's (${fmtInt(lockCpu)} µs)`,
+          "≤ 1",
+          rateCpu / lockCpu,
+          rateCpu <= lockCpu,
+        ),
+        goal(
+          `unthrottled: the rate's time per job ÷ one lock statement's (${fmtInt(lockUs)} µs)`,
+          "≤ 1",
+          rateUs / lockUs,
+          rateUs <= lockUs,
+        ),
       ],
-      figures: { costs, backlog: b, backlogWithLock: bl, unthrottled: u },
+      figures: {
+        costs,
+        backlog: b,
+        backlogWithLock: bl,
+        unthrottled: { variants: UNTHROTTLED.map((v) => v.label), results: u },
+      },
     };
   },
 );
