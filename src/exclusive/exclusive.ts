@@ -9,7 +9,7 @@ import { LockConflictError, SupersededError } from "../errors.js";
 import type { LocksContext } from "../context.js";
 import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
 import { jobLimitKeys, jobLockKeys, lockKeyMaterial, lockKeyValue } from "../key.js";
-import { RateGate, type GateKeys } from "../rates/gate.js";
+import { RateGate, type CountedStart, type GateKeys } from "../rates/gate.js";
 import { rateKeyOf } from "../rates/options.js";
 import { LockedAborts } from "./aborts.js";
 import { GiveBack } from "./give-back.js";
@@ -210,8 +210,8 @@ export function makeExclusiveTask<TPayload>(
   };
 
   /**
-   * Runs the task (admitted by the gate first, when the task has one; a job it refuses has gone back to the
-   * queue), and carries out a snooze or pause it throws. A job whose `hold` was lost before its task started
+   * Runs the task (admitted by the gate first, when the task has one and its probe did not count its start,
+   * `counted`; a job it refuses has gone back to the queue), and carries out a snooze or pause it throws. A job whose `hold` was lost before its task started
    * (the lock session died after it took the key) does not start: LOST_BEFORE_START.
    */
   const runTask = async (
@@ -219,16 +219,18 @@ export function makeExclusiveTask<TPayload>(
     helpers: JobHelpers,
     taskHelpers: JobHelpers,
     hold?: Hold,
+    counted?: CountedStart,
   ): Promise<unknown> => {
     const { job } = helpers;
     let keys: GateKeys | undefined;
     const keysOf = () => (keys ??= gateKeys(job));
     if (hold?.lost) return LOST_BEFORE_START;
-    if (gated) {
+    if (gated && !counted) {
       if (!(await gate.admit(job, helpers, keysOf()))) return;
       // (the session may have been lost while the gate answered)
       if (hold?.lost) return LOST_BEFORE_START;
     }
+    counted?.confirm();
     try {
       const value = await task(payload as TPayload, taskHelpers);
       // graphile-worker awaits an array of promises after the task returns; keep the lock until they settle.
@@ -273,7 +275,12 @@ export function makeExclusiveTask<TPayload>(
    * (its signal aborted) ends as completed whether its task returned or threw; one superseded while it was
    * on its way to the key ends without running.
    */
-  const runHeld = async (hold: Hold, payload: unknown, helpers: JobHelpers) => {
+  const runHeld = async (
+    hold: Hold,
+    payload: unknown,
+    helpers: JobHelpers,
+    counted?: CountedStart,
+  ) => {
     const { info } = hold;
     if (info.reschedule) {
       if (info.wakeKeys) for (const key of info.wakeKeys) conflicts.clear(key.toString());
@@ -296,7 +303,7 @@ export function makeExclusiveTask<TPayload>(
       }
       let value: unknown;
       try {
-        value = await runTask(payload, helpers, aborts.helpers(helpers, hold), hold);
+        value = await runTask(payload, helpers, aborts.helpers(helpers, hold), hold, counted);
       } catch (error) {
         if (!hold.supersededBy) throw error;
       }
@@ -308,7 +315,7 @@ export function makeExclusiveTask<TPayload>(
         helpers.logger.info(
           `Job ${helpers.job.id} did not start: its lock session was lost after it took lock ${hold.key}; it takes its key again`,
         );
-        return acquireAndRun(payload, helpers);
+        return acquireAndRun(payload, helpers, counted);
       }
       if (hold.supersededBy) return ended(hold.supersededBy, helpers.job, helpers, "running");
       return value as ReturnType<Task>;
@@ -335,6 +342,7 @@ export function makeExclusiveTask<TPayload>(
   const acquireAndRun = async (
     payload: unknown,
     helpers: JobHelpers,
+    counted?: CountedStart,
   ): Promise<ReturnType<Task>> => {
     const { job } = helpers;
     if (options.limits) {
@@ -344,13 +352,13 @@ export function makeExclusiveTask<TPayload>(
       if (result === null) return;
       if (!result.acquired)
         return onConflict(job, helpers, plan.limits![result.full ?? 0]!, result.local, plan.limits);
-      return runHeld(result.hold, payload, helpers);
+      return runHeld(result.hold, payload, helpers, counted);
     }
     const slots = keysOfJob(job);
     const result = await giveBack.acquire(job, helpers, slots, holdInfo);
     if (result === null) return;
     if (!result.acquired) return onConflict(job, helpers, slots, result.local);
-    return runHeld(result.hold, payload, helpers);
+    return runHeld(result.hold, payload, helpers, counted);
   };
 
   /**
@@ -363,13 +371,22 @@ export function makeExclusiveTask<TPayload>(
       : acquireAndRun(payload, helpers);
 
   /**
-   * A job of a task with a lock and a rate asks the rate first, counting nothing (a probe), and takes its
-   * lock only when its slot has come; it is admitted for real once it holds the lock (runTask). A job the
-   * rate refuses goes back to the queue, or waits for its near slot, without ever holding its key.
+   * A job of a task with a lock and a rate asks the rate first (a probe), and takes its lock only when its
+   * slot has come. Where its key is at most half used, the probe counted its start: the job starts once it
+   * holds its lock, and if it does not start (it met its lock held, or ended before its task was called),
+   * its start is taken back. Otherwise the probe counted nothing, and the job is admitted for real once it
+   * holds its lock (runTask). A job the rate refuses goes back to the queue, or waits for its near slot,
+   * without ever holding its key.
    */
   const probeAndRun = async (payload: unknown, helpers: JobHelpers) => {
-    if (!(await gate.admit(helpers.job, helpers, gateKeys(helpers.job), true))) return;
-    return acquireAndRun(payload, helpers);
+    const answer = await gate.admit(helpers.job, helpers, gateKeys(helpers.job), true);
+    if (answer === false) return;
+    if (answer === true) return acquireAndRun(payload, helpers);
+    try {
+      return await acquireAndRun(payload, helpers, answer);
+    } finally {
+      await answer.refund(helpers);
+    }
   };
   const probed = options.lock && options.rate !== null;
 

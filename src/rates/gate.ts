@@ -1,8 +1,9 @@
 /**
  * The start of a job of a task with a `rate` or `pausable: true`, and the snooze and pause a task throws.
  * Each is one statement on graphile-worker's connection (`helpers.withPgClient`): the start's statement
- * (rate_start, sql/000004.sql) admits the job or gives it back to the queue in the same transaction, so a
- * job over its rate or under a pause costs one round trip either way.
+ * (rate_admit, sql/000011.sql, which decides as rate_start in sql/000004.sql when the key is not simply
+ * below its rate) admits the job or gives it back to the queue in the same transaction, so a job over its
+ * rate or under a pause costs one round trip either way.
  */
 import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
@@ -26,6 +27,8 @@ export interface GateKeys {
 interface StartRow {
   admitted: boolean;
   at: Date;
+  /** `at` in microseconds since the epoch (a Date holds milliseconds): what a refund names. */
+  at_us: string;
   copy_id: string | null;
   reason: "rate" | "paused" | "wait" | "free" | null;
   now: Date;
@@ -78,6 +81,50 @@ async function query<T>(
   });
 }
 
+/**
+ * A start counted by the probe of a job with a lock and a rate (its key was at most half used): the job
+ * starts once it holds its lock (`confirm`), or, if it does not start (it met its lock held, or ended
+ * before its task was called), its start is taken back (`refund`).
+ */
+export class CountedStart {
+  private settled = false;
+
+  constructor(
+    private readonly ctx: LocksContext,
+    private readonly refundSql: string,
+    private readonly taskIdentifier: string,
+    private readonly job: Job,
+    private readonly rateKey: RateKey,
+    private readonly at: Date,
+    private readonly atUs: string,
+  ) {}
+
+  /** The job's task is about to be called: the start stands. */
+  confirm(): void {
+    if (this.settled) return;
+    this.settled = true;
+    const { ctx, taskIdentifier, job, rateKey, at } = this;
+    if (ctx.listening("rate:admitted"))
+      ctx.emit("rate:admitted", { taskIdentifier, rateKey: rateKey.key, job, at });
+  }
+
+  /**
+   * The job did not start: its start leaves the log. A refund that fails leaves the start counted (the key
+   * then admits one start fewer in that period), logged.
+   */
+  async refund(helpers: JobHelpers): Promise<void> {
+    if (this.settled) return;
+    this.settled = true;
+    try {
+      await query(helpers, this.refundSql, [this.rateKey.key.toString(), this.atUs]);
+    } catch (error) {
+      helpers.logger.warn(
+        `Could not take back the start of job ${this.job.id}, which did not start (it stays counted): ${String(error)}`,
+      );
+    }
+  }
+}
+
 export class RateGate {
   private readonly sql: RateStatements;
   private readonly turns = new Turns();
@@ -108,16 +155,26 @@ export class RateGate {
    * or its key's pause ends; no attempt counted) and the task must return without running.
    *
    * `probe`: the job has not taken its execution lock yet. It is given back, or waits for a near slot, as
-   * above, but where it would start it is only answered true and nothing is counted: it then takes its lock
-   * and is admitted for real. So a job the rate refuses never holds its key's lock, which the job whose
-   * slot has come would meet (and park behind).
+   * above. Where it would start, and its key is at most half used (sql/000011.sql), its start is counted and answered as a
+   * `CountedStart`: the job takes its lock, then confirms it, or refunds it if it does not start. Nearer
+   * the limit it is only answered true and nothing is counted: it takes its lock and is admitted for real.
+   * So a job the rate refuses never holds its key's lock, which the job whose slot has come would meet (and
+   * park behind).
    */
-  async admit(job: Job, helpers: JobHelpers, keys: GateKeys, probe = false): Promise<boolean> {
+  async admit(
+    job: Job,
+    helpers: JobHelpers,
+    keys: GateKeys,
+    probe = false,
+  ): Promise<boolean | CountedStart> {
     const { ctx, taskIdentifier } = this;
     const rate = this.options.rate;
     // A job of a task with a lock and a rate probed before it took its lock (exclusive.ts), and holds it.
     const probed = !probe && this.options.lock && rate !== null;
-    const values = [
+    const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
+    // Only a job that may come for a near reserved slot has its statement wait for the slot (p_hold); the
+    // others' statements take the key's row at once.
+    const values = (waited: boolean) => [
       job.id,
       keys.rate?.key.toString() ?? null,
       keys.rate?.material ?? null,
@@ -129,11 +186,10 @@ export class RateGate {
       `${RATE_WAIT_MS} milliseconds`,
       `${RATE_WAIT_RESERVED_MS} milliseconds`,
       `${RATE_LEAD_MS} milliseconds`,
-      `${RATE_HOLD_MS} milliseconds`,
+      `${reserved || waited ? RATE_HOLD_MS : 0} milliseconds`,
       probe,
       probed,
     ];
-    const reserved = Boolean((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]);
     const turn = keys.rate?.key.toString();
     // A fresh job takes its turn at its key (turns.ts); a job that comes for its reserved slot, or asks
     // again for a near one, goes straight to the database: its statement may wait there for its slot, and
@@ -142,12 +198,22 @@ export class RateGate {
     let waited = false;
     for (;;) {
       const row = await (turn === undefined || reserved || waited || probed
-        ? query<StartRow>(helpers, this.sql.rateStart, values)
+        ? query<StartRow>(helpers, this.sql.rateStart, values(waited))
         : this.turns.run(turn, reserved, () =>
-            query<StartRow>(helpers, this.sql.rateStart, values),
+            query<StartRow>(helpers, this.sql.rateStart, values(waited)),
           ));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
       if (row.reason === "free") return true;
+      if (row.admitted && probe && keys.rate)
+        return new CountedStart(
+          ctx,
+          this.sql.rateRefund,
+          taskIdentifier,
+          job,
+          keys.rate,
+          row.at,
+          row.at_us,
+        );
       if (row.admitted) {
         if (keys.rate && ctx.listening("rate:admitted"))
           ctx.emit("rate:admitted", { taskIdentifier, rateKey: keys.rate.key, job, at: row.at });

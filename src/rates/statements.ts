@@ -4,11 +4,17 @@
 
 export function rateStatements(s: string, w: string) {
   return {
-    /** rate_start: admits job $1 or gives it back; $13: a probe, which counts nothing; $14: the job probed and holds its lock (see sql/000004.sql). */
-    rateStart: `select r.admitted, r.at, r.copy_id::text as copy_id, r.reason, r.now
-      from ${s}.rate_start($1::bigint, $2::bigint, $3::text, $4::int, $5::interval, $6::int,
+    /**
+     * rate_admit: admits job $1 or gives it back; $13: a probe, which counts the start only when the key is
+     * at most half used; $14: the job probed and holds its lock (see sql/000011.sql and sql/000004.sql).
+     */
+    rateStart: `select r.admitted, r.at, (extract(epoch from r.at) * 1000000)::bigint::text as at_us,
+        r.copy_id::text as copy_id, r.reason, r.now
+      from ${s}.rate_admit($1::bigint, $2::bigint, $3::text, $4::int, $5::interval, $6::int,
         $7::bigint[], $8::int, $9::interval, $10::interval, $11::interval, $12::interval,
         $13::boolean, $14::boolean) r`,
+    /** Takes back the start at $2 (µs since the epoch) of key $1, whose job did not start. */
+    rateRefund: `select ${s}.rate_refund($1::bigint, $2::bigint)`,
     /** Gives job $1 back to run $2 from now. */
     snooze: `select r.copy_id::text as copy_id, r.run_at, clock_timestamp() as now from ${s}.snooze_job($1::bigint, $2::interval, $3::int) r`,
     /**

@@ -409,7 +409,7 @@ describe("an outage of the lock session", () => {
           await db
             .pool()
             .query(
-              "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%rate_start%'",
+              "select 1 from pg_stat_activity where wait_event_type = 'Lock' and query like '%rate_admit%'",
             )
         ).rowCount === 1,
       { message: "the pause check to wait" },

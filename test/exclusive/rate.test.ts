@@ -588,6 +588,76 @@ describe("rate with an execution lock", () => {
     await h.q("delete from graphile_worker._private_jobs where id = $1", [throttled.get(1)]);
   });
 
+  it("a job whose key is at most half used counts its start before it takes its lock, and takes it back when it meets its lock held", async () => {
+    const locks = newLocks();
+    const starts = recordStarts(locks);
+    const parked: number[] = [];
+    locks.events.on("job:rescheduled", (e) => parked.push((e.job.payload as { n: number }).n));
+    const task = locks.exclusive("counted", async () => undefined, {
+      key: () => "one",
+      onConflict: "reschedule",
+      reschedule: { minDelay: 50, maxDelay: 200 },
+      rate: { limit: 10, period: 60_000 },
+    });
+    // Every log the key's row holds, as written (a probe's start, then its refund).
+    await h.q(`
+      create table if not exists test_rate_logs (id bigserial primary key, n int not null);
+      truncate test_rate_logs;
+      create or replace function test_record_rate_log() returns trigger language plpgsql as $$
+      begin
+        insert into test_rate_logs (n) values (cardinality(new.starts));
+        return null;
+      end;
+      $$;
+      drop trigger if exists test_rate_logs on graphile_worker_locks.rates;
+      create trigger test_rate_logs after insert or update on graphile_worker_locks.rates
+        for each row when (new.label like '%:counted:%') execute function test_record_rate_log();`);
+    const holder = await db.pool().connect();
+    try {
+      await holder.query("select pg_advisory_lock($1)", [task.lockKey({}).toString()]);
+      await h.utils.addJob("counted", { n: 0 });
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 4,
+        taskList: { counted: task },
+      });
+      locks.attach(r);
+      await waitFor(async () => parked.includes(0), { message: "job 0 to park" });
+      // Its probe counted its start (a log of 1), then took it back (a log of 0) when the lock was held.
+      const logs = async () =>
+        (await h.q<{ n: number }>("select n from test_rate_logs order by id")).rows.map((x) => x.n);
+      await waitFor(async () => (await logs()).length >= 2, {
+        message: "the start and its refund",
+      });
+      expect((await logs()).slice(0, 2)).toEqual([1, 0]);
+      // (its copy, back from the park while the lock is still held, may count and take back again: never
+      // more than that one start in the log)
+      expect(Math.max(...(await logs()))).toBe(1);
+      const log = async () =>
+        (
+          await h.q<{ n: number }>(
+            "select cardinality(starts) as n from graphile_worker_locks.rates where label like '%:counted:%'",
+          )
+        ).rows[0]?.n;
+      expect(starts).toEqual([]);
+      await holder.query("select pg_advisory_unlock($1)", [task.lockKey({}).toString()]);
+      // Its copy starts once the key is free, counted once.
+      await waitFor(async () => starts.length === 1, { message: "job 0 to start" });
+      await drained();
+      expect(await log()).toBe(1);
+      expect(starts.map((x) => x.n)).toEqual([0]);
+      // Its start is the instant its probe counted it: the one in the log.
+      const { rows } = await h.q<{ at: number }>(
+        "select (extract(epoch from starts[1]) * 1000)::float8 as at from graphile_worker_locks.rates where label like '%:counted:%'",
+      );
+      expect(Math.abs(rows[0]!.at - starts[0]!.at)).toBeLessThan(1);
+    } finally {
+      await holder.query("select pg_advisory_unlock_all()");
+      holder.release();
+      await h.q("drop trigger if exists test_rate_logs on graphile_worker_locks.rates");
+    }
+  });
+
   it("a job that meets its key's lock held once its slot came keeps its reservation through the park", async () => {
     const locks = newLocks();
     const starts = recordStarts(locks);
