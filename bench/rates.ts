@@ -1,6 +1,6 @@
 /**
  * Section "rates": the throttle per key (method and figures: bench/README.md, section "Rates").
- * 1. The admission statement's cost, the sliding log (rate_start) against a GCRA of one timestamp per key
+ * 1. The admission statement's cost, the sliding log (rate_admit) against a GCRA of one timestamp per key
  *    (a function of this section only), at limits 10, 100 and 1000, on one key, every start admitted (a
  *    period of 1 µs keeps the log full), alternating A and B slice by slice.
  * 2. A throttled key with a backlog: one runner (concurrency 8, attached), every job of one key; starts
@@ -77,7 +77,11 @@ async function statementCost(ctx: BenchContext, size: Size, limit: number) {
   await client.connect();
   try {
     await client.query(GCRA);
-    const log = `select admitted from graphile_worker_locks.rate_start(0, $1, 'bench', $2, interval '1 microsecond', $2, '{}', null, interval '0', interval '0', interval '0')`;
+    // (the admission statement of the build under test: rate_admit, or rate_start before it)
+    const { rows } = await client.query<{ admit: boolean }>(
+      "select to_regproc('graphile_worker_locks.rate_admit') is not null as admit",
+    );
+    const log = `select admitted from graphile_worker_locks.${rows[0]!.admit ? "rate_admit" : "rate_start"}(0, $1, 'bench', $2, interval '1 microsecond', $2, '{}', null, interval '0', interval '0', interval '0', interval '0', false, false)`;
     const gcra = `select bench_gcra_start($1, $2, interval '1 microsecond', $2)`;
     const per = { log: [] as number[], gcra: [] as number[] };
     const n = Math.ceil(size.statements / size.slices);
