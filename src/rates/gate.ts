@@ -155,11 +155,11 @@ export class RateGate {
    * or its key's pause ends; no attempt counted) and the task must return without running.
    *
    * `probe`: the job has not taken its execution lock yet. It is given back, or waits for a near slot, as
-   * above. Where it would start, and its key is at most half used (sql/000011.sql), its start is counted and answered as a
-   * `CountedStart`: the job takes its lock, then confirms it, or refunds it if it does not start. Nearer
-   * the limit it is only answered true and nothing is counted: it takes its lock and is admitted for real.
-   * So a job the rate refuses never holds its key's lock, which the job whose slot has come would meet (and
-   * park behind).
+   * above. Where it would start, and its key is at most half used (sql/000011.sql), its start is counted
+   * and answered as a `CountedStart`: the job takes its lock, then confirms it, or refunds it if it does not
+   * start. Otherwise it is only answered true and nothing is counted: it takes its lock and is admitted for
+   * real. So a job the rate refuses never holds its key's lock, which the job whose slot has come would
+   * meet (and park behind).
    */
   async admit(
     job: Job,
