@@ -40,11 +40,12 @@ export type ContentionPayload = { k: string; seq: number; ms?: number };
 
 /**
  * The lock session's marks of one job's hand-off (timing-probe.ts's `HandoffStage`), on the machine's clock:
- * its own hold's unlock sent and answered, and, as the next job of a line, when it was passed its key in
- * memory, when it heard of another session's release, and when it was given its hold.
+ * its own hold's unlock sent and answered, and, as the next job of a line, when it began to wait for a key
+ * held here, when it was passed its key in memory, when it heard of another session's release, and when it
+ * was given its hold.
  */
 export type Stages = Partial<
-  Record<"unlockSent" | "unlockAnswered" | "handedOver" | "noticed" | "granted", number>
+  Record<"unlockSent" | "unlockAnswered" | "waiting" | "handedOver" | "noticed" | "granted", number>
 >;
 
 /** How every process defines the task of `strategy` (and the bench, which enqueues with `locks.addJobs`). */

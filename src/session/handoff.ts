@@ -155,6 +155,7 @@ export class Handoff {
     const waking = this.host.holdOf(key)?.prewaking;
     if (waking) return waking.then(() => "retry" as const);
     if (this.prewoken.get(key) !== info.jobId || this.handovers.has(key)) return null;
+    probeStage("waiting", info.jobId);
     return new Promise<AcquireResult>((resolve, reject) => {
       const request: LockRequest = { slots: [key], keys: slots as bigint[], info, resolve, reject };
       this.waitIn(this.handovers, request, () => resolve({ acquired: false, local: true }));

@@ -8,10 +8,12 @@
 
 /**
  * A stage of a hand-off, by the job it concerns: `unlockSent` and `unlockAnswered`, the unlock of the job's
- * hold left and came back; `handedOver`, the job was passed a key in memory (in-process hand-over);
+ * hold left and came back; `waiting`, the job, woken early, found its key held by a job of this process and
+ * waits to be handed it; `handedOver`, the job was passed a key in memory (in-process hand-over);
  * `noticed`, a job waiting for another session's release heard of it; `granted`, the job was given its hold.
  */
-export type HandoffStage = "unlockSent" | "unlockAnswered" | "handedOver" | "noticed" | "granted";
+export type HandoffStage =
+  "unlockSent" | "unlockAnswered" | "waiting" | "handedOver" | "noticed" | "granted";
 
 export interface TimingProbe {
   lock(queuedAt: number, sentAt: number, answeredAt: number): void;

@@ -14,6 +14,7 @@ import { startProxy } from "../../scripts/soak/proxy.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";
+import { setTimingProbe } from "../../src/session/timing-probe.js";
 
 const h = useExclusiveHarness();
 const { cleanups, newLocks, runner, parkedCount } = h;
@@ -86,11 +87,21 @@ describe("hand-over check", () => {
     });
     locks.attach(r);
     const fetched = (n: number) =>
-      new Promise<void>((resolve) =>
+      new Promise<string>((resolve) =>
         r.events.on("job:start", ({ job }) => {
-          if ((job.payload as { n: number }).n === n) resolve();
+          if ((job.payload as { n: number }).n === n) resolve(job.id);
         }),
       );
+    // The jobs that found their key held here and wait to be handed it.
+    const waiting = new Set<string>();
+    setTimingProbe({
+      lock() {},
+      unlock() {},
+      stage(stage, jobId) {
+        if (stage === "waiting") waiting.add(jobId);
+      },
+    });
+    cleanups.push(async () => setTimingProbe(null));
 
     // Short jobs teach the task its usual hold, so that a new hold wakes the next job in line at once.
     await locks.addJobs(
@@ -114,7 +125,9 @@ describe("hand-over check", () => {
       })),
     );
     await held101;
-    await fetched102;
+    const id102 = await fetched102;
+    // (its task started before it asked for its key: wait until it waits for 101's)
+    await waitFor(async () => waiting.has(id102), { message: "102 to wait for its key" });
     const handedOver = locks.status().handoffs.handedOver;
 
     const counts = countStatements();
