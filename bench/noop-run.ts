@@ -3,7 +3,8 @@
  * lock-ahead) over jobs of distinct payloads, of a task wrapped with `options` (or, with `options: null`, a
  * plain graphile-worker task: what one lock statement per job costs is a plain exclusive run less that
  * one). Jobs per second, lock statements per job (the lock session's count), and PostgreSQL's CPU per job
- * (cpu.ts), once the runner has run a few jobs of the task (so that its connections are open). The limits and rates sections compare such runs, alternating.
+ * (cpu.ts), once the runner has run a few jobs of the task (so that its connections are open). The limits
+ * and rates sections compare such runs, alternating.
  */
 import type { Runner, Task } from "graphile-worker";
 import type { ExclusiveOptions, Locks } from "../src/index.js";

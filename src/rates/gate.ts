@@ -81,6 +81,18 @@ async function query<T>(
   });
 }
 
+/** Tells `rate:admitted` listeners that `job` started at `at` under its rate key. */
+function emitAdmitted(
+  ctx: LocksContext,
+  taskIdentifier: string,
+  rateKey: RateKey,
+  job: Job,
+  at: Date,
+) {
+  if (ctx.listening("rate:admitted"))
+    ctx.emit("rate:admitted", { taskIdentifier, rateKey: rateKey.key, job, at });
+}
+
 /**
  * A start counted by the probe of a job with a lock and a rate (its key was at most half used): the job
  * starts once it holds its lock (`confirm`), or, if it does not start (it met its lock held, or ended
@@ -103,9 +115,7 @@ export class CountedStart {
   confirm(): void {
     if (this.settled) return;
     this.settled = true;
-    const { ctx, taskIdentifier, job, rateKey, at } = this;
-    if (ctx.listening("rate:admitted"))
-      ctx.emit("rate:admitted", { taskIdentifier, rateKey: rateKey.key, job, at });
+    emitAdmitted(this.ctx, this.taskIdentifier, this.rateKey, this.job, this.at);
   }
 
   /**
@@ -198,9 +208,9 @@ export class RateGate {
     let waited = false;
     for (;;) {
       const row = await (turn === undefined || reserved || waited || probed
-        ? query<StartRow>(helpers, this.sql.rateStart, values(waited))
+        ? query<StartRow>(helpers, this.sql.rateAdmit, values(waited))
         : this.turns.run(turn, reserved, () =>
-            query<StartRow>(helpers, this.sql.rateStart, values(waited)),
+            query<StartRow>(helpers, this.sql.rateAdmit, values(waited)),
           ));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
       if (row.reason === "free") return true;
@@ -215,8 +225,7 @@ export class RateGate {
           row.at_us,
         );
       if (row.admitted) {
-        if (keys.rate && ctx.listening("rate:admitted"))
-          ctx.emit("rate:admitted", { taskIdentifier, rateKey: keys.rate.key, job, at: row.at });
+        if (keys.rate) emitAdmitted(ctx, taskIdentifier, keys.rate, job, row.at);
         return true;
       }
       const delayMs = row.at.getTime() - row.now.getTime();

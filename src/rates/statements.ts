@@ -8,7 +8,7 @@ export function rateStatements(s: string, w: string) {
      * rate_admit: admits job $1 or gives it back; $13: a probe, which counts the start only when the key is
      * at most half used; $14: the job probed and holds its lock (see sql/000011.sql and sql/000004.sql).
      */
-    rateStart: `select r.admitted, r.at, (extract(epoch from r.at) * 1000000)::bigint::text as at_us,
+    rateAdmit: `select r.admitted, r.at, (extract(epoch from r.at) * 1000000)::bigint::text as at_us,
         r.copy_id::text as copy_id, r.reason, r.now
       from ${s}.rate_admit($1::bigint, $2::bigint, $3::text, $4::int, $5::interval, $6::int,
         $7::bigint[], $8::int, $9::interval, $10::interval, $11::interval, $12::interval,
