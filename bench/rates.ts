@@ -170,17 +170,18 @@ const UNTHROTTLED: Array<{
     options: { lock: false, rate: { limit: 1_000_000, period: 1000 } },
   },
   // The floor of a start counted in the database: a plain task whose job upserts one row of its own key,
-  // in one statement on graphile-worker's connection, as a rate's start does.
+  // in one prepared statement on graphile-worker's connection, as a rate's start does.
   {
     label: "no lock, the job upserts a row (a write's floor)",
     options: null,
     body: async (payload, helpers) => {
       await helpers.withPgClient((client) =>
-        client.query(
-          `insert into bench_floor as f (k, n) values ($1, 1)
-           on conflict (k) do update set n = f.n + 1`,
-          [(payload as NoopPayload).i],
-        ),
+        client.query({
+          name: "bench_floor_upsert",
+          text: `insert into bench_floor as f (k, n) values ($1, 1)
+            on conflict (k) do update set n = f.n + 1`,
+          values: [(payload as NoopPayload).i],
+        }),
       );
     },
   },

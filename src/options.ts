@@ -195,9 +195,11 @@ export interface LocksOptions {
   /** Defaults for every exclusive task of this instance. */
   defaults?: ExclusiveOptions;
   /**
-   * Whether enqueue and introspection statements are prepared (named). Turn off behind a connection pooler
-   * that cannot carry prepared statements (PgBouncer in transaction mode before 1.21). The lock session
-   * always prepares its statement (it is a direct connection). @defaultValue `true`
+   * Whether enqueue and introspection statements, and those a job sends on graphile-worker's connection
+   * (its rate's start, a `reschedule` job's park), are prepared (named). Turn off behind a connection pooler
+   * that cannot carry prepared statements (PgBouncer in transaction mode before 1.21), as graphile-worker's
+   * `noPreparedStatements`. The lock session always prepares its statement (it is a direct connection).
+   * @defaultValue `true`
    */
   preparedStatements?: boolean;
 }

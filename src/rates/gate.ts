@@ -8,7 +8,13 @@
 import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
 import type { LocksContext } from "../context.js";
-import { NotPausableError, PauseError, SnoozeError, type PauseScope } from "../errors.js";
+import {
+  NotPausableError,
+  PauseError,
+  rethrowExplained,
+  SnoozeError,
+  type PauseScope,
+} from "../errors.js";
 import type { ResolvedExclusiveOptions } from "../options.js";
 import type { RateKey } from "./options.js";
 import type { RateStatements } from "./statements.js";
@@ -64,19 +70,23 @@ export const RATE_WAKE_AHEAD_MS = 500;
  */
 export const RATE_WAKE_DEFER_MS = RATE_WAKE_AHEAD_MS + 250;
 
-/** Runs a statement on the job's pool connection; a connection whose state is uncertain is ended. */
+/**
+ * Runs a statement on the job's pool connection, prepared there unless the instance's prepared statements
+ * are off (sql.ts `statement`: a call of a function of many parameters costs more to parse and plan than
+ * to run; bench/README.md, "Rates"). A connection whose state is uncertain is ended; a pooler that cannot
+ * carry the prepared statement is named in the error.
+ */
 async function query<T>(
   helpers: JobHelpers,
-  text: string,
-  values: unknown[],
+  statement: { name?: string; text: string; values: unknown[] },
 ): Promise<T | undefined> {
   return helpers.withPgClient(async (client) => {
     try {
-      const { rows } = await client.query<T & Record<string, unknown>>(text, values);
+      const { rows } = await client.query<T & Record<string, unknown>>(statement);
       return rows[0];
     } catch (error) {
       await (client as { end(): Promise<void> }).end().catch(() => undefined);
-      throw error;
+      rethrowExplained(error);
     }
   });
 }
@@ -103,7 +113,6 @@ export class CountedStart {
 
   constructor(
     private readonly ctx: LocksContext,
-    private readonly refundSql: string,
     private readonly taskIdentifier: string,
     private readonly job: Job,
     private readonly rateKey: RateKey,
@@ -126,7 +135,14 @@ export class CountedStart {
     if (this.settled) return;
     this.settled = true;
     try {
-      await query(helpers, this.refundSql, [this.rateKey.key.toString(), this.atUs]);
+      const { sql } = this.ctx;
+      await query(
+        helpers,
+        sql.statement("rate_refund", sql.rates.rateRefund, [
+          this.rateKey.key.toString(),
+          this.atUs,
+        ]),
+      );
     } catch (error) {
       helpers.logger.warn(
         `Could not take back the start of job ${this.job.id}, which did not start (it stays counted): ${String(error)}`,
@@ -207,23 +223,14 @@ export class RateGate {
     // its lock: its slot has come, and the key's next job must not meet its lock.
     let waited = false;
     for (;;) {
+      const statement = ctx.sql.statement("rate_admit", this.sql.rateAdmit, values(waited));
       const row = await (turn === undefined || reserved || waited || probed
-        ? query<StartRow>(helpers, this.sql.rateAdmit, values(waited))
-        : this.turns.run(turn, reserved, () =>
-            query<StartRow>(helpers, this.sql.rateAdmit, values(waited)),
-          ));
+        ? query<StartRow>(helpers, statement)
+        : this.turns.run(turn, reserved, () => query<StartRow>(helpers, statement)));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
       if (row.reason === "free") return true;
       if (row.admitted && probe && keys.rate)
-        return new CountedStart(
-          ctx,
-          this.sql.rateRefund,
-          taskIdentifier,
-          job,
-          keys.rate,
-          row.at,
-          row.at_us,
-        );
+        return new CountedStart(ctx, taskIdentifier, job, keys.rate, row.at, row.at_us);
       if (row.admitted) {
         if (keys.rate) emitAdmitted(ctx, taskIdentifier, keys.rate, job, row.at);
         return true;
@@ -265,8 +272,11 @@ export class RateGate {
     if (error instanceof SnoozeError) {
       const row = await query<{ copy_id: string | null; run_at: Date; now: Date }>(
         helpers,
-        this.sql.snooze,
-        [job.id, `${error.ms} milliseconds`, ctx.session.pid],
+        ctx.sql.statement("snooze", this.sql.snooze, [
+          job.id,
+          `${error.ms} milliseconds`,
+          ctx.session.pid,
+        ]),
       );
       if (!row?.copy_id) throw new Error(`Could not snooze job ${job.id}: it no longer exists`);
       ctx.wakeIn(row.run_at.getTime() - row.now.getTime());
@@ -294,8 +304,13 @@ export class RateGate {
     const label = scope === "rate" ? keys.rate!.material : keys.lockMaterial();
     const row = await query<{ copy_id: string | null; until: Date; now: Date }>(
       helpers,
-      this.sql.pause,
-      [job.id, pauseKey.toString(), label, `${error.ms} milliseconds`, ctx.session.pid],
+      ctx.sql.statement("pause", this.sql.pause, [
+        job.id,
+        pauseKey.toString(),
+        label,
+        `${error.ms} milliseconds`,
+        ctx.session.pid,
+      ]),
     );
     if (!row?.copy_id) throw new Error(`Could not pause job ${job.id}: it no longer exists`);
     ctx.wakeIn(row.until.getTime() - row.now.getTime());
