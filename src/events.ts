@@ -29,8 +29,9 @@ export interface LocksEvents {
   /**
    * The lock session died; every listed hold lost its lock and its job's `abortSignal` fired. A hold with
    * `returned: true` belongs to a job that had already returned when the loss was noticed (its unlock was
-   * not answered): its abort came too late to matter, and whether its key stayed held until it returned is
-   * unknown (another job of the key may have started while it ran; a warning names it).
+   * not answered, or its key passed in memory to the next job of its key and the pass was not confirmed):
+   * its abort came too late to matter, and whether its key stayed held until it returned is unknown
+   * (another job of the key may have started while it ran; a warning names it).
    */
   "lock:lost": {
     holds: Array<{

@@ -69,8 +69,13 @@ export interface HandoffHost {
   retryLock(request: LockRequest): void;
   /** Makes sure a lock statement goes out soon. */
   scheduleFlush(): void;
-  /** Gives `from`'s key to `request` in memory (`from` has ended); returns the new hold. */
+  /**
+   * Gives `from`'s key to `request` in memory (`from` has ended); returns the new hold, which keeps `from`
+   * (`passedFrom`) until `passConfirmed`.
+   */
   passKey(from: HoldImpl, request: LockRequest): HoldImpl;
+  /** The pass that made `hold` was confirmed by the connection (`alive`), or not: `from` is answered. */
+  passConfirmed(hold: HoldImpl, alive: boolean): void;
   /**
    * Resolves whether the connection answered the next lock statement, sent after this call (sent soon even
    * with nothing else to carry), from its own backend.
@@ -217,6 +222,7 @@ export class Handoff {
    */
   private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
     void this.host.confirmWithNext().then((alive) => {
+      this.host.passConfirmed(hold, alive && !hold.lost);
       if (alive && !hold.lost) {
         probeStage("granted", request.info.jobId);
         request.resolve({ acquired: true, hold });

@@ -109,6 +109,11 @@ export class HoldImpl implements Hold {
   lost = false;
   /** The unlock was asked for (and until `result`, is on its way). */
   releaseRequested = false;
+  /**
+   * The hold that passed this one its key in memory (a hand-over), until the connection confirmed the pass:
+   * its job has returned, and whether its key was held until then is known only with that answer.
+   */
+  passedFrom: HoldImpl | null = null;
   private result: ReleaseResult | undefined;
   private answered: Promise<ReleaseResult> | undefined;
   private resolveAnswered: ((result: ReleaseResult) => void) | undefined;

@@ -152,9 +152,17 @@ export class LockSession extends SessionBook {
         scheduleFlush: () => this.scheduleFlush(),
         passKey: (from, request) => {
           this.holds.delete(from.keyText);
-          from.settle(RELEASED);
           // The next job was woken from a line, so it is taken to have one behind it; its hold counts from now.
-          return this.grant(request, from.keyText, from.generation, true);
+          // `from` is answered once the pass is confirmed (passConfirmed): released, or lost with the
+          // connection.
+          const hold = this.grant(request, from.keyText, from.generation, true);
+          hold.passedFrom = from;
+          return hold;
+        },
+        passConfirmed: (hold, alive) => {
+          const from = hold.passedFrom;
+          hold.passedFrom = null;
+          from?.settle(alive ? RELEASED : LOST);
         },
         confirmWithNext: () =>
           new Promise<boolean>((resolve) => {
@@ -630,8 +638,11 @@ export class LockSession extends SessionBook {
   /** The connection of this generation failed (connection.ts told): every hold is lost. */
   private onLost(error: Error, refusal: LocksError | null): void {
     const unavailable = refusal ?? lockSessionUnavailable("the connection was lost", error);
-    const lost = this.dropAll(unavailable, lockLost(error));
-    this.options.onLost(lost, error);
+    const open = this.dropAll(unavailable, lockLost(error));
+    // A hold that passed its key in memory, the pass not yet confirmed, is lost too: its job returned
+    // before the loss was noticed (it is listed as such: released, not answered).
+    const passing = open.flatMap((hold) => (hold.passedFrom ? [hold.passedFrom] : []));
+    this.options.onLost([...passing, ...open], error);
   }
 
   /**
