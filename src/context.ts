@@ -32,9 +32,29 @@ export interface LockService {
   readonly state: ConnectionState;
 }
 
+/** A connection of graphile-worker's pool, as a job's `withPgClient` lends it. */
+export interface PoolClientLike {
+  query<R extends Record<string, unknown>>(config: {
+    name?: string;
+    text: string;
+    values: unknown[];
+  }): Promise<{ rows: R[] }>;
+}
+
 export interface LocksContext {
   readonly session: LockService;
   readonly sql: Sql;
+  /**
+   * Runs statement `text`, called `name`, on `client`, a connection of graphile-worker's pool lent to a job:
+   * prepared unless the instance's prepared statements are off, or that pool turned out not to carry them
+   * (then, once warned, every such statement of the instance goes unprepared).
+   */
+  poolQuery<R extends Record<string, unknown>>(
+    client: PoolClientLike,
+    name: string,
+    text: string,
+    values: unknown[],
+  ): Promise<{ rows: R[] }>;
   /** How long a job waits for an unavailable lock session before it goes back to the queue (ms). */
   readonly lockSessionWaitMs: number;
   /** Jobs that wait out an unavailable lock session, and jobs being given back meanwhile (for `status()`). */

@@ -196,15 +196,29 @@ export function lockSessionPooled(detail: string): LocksError {
 const PREPARED_STATEMENT_STATES: ReadonlySet<string> = new Set(["26000", "42P05"]);
 
 /**
+ * Whether `error` is PostgreSQL's refusal of a named prepared statement that the connection's backend does
+ * not have, or has already: what a pooler that does not carry prepared statements causes. Such a statement
+ * did not run (the error comes at its parse or bind).
+ */
+export function isPreparedStatementError(error: unknown): boolean {
+  const code = (error as { code?: unknown } | null)?.code;
+  const message = (error as { message?: unknown } | null)?.message;
+  return (
+    typeof code === "string" &&
+    PREPARED_STATEMENT_STATES.has(code) &&
+    typeof message === "string" &&
+    message.includes("prepared statement")
+  );
+}
+
+/**
  * `error` as a GWL_PREPARED_STATEMENTS_UNSUPPORTED error (with `error` as its `cause`) when it is a missing
  * or duplicate prepared statement, which is what a pooler that does not carry prepared statements causes;
  * otherwise `error` itself.
  */
 function explainPreparedStatementError(error: unknown): unknown {
-  const code = (error as { code?: unknown } | null)?.code;
-  const message = (error as { message?: unknown } | null)?.message;
-  if (typeof code !== "string" || !PREPARED_STATEMENT_STATES.has(code)) return error;
-  if (typeof message !== "string" || !message.includes("prepared statement")) return error;
+  if (!isPreparedStatementError(error)) return error;
+  const { code, message } = error as { code: string; message: string };
   return new LocksError(
     ErrorCodes.PREPARED_STATEMENTS_UNSUPPORTED,
     `${message} [${code}]: the connection goes through a pooler that does not carry prepared statements ` +

@@ -9,9 +9,14 @@ import pg from "pg";
 import type { ClientConfig, Pool } from "pg";
 import type { JobHelpers, Task } from "graphile-worker";
 import { consoleLogFactory, Logger } from "graphile-worker";
-import type { LocksContext } from "./context.js";
+import type { LocksContext, PoolClientLike } from "./context.js";
 import { makeEnqueuer, type TaskRules } from "./enqueue/enqueue.js";
-import { ErrorCodes, InvalidArgumentError, LocksError } from "./errors.js";
+import {
+  ErrorCodes,
+  InvalidArgumentError,
+  isPreparedStatementError,
+  LocksError,
+} from "./errors.js";
 import { makeEmitter, type LocksEvents } from "./events.js";
 import { canStart } from "./exclusive/can-start.js";
 import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive/exclusive.js";
@@ -247,10 +252,34 @@ export function makeLocks(options: LocksOptions): Locks {
     return later;
   });
 
+  // graphile-worker's pool may go through a pooler that does not carry prepared statements where this
+  // instance's own pool does not (`noPreparedStatements` given to graphile-worker alone): a job's statement
+  // refused as such runs again unprepared (it did not run), and so do all after it.
+  let poolUnprepared = false;
   const ctx: LocksContext = {
     wakeIn: (delayMs, reservedCopy) => wakes.in(delayMs, reservedCopy),
     session,
     sql,
+    async poolQuery<R extends Record<string, unknown>>(
+      client: PoolClientLike,
+      name: string,
+      text: string,
+      values: unknown[],
+    ) {
+      const statement = poolUnprepared ? { text, values } : sql.statement(name, text, values);
+      try {
+        return await client.query<R>(statement);
+      } catch (error) {
+        if (statement.name === undefined || !isPreparedStatementError(error)) throw error;
+        if (!poolUnprepared) {
+          poolUnprepared = true;
+          logger.warn(
+            `graphile-worker-locks: graphile-worker's connection does not carry prepared statements (${String(error)}); the statements jobs send on it go unprepared from now on. Pass \`preparedStatements: false\` to makeLocks when graphile-worker runs with \`noPreparedStatements: true\``,
+          );
+        }
+        return client.query<R>({ text, values });
+      }
+    },
     lockSessionWaitMs: options.lockSessionWait ?? 5000,
     outage: { waitingForSession: 0, givingBack: 0 },
     emit,

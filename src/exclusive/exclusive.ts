@@ -142,15 +142,18 @@ export function makeExclusiveTask<TPayload>(
         // The safety net is later for a job further back in line (see park_job in sql/000001.sql).
         const latest = new Date(now + maxDelay);
         const parked = await helpers.withPgClient(async (client) => {
-          const { rows } = await client.query<{ id: string; run_at: Date }>(
-            ctx.sql.statement("park_job", ctx.sql.parkJob, [
+          const { rows } = await ctx.poolQuery<{ id: string; run_at: Date }>(
+            client,
+            "park_job",
+            ctx.sql.parkJob,
+            [
               job.id,
               earliest.toISOString(),
               lockKey.toString(),
               holdTime.estimateMs(),
               latest.toISOString(),
               ctx.session.pid,
-            ]),
+            ],
           );
           const row = rows[0];
           // The holder may have released between our attempt and the park's commit: then wake it now. The
@@ -158,24 +161,20 @@ export function makeExclusiveTask<TPayload>(
           // and the job must not fail (its row gave up its retries, and would stay behind as a failed job).
           if (row) {
             try {
-              await client.query(
-                ctx.sql.statement("wake_if_free", ctx.sql.wakeIfFree, [
-                  slots.map(String),
-                  lockKey.toString(),
-                  job.id,
-                ]),
-              );
+              await ctx.poolQuery(client, "wake_if_free", ctx.sql.wakeIfFree, [
+                slots.map(String),
+                lockKey.toString(),
+                job.id,
+              ]);
               // With several limits, a job woken from the line of one limit that parks in the line of
               // another passes that wake on: each other limit with a free slot wakes its next waiter.
               for (const other of others ?? []) {
                 if (other[0] === lockKey) continue;
-                await client.query(
-                  ctx.sql.statement("wake_if_free", ctx.sql.wakeIfFree, [
-                    other.map(String),
-                    other[0]!.toString(),
-                    job.id,
-                  ]),
-                );
+                await ctx.poolQuery(client, "wake_if_free", ctx.sql.wakeIfFree, [
+                  other.map(String),
+                  other[0]!.toString(),
+                  job.id,
+                ]);
               }
             } catch (error) {
               helpers.logger.warn(

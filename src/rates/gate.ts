@@ -8,13 +8,7 @@
 import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
 import type { LocksContext } from "../context.js";
-import {
-  NotPausableError,
-  PauseError,
-  rethrowExplained,
-  SnoozeError,
-  type PauseScope,
-} from "../errors.js";
+import { NotPausableError, PauseError, SnoozeError, type PauseScope } from "../errors.js";
 import type { ResolvedExclusiveOptions } from "../options.js";
 import type { RateKey } from "./options.js";
 import type { RateStatements } from "./statements.js";
@@ -71,22 +65,24 @@ export const RATE_WAKE_AHEAD_MS = 500;
 export const RATE_WAKE_DEFER_MS = RATE_WAKE_AHEAD_MS + 250;
 
 /**
- * Runs a statement on the job's pool connection, prepared there unless the instance's prepared statements
- * are off (sql.ts `statement`: a call of a function of many parameters costs more to parse and plan than
- * to run; bench/README.md, "Rates"). A connection whose state is uncertain is ended; a pooler that cannot
- * carry the prepared statement is named in the error.
+ * Runs statement `text` (called `name`) on the job's pool connection, prepared there unless prepared
+ * statements are off (ctx.poolQuery: a call of a function of many parameters costs more to parse and plan
+ * than to run; bench/README.md, "Rates"). A connection whose state is uncertain is ended.
  */
 async function query<T>(
+  ctx: LocksContext,
   helpers: JobHelpers,
-  statement: { name?: string; text: string; values: unknown[] },
+  name: string,
+  text: string,
+  values: unknown[],
 ): Promise<T | undefined> {
   return helpers.withPgClient(async (client) => {
     try {
-      const { rows } = await client.query<T & Record<string, unknown>>(statement);
+      const { rows } = await ctx.poolQuery<T & Record<string, unknown>>(client, name, text, values);
       return rows[0];
     } catch (error) {
       await (client as { end(): Promise<void> }).end().catch(() => undefined);
-      rethrowExplained(error);
+      throw error;
     }
   });
 }
@@ -135,14 +131,10 @@ export class CountedStart {
     if (this.settled) return;
     this.settled = true;
     try {
-      const { sql } = this.ctx;
-      await query(
-        helpers,
-        sql.statement("rate_refund", sql.rates.rateRefund, [
-          this.rateKey.key.toString(),
-          this.atUs,
-        ]),
-      );
+      await query(this.ctx, helpers, "rate_refund", this.ctx.sql.rates.rateRefund, [
+        this.rateKey.key.toString(),
+        this.atUs,
+      ]);
     } catch (error) {
       helpers.logger.warn(
         `Could not take back the start of job ${this.job.id}, which did not start (it stays counted): ${String(error)}`,
@@ -223,10 +215,11 @@ export class RateGate {
     // its lock: its slot has come, and the key's next job must not meet its lock.
     let waited = false;
     for (;;) {
-      const statement = ctx.sql.statement("rate_admit", this.sql.rateAdmit, values(waited));
+      const admit = () =>
+        query<StartRow>(ctx, helpers, "rate_admit", this.sql.rateAdmit, values(waited));
       const row = await (turn === undefined || reserved || waited || probed
-        ? query<StartRow>(helpers, statement)
-        : this.turns.run(turn, reserved, () => query<StartRow>(helpers, statement)));
+        ? admit()
+        : this.turns.run(turn, reserved, admit));
       if (!row) throw new Error(`The start of job ${job.id} was not answered`);
       if (row.reason === "free") return true;
       if (row.admitted && probe && keys.rate)
@@ -271,12 +264,11 @@ export class RateGate {
     const { ctx, taskIdentifier } = this;
     if (error instanceof SnoozeError) {
       const row = await query<{ copy_id: string | null; run_at: Date; now: Date }>(
+        ctx,
         helpers,
-        ctx.sql.statement("snooze", this.sql.snooze, [
-          job.id,
-          `${error.ms} milliseconds`,
-          ctx.session.pid,
-        ]),
+        "snooze",
+        this.sql.snooze,
+        [job.id, `${error.ms} milliseconds`, ctx.session.pid],
       );
       if (!row?.copy_id) throw new Error(`Could not snooze job ${job.id}: it no longer exists`);
       ctx.wakeIn(row.run_at.getTime() - row.now.getTime());
@@ -303,14 +295,11 @@ export class RateGate {
     const pauseKey = scope === "rate" ? keys.rate!.key : keys.lockKey;
     const label = scope === "rate" ? keys.rate!.material : keys.lockMaterial();
     const row = await query<{ copy_id: string | null; until: Date; now: Date }>(
+      ctx,
       helpers,
-      ctx.sql.statement("pause", this.sql.pause, [
-        job.id,
-        pauseKey.toString(),
-        label,
-        `${error.ms} milliseconds`,
-        ctx.session.pid,
-      ]),
+      "pause",
+      this.sql.pause,
+      [job.id, pauseKey.toString(), label, `${error.ms} milliseconds`, ctx.session.pid],
     );
     if (!row?.copy_id) throw new Error(`Could not pause job ${job.id}: it no longer exists`);
     ctx.wakeIn(row.until.getTime() - row.now.getTime());

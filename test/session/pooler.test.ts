@@ -266,6 +266,32 @@ function pgbouncerTests(binary: PgBouncerBinary | null, prepared: boolean): void
       expect(bulk[2]!.job?.id).not.toBe(bulk[0]!.job?.id);
     });
 
+    it.skipIf(prepared)(
+      "graphile-worker through PgBouncer without prepared statements, the library's own pool direct with them: jobs' statements go unprepared, every job on its first attempt",
+      async () => {
+        const via = bouncer!.via(db.url);
+        const { logger, warnings } = warningsLogger();
+        // (prepared statements on, the default: right for this instance's own direct pool)
+        const locks = track(makeLocks({ connectionString: db.url, logger }));
+        let admitted = 0;
+        locks.events.on("rate:admitted", () => admitted++);
+        const task = execTask(locks, "w0", { limit: 100_000, period: 1000 });
+        await enqueueExec(locks, 60, 60);
+        // (graphile-worker as the README sets it for this PgBouncer: `noPreparedStatements: true`)
+        await startRunnersVia(via, [task, task]);
+        await waitFor(async () => (await jobCount()) === 0, { timeoutMs: 60_000 });
+
+        const executions = await readExecutions(db.pool());
+        expect(executions).toHaveLength(60);
+        // A job's statement refused by the pooler did not fail its job: it ran again unprepared.
+        expect(executions.filter((e) => e.attempts !== 1)).toEqual([]);
+        expect(admitted).toBe(60);
+        const told = warnings.filter((w) => w.includes("does not carry prepared statements"));
+        expect(told.length).toBeLessThanOrEqual(1);
+        for (const w of told) expect(w).toContain("`preparedStatements: false`");
+      },
+    );
+
     it("refuses a lock session through PgBouncer at connect, and no job runs unlocked", async () => {
       const via = bouncer!.via(db.url);
       const instances = [0, 1].map((i) =>
