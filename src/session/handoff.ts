@@ -222,8 +222,9 @@ export class Handoff {
    */
   private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
     void this.host.confirmWithNext().then((alive) => {
-      this.host.passConfirmed(hold, alive && !hold.lost);
-      if (alive && !hold.lost) {
+      const confirmed = alive && !hold.lost;
+      this.host.passConfirmed(hold, confirmed);
+      if (confirmed) {
         probeStage("granted", request.info.jobId);
         request.resolve({ acquired: true, hold });
       } else request.reject(this.host.unavailable());
