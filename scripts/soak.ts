@@ -654,7 +654,7 @@ async function main(): Promise<number> {
     });
     const rates = await rateViolations(admin);
     if (rates.violations > 0)
-      violations.push(`${rates.violations} rate violation(s) of soak_rated`);
+      violations.push(`${rates.violations} rate violation(s) of soak_rated and soak_rated_locked`);
     const supersede = await supersedeViolations(admin);
     violations.push(...supersede.violations);
     const report = {

@@ -3,7 +3,7 @@ import type { LocksEvents } from "./events.js";
 import type { AddJobResult } from "./types.js";
 import type { AddJobSpec } from "./options.js";
 import type { ConnectionState } from "./session/connection.js";
-import type { AcquireResult, HoldInfo } from "./session/holds.js";
+import type { AcquireResult, HoldInfo, RateRide } from "./session/holds.js";
 import type { AheadAcquisition } from "./session/lock-ahead.js";
 import type { Sql } from "./sql.js";
 import type { LimitKeys } from "./key.js";
@@ -13,12 +13,14 @@ export interface LockService {
   /**
    * Tries the slots in order and takes the first that is free; `{ acquired: false }` on a conflict, throws
    * GWL_LOCK_SESSION_UNAVAILABLE when there is no session. With `limits` (a job with several limits), one
-   * slot of each, all or nothing; a conflict says which limit was full.
+   * slot of each, all or nothing; a conflict says which limit was full. With `ride` (a single key), the
+   * job's rate is asked in the same statement (see `RateRide`).
    */
   acquire(
     slots: readonly bigint[],
     info: HoldInfo,
     limits?: ReadonlyArray<readonly bigint[]>,
+    ride?: RateRide,
   ): Promise<AcquireResult>;
   /** True as soon as the session is ready, false when it is still not after `timeoutMs` or is closed. */
   whenReady(timeoutMs: number): Promise<boolean>;

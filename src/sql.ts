@@ -77,6 +77,12 @@ export const BatchOp = {
    * none: `key` is '!' and the place (from 1) of the limit that was full.
    */
   STACKED: 8,
+  /**
+   * Request i of a job with a lock and a rate (`ratedBranch`): `key` is lock_rated's answer (sql/000012.sql):
+   * null, the key was not taken; digits, taken and the start counted at that instant (µs since the epoch);
+   * '-', not taken (the rate must decide first); '~', taken, the start not counted.
+   */
+  RATED: 9,
 } as const;
 
 /**
@@ -124,6 +130,23 @@ function failedUnlocks(pidParam: number): string {
         where ${onOwnBackend(pidParam)} and not pg_catalog.pg_advisory_unlock(t.k)`;
 }
 
+/**
+ * The branch of a lock statement for requests of jobs with a lock and a rate (lock_rated, sql/000012.sql),
+ * from parameter `$first`: their keys, rate keys, labels, limits, periods (ms), bursts and pause keys (each
+ * request's, comma-separated). Under `onOwnBackend(pidParam)`.
+ */
+function ratedBranch(s: string, first: number, pidParam: number): string {
+  const p = (n: number) => `$${first + n}`;
+  return `
+      union all
+      select ${BatchOp.RATED}, t.i::int, ${s}.lock_rated(t.k, t.rk, t.label, t.lim,
+          t.per * interval '1 millisecond', t.burst, string_to_array(t.pause, ',')::bigint[])
+        from unnest(${p(0)}::bigint[], ${p(1)}::bigint[], ${p(2)}::text[], ${p(3)}::int[],
+          ${p(4)}::float8[], ${p(5)}::int[], ${p(6)}::text[])
+          with ordinality as t(k, rk, label, lim, per, burst, pause, i)
+        where ${onOwnBackend(pidParam)}`;
+}
+
 const ADD_JOB_ARGS = `identifier => $1::text,
     payload => $2::json,
     queue_name => $3::text,
@@ -158,11 +181,17 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   const supersedeColumn = (n: number) =>
     `, case when r.outcome = 'added' and ($${n}::bigint[])[r.ord] is not null
         then ${s}.supersede(($${n}::bigint[])[r.ord], (r.job).id) end as superseded`;
+  /** The branch of `lockBatchStacked`'s requests ($11, $12). */
+  const stackedBranch = `      union all
+      select ${BatchOp.STACKED}, t.i::int, ${s}.try_lock_all(t.limits, t.job)
+        from unnest($11::text[], $12::bigint[]) with ordinality as t(limits, job, i)
+        where ${onOwnBackend(9)}
+`;
   /**
-   * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) before
-   * its wakes.
+   * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) and
+   * `rated` (`ratedBranch`, or nothing) before its wakes.
    */
-  const lockBatchText = (stacked: string) => `${backendRow(10)}
+  const lockBatchText = (stacked: string, rated = "") => `${backendRow(10)}
       union all
       select ${BatchOp.WOKEN}, 0, null
         where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
@@ -192,7 +221,8 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
         from unnest($3::text[]) with ordinality as t(slots, i)
         where ${onOwnBackend(9)}
-${stacked}      union all
+${stacked}${rated}
+      union all
       select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null
         where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)}
       union all
@@ -247,11 +277,7 @@ ${stacked}      union all
      */
     lockBatchStacked: {
       name: `gwl_lock_stacked`,
-      text: lockBatchText(`      union all
-      select ${BatchOp.STACKED}, t.i::int, ${s}.try_lock_all(t.limits, t.job)
-        from unnest($11::text[], $12::bigint[]) with ordinality as t(limits, job, i)
-        where ${onOwnBackend(9)}
-`),
+      text: lockBatchText(stackedBranch),
     },
 
     /**
@@ -268,6 +294,29 @@ ${stacked}      union all
       select ${BatchOp.LOCK_FAILED}, t.i::int, null
         from unnest($2::bigint[]) with ordinality as t(k, i)
         where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)`,
+    },
+
+    /**
+     * The three lock statements with requests of jobs with a lock and a rate: `ratedBranch` from the
+     * parameter after their own (lockBatchPlain's $5, lockBatch's $11, lockBatchStacked's $13).
+     */
+    lockBatchPlainRated: {
+      name: `gwl_lock_plain_rated`,
+      text: `${backendRow(4)}
+      union all
+      ${failedUnlocks(3)}
+      union all
+      select ${BatchOp.LOCK_FAILED}, t.i::int, null
+        from unnest($2::bigint[]) with ordinality as t(k, i)
+        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)${ratedBranch(s, 5, 3)}`,
+    },
+    lockBatchRated: {
+      name: `gwl_lock_batch_rated`,
+      text: lockBatchText("", ratedBranch(s, 11, 9)),
+    },
+    lockBatchStackedRated: {
+      name: `gwl_lock_stacked_rated`,
+      text: lockBatchText(stackedBranch, ratedBranch(s, 13, 9)),
     },
 
     /**

@@ -1,8 +1,9 @@
 /**
  * The task wrapper: takes the job's key on the lock session before the task runs and releases it after,
  * and applies the conflict strategy when the key is held. A task with a `rate` or a pause has its start
- * checked next (rates/gate.ts; with `lock: false`, only that; with a rate, the job asks it once before it
- * takes its key, without counting a start), and a snooze or pause it throws is carried out.
+ * checked too (rates/gate.ts; with `lock: false`, only that; with a lock and a rate, the job asks the rate
+ * before it takes its key, or in the same statement: `probeAndRun`, `rideAndRun`), and a snooze or pause it
+ * throws is carried out.
  */
 import type { Job, JobHelpers, Task } from "graphile-worker";
 import { LockConflictError, SupersededError } from "../errors.js";
@@ -394,6 +395,38 @@ export function makeExclusiveTask<TPayload>(
     }
   };
   const probed = options.lock && options.rate !== null;
+  // A job of such a task that gives up on a conflict (`drop`, `raise`), with one slot and no line to wake, asks
+  // its rate in its lock statement instead (lock_rated, sql/000012.sql): no round trip of its own.
+  const rides = probed && !options.limits && options.onConflict !== "reschedule" && !shared;
+
+  /**
+   * A job whose rate rides in its lock statement: it takes its key and, where the rate lets it start now, its
+   * start is counted there (and taken back if it does not start). Where the rate must decide first (a pause,
+   * a reservation, no room), the statement took nothing, and the job asks the rate first (`probeAndRun`).
+   * A start the statement did not count (its row was busy, or the key passed in memory) is decided once the
+   * job holds its key (runTask).
+   */
+  const rideAndRun = async (payload: unknown, helpers: JobHelpers) => {
+    const { job } = helpers;
+    const slots = keysOfJob(job);
+    const keys = gateKeys(job);
+    const ride = slots.length === 1 ? gate.ride(job, keys) : null;
+    if (!ride) return probeAndRun(payload, helpers);
+    const result = await giveBack.acquire(job, helpers, slots, holdInfo, undefined, ride);
+    if (result === null) return;
+    if (!result.acquired) {
+      if (!result.rateFirst) return onConflict(job, helpers, slots, result.local);
+      gate.refused(keys);
+      return probeAndRun(payload, helpers);
+    }
+    if (!result.counted) return runHeld(result.hold, payload, helpers);
+    const counted = gate.counted(job, keys, result.counted);
+    try {
+      return await runHeld(result.hold, payload, helpers, counted);
+    } finally {
+      await counted.refund(helpers);
+    }
+  };
 
   const wrapped = (payload: unknown, helpers: JobHelpers): Promise<ReturnType<Task>> => {
     // A task without a lock: only its start is checked (rate, pause).
@@ -401,7 +434,10 @@ export function makeExclusiveTask<TPayload>(
     // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
     // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);
-    if (!ahead) return probed ? probeAndRun(payload, helpers) : acquireAndRun(payload, helpers);
+    if (!ahead) {
+      if (!probed) return acquireAndRun(payload, helpers);
+      return rides ? rideAndRun(payload, helpers) : probeAndRun(payload, helpers);
+    }
     if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
     return ahead.promise.then((result) => runLockedAhead(result, payload, helpers));
   };

@@ -8,7 +8,7 @@ import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
 import type { LocksContext } from "../context.js";
 import { ErrorCodes } from "../errors.js";
-import type { AcquireResult, HoldInfo } from "../session/holds.js";
+import type { AcquireResult, HoldInfo, RateRide } from "../session/holds.js";
 
 /** The shortest delay of a deferred job's copy: it runs as soon as the session is back anyway. */
 const DEFER_MIN_MS = 1000;
@@ -102,12 +102,13 @@ export class GiveBack {
     slots: bigint[],
     holdInfo: (job: Job, slots: readonly bigint[]) => HoldInfo,
     limits?: ReadonlyArray<readonly bigint[]>,
+    ride?: RateRide,
   ): Promise<AcquireResult | null> {
     const { ctx } = this;
     const deadline = performance.now() + ctx.lockSessionWaitMs;
     for (;;) {
       try {
-        return await ctx.session.acquire(slots, holdInfo(job, slots), limits);
+        return await ctx.session.acquire(slots, holdInfo(job, slots), limits, ride);
       } catch (error) {
         if (helpers.abortSignal?.aborted) throw error;
         if (isLockTableFull(error)) {

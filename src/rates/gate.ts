@@ -3,13 +3,15 @@
  * Each is one statement on graphile-worker's connection (`helpers.withPgClient`): the start's statement
  * (rate_admit, sql/000011.sql, which decides as rate_start in sql/000004.sql when the key is not simply
  * below its rate) admits the job or gives it back to the queue in the same transaction, so a job over its
- * rate or under a pause costs one round trip either way.
+ * rate or under a pause costs one round trip either way. A job whose rate rides in its lock statement
+ * (`ride`, lock_rated in sql/000012.sql) sends none when its key is below its rate.
  */
 import { setTimeout as delay } from "node:timers/promises";
 import type { Job, JobHelpers } from "graphile-worker";
 import type { LocksContext } from "../context.js";
 import { NotPausableError, PauseError, SnoozeError, type PauseScope } from "../errors.js";
 import type { ResolvedExclusiveOptions } from "../options.js";
+import type { RateRide, RodeStart } from "../session/holds.js";
 import type { RateKey } from "./options.js";
 import type { RateStatements } from "./statements.js";
 import { RESERVED_FLAG, Turns } from "./turns.js";
@@ -143,9 +145,18 @@ export class CountedStart {
   }
 }
 
+/** How many keys `RateGate.throttled` remembers before it forgets them all. */
+const THROTTLED_KEYS_MAX = 10_000;
+
 export class RateGate {
   private readonly sql: RateStatements;
   private readonly turns = new Turns();
+  /**
+   * Rate keys that refused a job of this process lately, with the time (performance.now) until which their
+   * jobs ask the rate before they take their lock, rather than in their lock statement (`ride`): such a key
+   * would mostly answer that the rate must decide first, a lock statement spent for nothing.
+   */
+  private readonly throttled = new Map<string, number>();
 
   constructor(
     private readonly ctx: LocksContext,
@@ -158,6 +169,43 @@ export class RateGate {
   /** Whether the task's starts go through the gate at all. */
   static needed(options: ResolvedExclusiveOptions<never>): boolean {
     return options.rate !== null || options.pausable;
+  }
+
+  /**
+   * The rate to ask in the job's lock statement (lock_rated, sql/000012.sql), or null when the job asks it
+   * first (probe): a copy that comes for a reserved slot, or a job of a key that refused one lately.
+   */
+  ride(job: Job, keys: GateKeys): RateRide | null {
+    const rate = this.options.rate;
+    if (!rate || !keys.rate) return null;
+    if ((job.flags as Record<string, unknown> | null)?.[RESERVED_FLAG]) return null;
+    const key = keys.rate.key.toString();
+    const until = this.throttled.get(key);
+    if (until !== undefined) {
+      if (performance.now() < until) return null;
+      this.throttled.delete(key);
+    }
+    return {
+      rateKey: key,
+      label: keys.rate.material,
+      limit: rate.limit,
+      periodMs: rate.period,
+      burst: rate.burst,
+      pauseKeys: this.pauseKeys(keys),
+    };
+  }
+
+  /** The rate key of `keys` refused a job now: its next jobs ask it first for a period (`ride`). */
+  refused(keys: GateKeys): void {
+    const rate = this.options.rate;
+    if (!rate || !keys.rate) return;
+    if (this.throttled.size >= THROTTLED_KEYS_MAX) this.throttled.clear();
+    this.throttled.set(keys.rate.key.toString(), performance.now() + rate.period);
+  }
+
+  /** A start the job's lock statement counted with its key (`ride`). */
+  counted(job: Job, keys: GateKeys, start: RodeStart): CountedStart {
+    return new CountedStart(this.ctx, this.taskIdentifier, job, keys.rate!, start.at, start.atUs);
   }
 
   /** The keys whose pause stops this job. */
@@ -241,6 +289,7 @@ export class RateGate {
         throw new Error(`Could not give job ${job.id} back: it no longer exists`);
       if (row.reason === "rate") ctx.wakeIn(delayMs - RATE_WAKE_AHEAD_MS, row.copy_id);
       else ctx.wakeIn(delayMs);
+      this.refused(keys);
       helpers.logger.debug(
         `Job ${job.id} ${row.reason === "paused" ? "meets a paused key" : "is over its rate"}: its copy ${row.copy_id} runs at ${row.at.toISOString()}`,
       );

@@ -15,6 +15,8 @@ export interface Batch {
   multis: LockRequest[];
   /** Requests of jobs with several limits (one slot of each, all or nothing). */
   stacked: LockRequest[];
+  /** Single keys asked with their job's rate (`LockRequest.ride`). */
+  rated: LockRequest[];
   /** Early wakes of the next job in line of these holds' keys. */
   prewakes: HoldImpl[];
   /** Whether idle workers of this process fetch the jobs woken early (they are not announced). */
@@ -30,9 +32,18 @@ export function makeBatch(
   const singles: LockRequest[] = [];
   const multis: LockRequest[] = [];
   const stacked: LockRequest[] = [];
-  for (const request of locks)
-    (request.limits ? stacked : request.slots.length === 1 ? singles : multis).push(request);
-  return { unlocks, singles, multis, stacked, prewakes, wakeHere };
+  const rated: LockRequest[] = [];
+  for (const request of locks) {
+    const list = request.limits
+      ? stacked
+      : request.ride
+        ? rated
+        : request.slots.length === 1
+          ? singles
+          : multis;
+    list.push(request);
+  }
+  return { unlocks, singles, multis, stacked, rated, prewakes, wakeHere };
 }
 
 /**
@@ -92,8 +103,22 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
  * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
  * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
  */
+/** The parameters of a batch's `rated` requests (sql.ts, `ratedBranch`). */
+function ratedValues(rated: readonly LockRequest[]): unknown[] {
+  const rides = rated.map((r) => r.ride!);
+  return [
+    integerArray(rated.map((r) => r.slots[0]!)),
+    integerArray(rides.map((ride) => ride.rateKey)),
+    rides.map((ride) => ride.label),
+    integerArray(rides.map((ride) => String(ride.limit))),
+    rides.map((ride) => ride.periodMs),
+    integerArray(rides.map((ride) => String(ride.burst))),
+    rides.map((ride) => ride.pauseKeys.join(",")),
+  ];
+}
+
 export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
-  const { unlocks, singles, multis, stacked, prewakes, wakeHere } = batch;
+  const { unlocks, singles, multis, stacked, rated, prewakes, wakeHere } = batch;
   const waking = unlockLines(unlocks);
   const plain =
     multis.length === 0 &&
@@ -104,11 +129,20 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
   // $1 and $2 of both statements (the pid and mark are $3 and $4 of the plain one, $9 and $10 of the other).
   const unlocked = integerArray(unlockKeys(unlocks).keys);
   const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
+  const rides = rated.length > 0;
   if (plain) {
-    const { name, text } = sql.lockBatchPlain;
-    return { name, text, values: [unlocked, singleKeys, pid, mark] };
+    const { name, text } = rides ? sql.lockBatchPlainRated : sql.lockBatchPlain;
+    const values = [unlocked, singleKeys, pid, mark];
+    return { name, text, values: rides ? [...values, ...ratedValues(rated)] : values };
   }
-  const { name, text } = stacked.length > 0 ? sql.lockBatchStacked : sql.lockBatch;
+  const { name, text } =
+    stacked.length > 0
+      ? rides
+        ? sql.lockBatchStackedRated
+        : sql.lockBatchStacked
+      : rides
+        ? sql.lockBatchRated
+        : sql.lockBatch;
   const values: unknown[] = [
     unlocked,
     singleKeys,
@@ -130,6 +164,7 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
       integerArray(stacked.map((r) => (r.info.reschedule ? r.info.jobId : null))),
     );
   }
+  if (rides) values.push(...ratedValues(rated));
   return { name, text, values };
 }
 
@@ -155,6 +190,8 @@ export interface BatchAnswer {
   prewoken: Map<number, string>;
   /** What each request of several limits took (see BatchOp.STACKED). */
   stacked: Map<number, string>;
+  /** What each request with its rate answered (see BatchOp.RATED; null: its key was not taken). */
+  rated: Map<number, string | null>;
 }
 
 export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
@@ -166,6 +203,7 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
     slots: new Map(),
     prewoken: new Map(),
     stacked: new Map(),
+    rated: new Map(),
   };
   for (const row of rows) {
     switch (row.op) {
@@ -189,6 +227,9 @@ export function decodeBatch(rows: readonly BatchRow[]): BatchAnswer {
         break;
       case BatchOp.STACKED:
         answer.stacked.set(row.i, row.key!);
+        break;
+      case BatchOp.RATED:
+        answer.rated.set(row.i, row.key);
         break;
     }
   }

@@ -18,6 +18,7 @@ import {
   type HoldInfo,
   type HoldOwner,
   type LockRequest,
+  type RodeStart,
 } from "./holds.js";
 import { lockFlag } from "../key.js";
 import { probeAnswered, probeStage } from "./timing-probe.js";
@@ -104,7 +105,7 @@ export abstract class SessionBook implements HoldOwner {
     noticesAtSend: number,
     sentAt: number,
   ): void {
-    const { unlocks, singles, multis, stacked } = batch;
+    const { unlocks, singles, multis, stacked, rated } = batch;
     if (generation !== this.connection.generation) {
       // The connection died after answering: whatever this statement took died with it.
       const unavailable = lockSessionUnavailable("the connection was lost");
@@ -139,6 +140,27 @@ export abstract class SessionBook implements HoldOwner {
         this.handoff.awaitRelease(r, noticesAtSend);
       else this.settleLock(r, null, generation, false);
     });
+    rated.forEach((r, index) => this.settleRated(r, answer.rated.get(index + 1), generation));
+  }
+
+  /**
+   * Settles a request asked with its rate from lock_rated's answer (see BatchOp.RATED; every such request
+   * has a row when the statement ran on its own backend).
+   */
+  private settleRated(request: LockRequest, rode: string | null | undefined, generation: number) {
+    if (rode === "-") {
+      for (const k of request.slots) {
+        this.pending.delete(k);
+        this.handoff.answered(k);
+      }
+      request.resolve({ acquired: false, local: false, rateFirst: true });
+      return;
+    }
+    const counted =
+      rode == null || rode === "~"
+        ? undefined
+        : { at: new Date(Number(BigInt(rode) / 1000n)), atUs: rode };
+    this.settleLock(request, rode == null ? null : request.slots[0]!, generation, false, counted);
   }
 
   /**
@@ -257,6 +279,7 @@ export abstract class SessionBook implements HoldOwner {
     key: string | null,
     generation: number,
     line: boolean,
+    counted?: RodeStart,
   ): void {
     for (const k of request.slots) {
       this.pending.delete(k);
@@ -267,7 +290,8 @@ export abstract class SessionBook implements HoldOwner {
       return;
     }
     probeStage("granted", request.info.jobId);
-    request.resolve({ acquired: true, hold: this.grant(request, key, generation, line) });
+    const hold = this.grant(request, key, generation, line);
+    request.resolve(counted ? { acquired: true, hold, counted } : { acquired: true, hold });
   }
 
   /**

@@ -79,11 +79,32 @@ export interface Hold {
 }
 
 /**
+ * The rate of a job with a lock and a rate, asked in its lock statement (lock_rated, sql/000012.sql): its
+ * rate key, readable name, limit, period (ms) and burst, and the keys whose pause stops it.
+ */
+export interface RateRide {
+  rateKey: string;
+  label: string;
+  limit: number;
+  periodMs: number;
+  burst: number;
+  pauseKeys: string[];
+}
+
+/** A start a lock statement counted with its key (`RateRide`): its instant, and in µs since the epoch. */
+export interface RodeStart {
+  at: Date;
+  atUs: string;
+}
+
+/**
  * An acquisition's outcome. A conflict of a job with several limits says which limit (from 0) was full
- * (`full`).
+ * (`full`). A request with a `RateRide` may come back with its start counted (`counted`), or not taken
+ * because its rate must decide first (`rateFirst`: the key has a pause, a reservation or no room).
  */
 export type AcquireResult =
-  { acquired: true; hold: Hold } | { acquired: false; local: boolean; full?: number };
+  | { acquired: true; hold: Hold; counted?: RodeStart }
+  | { acquired: false; local: boolean; full?: number; rateFirst?: boolean };
 
 /** Who takes an acquisition's outcome without a promise: null when it failed (see `acquireInto`). */
 export interface AcquireReceiver {
@@ -204,6 +225,8 @@ export interface LockRequest {
   limits?: string[][];
   /** With `limits`: each limit's slot-0 key (its line) for a limit of one slot, else "" (no line order). */
   lines?: string[];
+  /** The rate asked with a single key, in the same statement (see `RateRide`). */
+  ride?: RateRide;
 }
 
 /**
@@ -216,6 +239,7 @@ export class Acquisition implements LockRequest {
   waits?: number;
   limits?: string[][];
   lines?: string[];
+  ride?: RateRide;
   private done = false;
   private value: AcquireResult | undefined;
   private error: Error | undefined;

@@ -56,6 +56,7 @@ import {
   type AcquireResult,
   type HoldInfo,
   type LockRequest,
+  type RateRide,
 } from "./holds.js";
 import type { IdleWorkers } from "./idle.js";
 import { QuietUnlocks } from "./quiet-unlocks.js";
@@ -234,9 +235,13 @@ export class LockSession extends SessionBook {
     slots: readonly bigint[],
     info: HoldInfo,
     limits?: ReadonlyArray<readonly bigint[]>,
+    ride?: RateRide,
   ): Promise<AcquireResult> {
     if (limits) return this.acquireAll(limits, info);
-    return this.queueIfFree(slots, info, undefined)?.promise() ?? this.acquireSlowly(slots, info);
+    return (
+      this.queueIfFree(slots, info, undefined, ride)?.promise() ??
+      this.acquireSlowly(slots, info, ride)
+    );
   }
 
   /** `acquire`, its outcome given to `receiver` (null if it failed) rather than promised: for lock-ahead. */
@@ -262,13 +267,22 @@ export class LockSession extends SessionBook {
     slots: readonly bigint[],
     info: HoldInfo,
     receiver: AcquireReceiver | undefined,
+    ride?: RateRide,
   ): Acquisition | null {
     if (this.connection.state !== "ready" || slots.length !== 1) return null;
     const key = slots[0]!.toString();
-    return this.isFree(key) ? this.queueLock([key], slots, info, receiver) : null;
+    return this.isFree(key) ? this.queueLock([key], slots, info, receiver, ride) : null;
   }
 
-  private async acquireSlowly(slots: readonly bigint[], info: HoldInfo): Promise<AcquireResult> {
+  /**
+   * `acquire` when the key is not simply free here. A request with a `ride` that ends up taking its key
+   * without a statement of its own (passed in memory) comes back without its start counted.
+   */
+  private async acquireSlowly(
+    slots: readonly bigint[],
+    info: HoldInfo,
+    ride?: RateRide,
+  ): Promise<AcquireResult> {
     const keys = slots.map(String);
     const semaphore = keys.length > 1;
     /** Slots that a statement this request waited for found held by other sessions (semaphores only). */
@@ -319,6 +333,7 @@ export class LockSession extends SessionBook {
       free.length === slots.length ? slots : free.map((k) => BigInt(k)),
       info,
       undefined,
+      slots.length === 1 ? ride : undefined,
     ).promise();
   }
 
@@ -449,8 +464,10 @@ export class LockSession extends SessionBook {
     keys: readonly bigint[],
     info: HoldInfo,
     receiver: AcquireReceiver | undefined,
+    ride?: RateRide,
   ): Acquisition {
     const acquisition = new Acquisition(free, keys as bigint[], info, receiver);
+    if (ride) acquisition.ride = ride;
     probeQueued(acquisition);
     this.lockQueue.push(acquisition);
     this.scheduleFlush();
@@ -555,8 +572,8 @@ export class LockSession extends SessionBook {
       prewakes,
       wakeHere,
     );
-    const { unlocks, singles, multis, stacked } = batch;
-    const locks = [...singles, ...multis, ...stacked];
+    const { unlocks, singles, multis, stacked, rated } = batch;
+    const locks = [...singles, ...multis, ...stacked, ...rated];
     // Hand-over checks: this statement, sent after they asked, answers them (see Handoff.confirmHandOver).
     const confirms = this.closing ? [] : this.confirmQueue.splice(0);
     for (const hold of unlocks) probeStage("unlockSent", hold.info.jobId);

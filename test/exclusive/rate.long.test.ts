@@ -66,14 +66,19 @@ async function startsByKey(): Promise<Map<string, Array<{ n: number; at: number 
 }
 
 describe("rate across 3 processes", () => {
-  for (const lock of [false, true]) {
-    it(`a backlog of thousands over 3 keys: never more than limit starts in any period, each job once, no attempt burned; at least limit - 1 starts in each period from the first start, at most about one give-back per job (lock: ${lock})`, async () => {
+  // (`ride`: a `drop` task with a lock of each job's own, whose rate is asked in its lock statement)
+  for (const { lock, ride } of [
+    { lock: false, ride: false },
+    { lock: true, ride: false },
+    { lock: true, ride: true },
+  ]) {
+    it(`a backlog of thousands over 3 keys: never more than limit starts in any period, each job once, no attempt burned; at least limit - 1 starts in each period from the first start, at most about one give-back per job (lock: ${lock}${ride ? ", in its lock statement" : ""})`, async () => {
       await reset();
       const limit = 20;
       // (long enough that a busy machine's fetch latency is small beside the spacing of the slots)
       const period = 4000;
       const keys = ["a", "b", "c"];
-      const perKey = lock ? 200 : 400;
+      const perKey = lock && !ride ? 200 : 400;
       const workers: WorkerProcess[] = [];
       try {
         for (const name of ["r1", "r2", "r3"]) {
@@ -82,7 +87,7 @@ describe("rate across 3 processes", () => {
               name,
               concurrency: 8,
               attach: true,
-              rate: { limit, period, lock },
+              rate: { limit, period, lock, ride },
             }),
           );
         }
@@ -113,7 +118,7 @@ describe("rate across 3 processes", () => {
         // (the reading asserted: "starts per period", as the bench's rate row counts them)
         expect(fewest, `key ${k}`).toBeGreaterThanOrEqual(limit - 1);
         console.log(
-          `lock: ${lock}, key ${k}: fewest starts in a period from the first ${fewest} of ${limit}; in a window from any start after the first period ${minStartsInWindow(at, period, period)}; longest gap ${gap} ms`,
+          `lock: ${lock}${ride ? " (ride)" : ""}, key ${k}: fewest starts in a period from the first ${fewest} of ${limit}; in a window from any start after the first period ${minStartsInWindow(at, period, period)}; longest gap ${gap} ms`,
         );
       }
       const runs = await q<{ note: string; n: number; attempts: number }>(
@@ -129,11 +134,13 @@ describe("rate across 3 processes", () => {
       );
       const count = (kind: string) => events.rows.find((r) => r.kind === kind)?.n ?? 0;
       console.log(
-        `lock: ${lock}: ${count("job:throttled")} give-backs over the rate, ${count("lock:conflict")} lock conflicts, ${count("job:rescheduled")} parks for ${keys.length * perKey} jobs`,
+        `lock: ${lock}${ride ? " (ride)" : ""}: ${count("job:throttled")} give-backs over the rate, ${count("lock:conflict")} lock conflicts, ${count("job:rescheduled")} parks for ${keys.length * perKey} jobs`,
       );
       // About one give-back per job, never a loop (with a lock too: a copy whose slot moved later, behind
       // jobs that started late waiting for the key's lock, is woken at its new slot, not given back again).
       expect(count("job:throttled")).toBeLessThanOrEqual(keys.length * perKey * 1.1);
+      // Each job has a key of its own: none may meet it held.
+      if (ride) expect(count("lock:conflict")).toBe(0);
     }, 360_000);
   }
   // The runs above print both readings. lock: false, TEST_LONG=1 at load 10 to 22 on 2 cores: 20 of 20 in

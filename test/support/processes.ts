@@ -16,7 +16,7 @@ export interface WorkerProcessOptions {
   /** Another worker script of test/fixtures/ (file name) than worker.ts. */
   script?: string;
   /** Adds the task `rated` with this rate (see test/fixtures/worker.ts). */
-  rate?: { limit: number; period: number; lock?: boolean };
+  rate?: { limit: number; period: number; lock?: boolean; ride?: boolean };
 }
 
 export interface WorkerProcess {

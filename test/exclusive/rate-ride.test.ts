@@ -1,0 +1,206 @@
+/**
+ * A job with a lock and a rate that gives up on a conflict (`drop`, `raise`) asks its rate in its lock
+ * statement (lock_rated, sql/000012.sql): its start is counted there, with no statement of its own on
+ * graphile-worker's connection; a busy row of the rate does not hold up the lock session; and the rate still
+ * decides before the lock (a job over its rate goes back to the queue even when its key is held). Real
+ * PostgreSQL and graphile-worker runners; the cross-process proof is in rate.long.test.ts.
+ */
+import pg from "pg";
+import { describe, expect, it } from "vitest";
+import type { Locks } from "../../src/index.js";
+import { waitFor } from "../support/db.js";
+import { useExclusiveHarness } from "../support/exclusive.js";
+
+const h = useExclusiveHarness(
+  "truncate test_executions, test_events; delete from graphile_worker_locks.rates; delete from graphile_worker_locks.rate_reservations; delete from graphile_worker_locks.pauses",
+);
+const { db, newLocks, runner } = h;
+
+/**
+ * Counts, from now until the test ends, the statements sent by name: `rate_admit` (a job's rate asked on
+ * graphile-worker's connection) and lock statements that carry a rate (`gwl_lock_*_rated`).
+ */
+function countStatements() {
+  const counts = { rateAdmit: 0, lockRated: 0 };
+  const original = pg.Client.prototype.query;
+  h.cleanups.push(async () => {
+    pg.Client.prototype.query = original;
+  });
+  pg.Client.prototype.query = function (this: pg.Client, ...args: unknown[]) {
+    const name = (args[0] as { name?: string } | undefined)?.name;
+    if (typeof name === "string") {
+      if (name.startsWith("gwl_rate_admit_")) counts.rateAdmit++;
+      if (name.startsWith("gwl_lock_") && name.endsWith("_rated")) counts.lockRated++;
+    }
+    return (original as (...a: unknown[]) => unknown).apply(this, args);
+  } as typeof original;
+  return counts;
+}
+
+/** Job ids of `rate:admitted`, `job:throttled`, `job:dropped` and `lock:conflict`, by payload `n`. */
+function recordOutcomes(locks: Locks) {
+  const seen = {
+    admitted: [] as number[],
+    throttled: [] as number[],
+    dropped: [] as number[],
+    conflicts: [] as number[],
+  };
+  const n = (e: { job: { payload: unknown } }) => (e.job.payload as { n: number }).n;
+  locks.events.on("rate:admitted", (e) => seen.admitted.push(n(e)));
+  locks.events.on("job:throttled", (e) => seen.throttled.push(n(e)));
+  locks.events.on("job:dropped", (e) => seen.dropped.push(n(e)));
+  locks.events.on("lock:conflict", (e) => seen.conflicts.push(n(e)));
+  return seen;
+}
+
+describe("a rate asked in the lock statement", () => {
+  it("counts the start of a job below its rate there, with no rate statement on graphile-worker's connection", async () => {
+    const counts = countStatements();
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const ran: number[] = [];
+    const task = locks.exclusive(
+      "ride_plain",
+      async (p: { n: number; k: string }) => {
+        ran.push(p.n);
+      },
+      { key: (p) => ({ n: p.n }), rate: { limit: 1000, period: 60_000, key: (p) => p.k } },
+    );
+    const jobs = 40;
+    await h.utils.addJobs(
+      Array.from({ length: jobs }, (_, n) => ({
+        identifier: "ride_plain",
+        payload: { n, k: n % 2 === 0 ? "even" : "odd" },
+      })),
+    );
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ride_plain: task },
+    });
+    locks.attach(r);
+    await waitFor(async () => ran.length === jobs, { message: "every job to run" });
+    expect([...ran].sort((a, b) => a - b)).toEqual(Array.from({ length: jobs }, (_, n) => n));
+    expect([...seen.admitted].sort((a, b) => a - b)).toEqual(ran.sort((a, b) => a - b));
+    expect(seen.throttled).toEqual([]);
+    // Every start was counted by a lock statement; none asked the rate on its own.
+    expect(counts.rateAdmit).toBe(0);
+    expect(counts.lockRated).toBeGreaterThan(0);
+    const { rows } = await h.q<{ label: string; n: number }>(
+      "select label, cardinality(starts)::int as n from graphile_worker_locks.rates order by label",
+    );
+    expect(rows.map((row) => row.n)).toEqual([jobs / 2, jobs / 2]);
+  });
+
+  it("a busy row of the rate does not hold up the lock session: the job is admitted once it holds its key", async () => {
+    const counts = countStatements();
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const ran: string[] = [];
+    const rated = locks.exclusive(
+      "ride_busy",
+      async (p: { n: number }) => {
+        ran.push(`rated ${p.n}`);
+      },
+      { key: () => "one", rate: { limit: 10, period: 60_000 } },
+    );
+    const plain = locks.exclusive("ride_other", async (p: { n: number }) => {
+      ran.push(`plain ${p.n}`);
+    });
+    // The key's row, made by a first start, then held by a transaction of another connection.
+    await h.utils.addJob("ride_busy", { n: 0 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ride_busy: rated, ride_other: plain },
+    });
+    locks.attach(r);
+    await waitFor(async () => ran.includes("rated 0"), { message: "job 0 to run" });
+    const holder = await h.connect();
+    await holder.query("begin");
+    await holder.query("select 1 from graphile_worker_locks.rates for update");
+    try {
+      await h.utils.addJob("ride_busy", { n: 1 });
+      // Job 1's lock statement took its key and skipped the busy row; its rate now waits on
+      // graphile-worker's connection. Meanwhile the lock session serves other jobs.
+      await waitFor(async () => counts.rateAdmit === 1, { message: "job 1 to ask its rate" });
+      await h.utils.addJob("ride_other", { n: 2 });
+      await waitFor(async () => ran.includes("plain 2"), {
+        message: "a job of another task to run while the row is busy",
+      });
+      expect(ran).not.toContain("rated 1");
+    } finally {
+      await holder.query("rollback");
+    }
+    await waitFor(async () => ran.includes("rated 1"), { message: "job 1 to run" });
+    expect(seen.admitted).toEqual([0, 1]);
+    expect(seen.conflicts).toEqual([]);
+    const { rows } = await h.q<{ n: number }>(
+      "select cardinality(starts)::int as n from graphile_worker_locks.rates",
+    );
+    expect(rows).toEqual([{ n: 2 }]);
+  });
+
+  it("the rate decides first: a job over its rate whose key is held goes back to the queue; one below it meets the conflict", async () => {
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const ran: number[] = [];
+    const full = locks.exclusive(
+      "ride_full",
+      async (p: { n: number }) => {
+        ran.push(p.n);
+      },
+      { key: () => "one", rate: { limit: 1, period: 60_000 } },
+    );
+    const room = locks.exclusive(
+      "ride_room",
+      async (p: { n: number }) => {
+        ran.push(p.n);
+      },
+      { key: () => "one", rate: { limit: 10, period: 60_000 } },
+    );
+    const free = locks.exclusive(
+      "ride_free",
+      async (p: { n: number }) => {
+        ran.push(p.n);
+      },
+      { key: () => "one", rate: { limit: 1, period: 60_000 } },
+    );
+    await h.utils.addJob("ride_full", { n: 0 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 2,
+      taskList: { ride_full: full, ride_room: room, ride_free: free },
+    });
+    locks.attach(r);
+    await waitFor(async () => ran.includes(0), { message: "job 0 to use the rate" });
+    const fullHeld = await h.holdExternally(full.lockKey({ n: 1 }));
+    await h.holdExternally(room.lockKey({ n: 2 }));
+    await h.utils.addJob("ride_full", { n: 1 });
+    await h.utils.addJob("ride_room", { n: 2 });
+    await waitFor(async () => seen.throttled.includes(1) && seen.dropped.includes(2), {
+      message: "job 1 to be given back and job 2 dropped",
+    });
+    expect(seen.conflicts).toEqual([2]);
+    expect(ran).toEqual([0]);
+    expect(seen.admitted).toEqual([0]);
+    // Its key free, a job over its rate is given back too, its statement leaving the key free (job 4, of a
+    // task no job of which was refused yet: it asks its rate in its lock statement).
+    await fullHeld.release();
+    await h.utils.addJob("ride_free", { n: 3 });
+    await waitFor(async () => ran.includes(3), { message: "job 3 to use the rate" });
+    await h.utils.addJob("ride_free", { n: 4 });
+    await waitFor(async () => seen.throttled.includes(4), { message: "job 4 to be given back" });
+    expect(await free.lockAvailable({ n: 4 })).toBe(true);
+    expect(seen.conflicts).toEqual([2]);
+    expect(seen.admitted).toEqual([0, 3]);
+    // Jobs 1 and 4's copies wait for their slots, a period on.
+    const copies = `from graphile_worker._private_jobs j join graphile_worker._private_tasks t
+      on t.id = j.task_id where t.identifier in ('ride_full', 'ride_free')`;
+    const { rows } = await h.q<{ n: number }>(
+      `select count(*)::int as n ${copies} and j.run_at > now() + interval '30 seconds'`,
+    );
+    expect(rows[0]!.n).toBe(2);
+    await h.q(`delete from graphile_worker._private_jobs where id in (select j.id ${copies})`);
+  });
+});
