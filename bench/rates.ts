@@ -9,7 +9,7 @@
  *    task with a rate only, and one that also takes its key's execution lock (`reschedule`).
  * 3. An unthrottled job of a throttled task (a lock and a rate it never meets) against a plain exclusive job
  *    and a plain graphile-worker job, alternating (noop-run.ts): what the rate adds per job, in time and in
- *    PostgreSQL's CPU, against what one lock statement adds.
+ *    PostgreSQL's CPU, against what one lock statement adds; and the same for a `reschedule` task.
  */
 import pg from "pg";
 import { library } from "./library.js";
@@ -185,6 +185,12 @@ const UNTHROTTLED: Array<{
       );
     },
   },
+  // The same pair for a task that waits its turn: its lock statement also reads its key's line.
+  { label: "plain exclusive, reschedule", options: { onConflict: "reschedule" } },
+  {
+    label: "lock (reschedule) + rate",
+    options: { onConflict: "reschedule", rate: { limit: 1_000_000, period: 1000 } },
+  },
 ];
 
 async function unthrottled(ctx: BenchContext, size: Size): Promise<NoopRun[]> {
@@ -225,6 +231,8 @@ export const rates = sizedSection(
     const rateUs = us[2]! - us[1]!;
     const lockCpu = u[1]!.serverCpuUsPerJob - u[0]!.serverCpuUsPerJob;
     const rateCpu = u[2]!.serverCpuUsPerJob - u[1]!.serverCpuUsPerJob;
+    const lineLockUs = us[5]! - us[0]!;
+    const lineRateUs = us[6]! - us[5]!;
     return {
       tables: [
         table(
@@ -260,7 +268,7 @@ export const rates = sizedSection(
             fmtInt(u[i]!.serverCpuUsPerJob),
           ]),
           [
-            "One lock statement's cost: the plain exclusive row less the first row; the rate's: the lock + rate row less the plain exclusive row.",
+            "One lock statement's cost: the plain exclusive row less the first row; the rate's: the lock + rate row less the plain exclusive row (with reschedule: the last row less the one before it, against that one less the first).",
           ],
         ),
       ],
@@ -288,6 +296,12 @@ export const rates = sizedSection(
           "≤ 1",
           rateUs / lockUs,
           rateUs <= lockUs,
+        ),
+        goal(
+          `unthrottled, reschedule: the rate's time per job ÷ one lock statement's (${fmtInt(lineLockUs)} µs)`,
+          "≤ 1",
+          lineRateUs / lineLockUs,
+          lineRateUs <= lineLockUs,
         ),
       ],
       figures: {

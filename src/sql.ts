@@ -79,8 +79,9 @@ export const BatchOp = {
   STACKED: 8,
   /**
    * Request i of a job with a lock and a rate (`ratedBranch`): `key` is lock_rated's answer (sql/000012.sql):
-   * null, the key was not taken; digits, taken and the start counted at that instant (µs since the epoch);
-   * '-', not taken (the rate must decide first); '~', taken, the start not counted.
+   * null or 'w', the key not taken (as LOCK_FAILED and WAIT_FOR_RELEASE); '-', nothing taken (the rate must
+   * decide first); digits, the key taken and the start counted at that instant (µs since the epoch); '~',
+   * the key taken, the start not counted; 'L' before digits or '~', others wait in line for the key.
    */
   RATED: 9,
 } as const;
@@ -132,18 +133,19 @@ function failedUnlocks(pidParam: number): string {
 
 /**
  * The branch of a lock statement for requests of jobs with a lock and a rate (lock_rated, sql/000012.sql),
- * from parameter `$first`: their keys, rate keys, labels, limits, periods (ms), bursts and pause keys (each
- * request's, comma-separated). Under `onOwnBackend(pidParam)`.
+ * from parameter `$first`: their keys, `reschedule` jobs' ids (null for the others, as $5 of `lockBatch`),
+ * rate keys, labels, limits, periods (ms), bursts and pause keys (each request's, comma-separated). Under
+ * `onOwnBackend(pidParam)`.
  */
 function ratedBranch(s: string, first: number, pidParam: number): string {
   const p = (n: number) => `$${first + n}`;
   return `
       union all
-      select ${BatchOp.RATED}, t.i::int, ${s}.lock_rated(t.k, t.rk, t.label, t.lim,
+      select ${BatchOp.RATED}, t.i::int, ${s}.lock_rated(t.k, t.job, t.rk, t.label, t.lim,
           t.per * interval '1 millisecond', t.burst, string_to_array(t.pause, ',')::bigint[])
-        from unnest(${p(0)}::bigint[], ${p(1)}::bigint[], ${p(2)}::text[], ${p(3)}::int[],
-          ${p(4)}::float8[], ${p(5)}::int[], ${p(6)}::text[])
-          with ordinality as t(k, rk, label, lim, per, burst, pause, i)
+        from unnest(${p(0)}::bigint[], ${p(1)}::bigint[], ${p(2)}::bigint[], ${p(3)}::text[],
+          ${p(4)}::int[], ${p(5)}::float8[], ${p(6)}::int[], ${p(7)}::text[])
+          with ordinality as t(k, job, rk, label, lim, per, burst, pause, i)
         where ${onOwnBackend(pidParam)}`;
 }
 

@@ -395,12 +395,12 @@ export function makeExclusiveTask<TPayload>(
     }
   };
   const probed = options.lock && options.rate !== null;
-  // A job of such a task that gives up on a conflict (`drop`, `raise`), with one slot and no line to wake, asks
-  // its rate in its lock statement instead (lock_rated, sql/000012.sql): no round trip of its own.
-  const rides = probed && !options.limits && options.onConflict !== "reschedule" && !shared;
+  // A job of such a task with one slot and one limit asks its rate in its lock statement instead (lock_rated,
+  // sql/000012.sql): no round trip of its own.
+  const rides = probed && !options.limits;
 
   /**
-   * A job whose rate rides in its lock statement: it takes its key and, where the rate lets it start now, its
+   * A job whose rate rides in its lock statement: where the rate lets it start now, it takes its key and its
    * start is counted there (and taken back if it does not start). Where the rate must decide first (a pause,
    * a reservation, no room), the statement took nothing, and the job asks the rate first (`probeAndRun`).
    * A start the statement did not count (its row was busy, or the key passed in memory) is decided once the

@@ -108,6 +108,7 @@ function ratedValues(rated: readonly LockRequest[]): unknown[] {
   const rides = rated.map((r) => r.ride!);
   return [
     integerArray(rated.map((r) => r.slots[0]!)),
+    integerArray(rated.map((r) => (r.info.reschedule ? r.info.jobId : null))),
     integerArray(rides.map((ride) => ride.rateKey)),
     rides.map((ride) => ride.label),
     integerArray(rides.map((ride) => String(ride.limit))),

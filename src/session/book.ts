@@ -140,14 +140,21 @@ export abstract class SessionBook implements HoldOwner {
         this.handoff.awaitRelease(r, noticesAtSend);
       else this.settleLock(r, null, generation, false);
     });
-    rated.forEach((r, index) => this.settleRated(r, answer.rated.get(index + 1), generation));
+    rated.forEach((r, index) =>
+      this.settleRated(r, answer.rated.get(index + 1), generation, noticesAtSend),
+    );
   }
 
   /**
    * Settles a request asked with its rate from lock_rated's answer (see BatchOp.RATED; every such request
    * has a row when the statement ran on its own backend).
    */
-  private settleRated(request: LockRequest, rode: string | null | undefined, generation: number) {
+  private settleRated(
+    request: LockRequest,
+    rode: string | null | undefined,
+    generation: number,
+    noticesAtSend: number,
+  ) {
     if (rode === "-") {
       for (const k of request.slots) {
         this.pending.delete(k);
@@ -156,11 +163,18 @@ export abstract class SessionBook implements HoldOwner {
       request.resolve({ acquired: false, local: false, rateFirst: true });
       return;
     }
+    if (rode == null || rode === "w") {
+      if (rode === "w" && (request.waits ?? 0) < 2)
+        this.handoff.awaitRelease(request, noticesAtSend);
+      else this.settleLock(request, null, generation, false);
+      return;
+    }
+    const line = rode.startsWith("L");
+    const start = line ? rode.slice(1) : rode;
+    if (request.waits) this.handoff.counts.afterRelease++;
     const counted =
-      rode == null || rode === "~"
-        ? undefined
-        : { at: new Date(Number(BigInt(rode) / 1000n)), atUs: rode };
-    this.settleLock(request, rode == null ? null : request.slots[0]!, generation, false, counted);
+      start === "~" ? undefined : { at: new Date(Number(BigInt(start) / 1000n)), atUs: start };
+    this.settleLock(request, request.slots[0]!, generation, line, counted);
   }
 
   /**
