@@ -10,6 +10,9 @@ import { describe, expect, it } from "vitest";
 import type { Locks } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
+import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "../../src/session/batch.js";
+import type { HoldInfo, LockRequest, RateRide } from "../../src/session/holds.js";
+import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
 
 const h = useExclusiveHarness(
   "truncate test_executions, test_events; delete from graphile_worker_locks.rates; delete from graphile_worker_locks.rate_reservations; delete from graphile_worker_locks.pauses",
@@ -296,5 +299,75 @@ describe("a rate asked in the lock statement", () => {
       "select cardinality(starts)::int as n from graphile_worker_locks.rates",
     );
     expect(rows).toEqual([{ n: jobs }]);
+  });
+
+  it("each lock statement that carries rates (plain, full, with several limits) takes the key and counts the start", async () => {
+    const sql = makeSql("graphile_worker_locks", "graphile_worker");
+    const client = await h.connect();
+    await client.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, "test"]);
+    const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!
+      .pid;
+    const request = (
+      slots: string[],
+      info: HoldInfo,
+      extra: Partial<LockRequest> = {},
+    ): LockRequest => ({
+      slots,
+      keys: slots.map(BigInt),
+      info,
+      resolve: () => undefined,
+      reject: () => undefined,
+      ...extra,
+    });
+    const plainInfo: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
+    const ride = (rateKey: string): RateRide => ({
+      rateKey,
+      label: `rate ${rateKey}`,
+      limit: 5,
+      periodMs: 60_000,
+      burst: 5,
+      pauseKeys: [],
+    });
+    const cases = [
+      // (a plain batch: the rated request alone)
+      { name: "gwl_lock_plain_rated", locks: [request(["101"], plainInfo, { ride: ride("901") })] },
+      // (a full batch: a semaphore request beside it)
+      {
+        name: "gwl_lock_batch_rated",
+        locks: [
+          request(["102"], plainInfo, { ride: ride("902") }),
+          request(["201", "202"], plainInfo),
+        ],
+      },
+      // (a batch with a request of several limits beside it)
+      {
+        name: "gwl_lock_stacked_rated",
+        locks: [
+          request(["103"], plainInfo, { ride: ride("903") }),
+          request(["301", "302"], plainInfo, { limits: [["301"], ["302"]], lines: ["301", "302"] }),
+        ],
+      },
+    ];
+    for (const c of cases) {
+      const query = batchQuery(sql, makeBatch([], c.locks, [], false), pid, "test");
+      expect(query.name).toBe(c.name);
+      const { rows } = await client.query<BatchRow>(query);
+      const answer = decodeBatch(rows);
+      expect(answer.marked, c.name).toBe(true);
+      const rated = answer.rated.get(1);
+      expect(rated, c.name).toMatch(/^\d+$/);
+    }
+    const { rows } = await client.query<{ k: string }>(
+      "select ((classid::bigint << 32) | objid::bigint)::text as k from pg_locks where locktype = 'advisory' and pid = pg_backend_pid() order by 1",
+    );
+    expect(rows.map((r) => r.k)).toEqual(expect.arrayContaining(["101", "102", "103"]));
+    const logs = await h.q<{ rate_key: string; n: number }>(
+      "select rate_key::text, cardinality(starts)::int as n from graphile_worker_locks.rates order by rate_key",
+    );
+    expect(logs.rows).toEqual([
+      { rate_key: "901", n: 1 },
+      { rate_key: "902", n: 1 },
+      { rate_key: "903", n: 1 },
+    ]);
   });
 });
