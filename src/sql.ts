@@ -230,6 +230,14 @@ ${stacked}${rated}
       union all
       select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
         where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`;
+  /** The text of `lockBatchPlain`, with `rated` (`ratedBranch`, or nothing) after its single keys. */
+  const lockBatchPlainText = (rated: string) => `${backendRow(4)}
+      union all
+      ${failedUnlocks(3)}
+      union all
+      select ${BatchOp.LOCK_FAILED}, t.i::int, null
+        from unnest($2::bigint[]) with ordinality as t(k, i)
+        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)${rated}`;
   return {
     /** Rates, snooze and pause (rates/statements.ts). */
     rates: rateStatements(s, w),
@@ -289,13 +297,7 @@ ${stacked}${rated}
      */
     lockBatchPlain: {
       name: `gwl_lock_plain`,
-      text: `${backendRow(4)}
-      union all
-      ${failedUnlocks(3)}
-      union all
-      select ${BatchOp.LOCK_FAILED}, t.i::int, null
-        from unnest($2::bigint[]) with ordinality as t(k, i)
-        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)`,
+      text: lockBatchPlainText(""),
     },
 
     /**
@@ -304,13 +306,7 @@ ${stacked}${rated}
      */
     lockBatchPlainRated: {
       name: `gwl_lock_plain_rated`,
-      text: `${backendRow(4)}
-      union all
-      ${failedUnlocks(3)}
-      union all
-      select ${BatchOp.LOCK_FAILED}, t.i::int, null
-        from unnest($2::bigint[]) with ordinality as t(k, i)
-        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)${ratedBranch(s, 5, 3)}`,
+      text: lockBatchPlainText(ratedBranch(s, 5, 3)),
     },
     lockBatchRated: {
       name: `gwl_lock_batch_rated`,
