@@ -13,7 +13,10 @@
 -- back to the queue rather than meet its key held, and a key is never taken and released in one call (its
 -- line, if it has one, would miss that release's wake). Then the key is taken as the lock statement takes a
 -- single key (a `reschedule` job, `p_job_id`, only if no parked job of the key is ahead of it: is_next), and
--- the start is counted under the key's row. Answers, as text:
+-- the start is counted under the key's row. (This version of the library sends only `drop` and `raise` jobs
+-- this way, so `p_job_id` is null: src/exclusive/exclusive.ts says why `reschedule` jobs ask first. The
+-- function takes them as the lock statement's single keys would, so that a later version can send them
+-- without a new function.) Answers, as text:
 --   null       the key was not taken (held elsewhere); nothing counted: the job meets its conflict strategy.
 --   'w'        as null, for the `reschedule` job woken early for the key (WAIT_FOR_RELEASE in sql.ts).
 --   '-'        nothing taken: the rate must decide first (it would refuse the job; or the key is held and

@@ -395,9 +395,11 @@ export function makeExclusiveTask<TPayload>(
     }
   };
   const probed = options.lock && options.rate !== null;
-  // A job of such a task with one slot and one limit asks its rate in its lock statement instead (lock_rated,
-  // sql/000012.sql): no round trip of its own.
-  const rides = probed && !options.limits;
+  // A job of such a task with one slot and one limit that gives up on a conflict (`drop`, `raise`) asks its
+  // rate in its lock statement instead (lock_rated, sql/000012.sql): no round trip of its own. A `reschedule`
+  // job asks it first: one that took its key while its rate's row was busy would hold the key while its rate
+  // refused it, and the copies whose slot came meanwhile would park behind it (see docs/semantics.md).
+  const rides = probed && !options.limits && options.onConflict !== "reschedule";
 
   /**
    * A job whose rate rides in its lock statement: where the rate lets it start now, it takes its key and its

@@ -1,8 +1,9 @@
 /**
- * A job with a lock (one slot, one limit) and a rate asks its rate in its lock statement (lock_rated,
- * sql/000012.sql): its start is counted there, with no statement of its own on graphile-worker's connection;
- * a busy row of the rate does not hold up the lock session; the rate still decides before the lock (a job
- * over its rate goes back to the queue even when its key is held); and a `reschedule` job keeps its line.
+ * A job with a lock (one slot, one limit, `drop` or `raise`) and a rate asks its rate in its lock statement
+ * (lock_rated, sql/000012.sql): its start is counted there, with no statement of its own on graphile-worker's
+ * connection; a busy row of the rate does not hold up the lock session; and the rate still decides before the
+ * lock (a job over its rate goes back to the queue even when its key is held). A line of `reschedule` jobs
+ * with a rate (which ask their rate first) runs each job once, one at a time.
  * Real PostgreSQL and graphile-worker runners; the cross-process proof is in rate.long.test.ts.
  */
 import pg from "pg";
@@ -205,50 +206,6 @@ describe("a rate asked in the lock statement", () => {
     );
     expect(rows[0]!.n).toBe(2);
     await h.q(`delete from graphile_worker._private_jobs where id in (select j.id ${copies})`);
-  });
-
-  it("a `reschedule` job that meets its key held counts nothing, parks, and is counted once when it starts", async () => {
-    const counts = countStatements();
-    const locks = newLocks();
-    const seen = recordOutcomes(locks);
-    const parked: number[] = [];
-    locks.events.on("job:rescheduled", (e) => parked.push((e.job.payload as { n: number }).n));
-    const ran: number[] = [];
-    const task = locks.exclusive(
-      "ride_line",
-      async (p: { n: number }) => {
-        ran.push(p.n);
-      },
-      {
-        key: () => "one",
-        onConflict: "reschedule",
-        reschedule: { minDelay: 50, maxDelay: 200 },
-        rate: { limit: 10, period: 60_000 },
-      },
-    );
-    const held = await h.holdExternally(task.lockKey({ n: 0 }));
-    await h.utils.addJob("ride_line", { n: 0 });
-    const r = await runner({
-      connectionString: db.url,
-      concurrency: 4,
-      taskList: { ride_line: task },
-    });
-    locks.attach(r);
-    await waitFor(async () => parked.includes(0), { message: "job 0 to park" });
-    const log = async () =>
-      (
-        await h.q<{ n: number }>(
-          "select cardinality(starts)::int as n from graphile_worker_locks.rates",
-        )
-      ).rows.map((row) => row.n);
-    // Its lock statement read the rate (room) and met the key held: nothing was counted.
-    expect(await log()).toEqual([]);
-    expect(seen.conflicts).toContain(0);
-    await held.release();
-    await waitFor(async () => ran.includes(0), { message: "job 0 to run" });
-    expect(seen.admitted).toEqual([0]);
-    expect(await log()).toEqual([1]);
-    expect(counts.rateAdmit).toBe(0);
   });
 
   it("a line of `reschedule` jobs of one key: each runs once, one at a time, each start counted once", async () => {
