@@ -8,7 +8,12 @@ import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { useTestDatabase, waitFor } from "../support/db.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
-import { maxStartsInWindow, minStartsInPeriods, minStartsInWindow } from "../support/rates.js";
+import {
+  maxStartsInWindow,
+  minStartsInPeriods,
+  startsPerPeriod,
+  minStartsInWindow,
+} from "../support/rates.js";
 
 const db = useTestDatabase();
 let utils: WorkerUtils;
@@ -116,7 +121,11 @@ describe("rate across 3 processes", () => {
         const gap = Math.max(...sorted.slice(1).map((t, i) => t - sorted[i]!));
         const fewest = minStartsInPeriods(at, period);
         // (the reading asserted: "starts per period", as the bench's rate row counts them)
-        expect(fewest, `key ${k}`).toBeGreaterThanOrEqual(limit - 1);
+        // (the message lists every period's starts, so that a shortfall says where it fell)
+        expect(
+          fewest,
+          `key ${k}, starts per period: ${startsPerPeriod(at, period).join(" ")}`,
+        ).toBeGreaterThanOrEqual(limit - 1);
         console.log(
           `lock: ${lock}${ride ? " (ride)" : ""}, key ${k}: fewest starts in a period from the first ${fewest} of ${limit}; in a window from any start after the first period ${minStartsInWindow(at, period, period)}; longest gap ${gap} ms`,
         );

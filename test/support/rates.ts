@@ -41,6 +41,11 @@ export function minStartsInWindow(starts: readonly number[], periodMs: number, f
  * exists).
  */
 export function minStartsInPeriods(starts: readonly number[], periodMs: number): number {
+  return Math.min(...startsPerPeriod(starts, periodMs));
+}
+
+/** The starts in each whole period from the first start, one after another (see minStartsInPeriods). */
+export function startsPerPeriod(starts: readonly number[], periodMs: number): number[] {
   const sorted = [...starts].sort((a, b) => a - b);
   const first = sorted[0]!;
   const periods = Math.floor((sorted[sorted.length - 1]! - first) / periodMs);
@@ -49,7 +54,7 @@ export function minStartsInPeriods(starts: readonly number[], periodMs: number):
     const k = Math.floor((t - first) / periodMs);
     if (k < periods) counts[k]!++;
   }
-  return Math.min(...counts);
+  return counts;
 }
 
 /**
