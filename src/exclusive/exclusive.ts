@@ -204,13 +204,14 @@ export function makeExclusiveTask<TPayload>(
   // Starts through the gate (a rate, a pause); a snooze or pause the task throws is carried out there too.
   const gate = new RateGate(ctx, taskIdentifier, options as ResolvedExclusiveOptions<never>);
   const gated = RateGate.needed(options as ResolvedExclusiveOptions<never>);
-  const gateKeys = (job: Job): GateKeys => {
+  /** `lockKey`: the job's slot 0, when the caller has its slots already. */
+  const gateKeys = (job: Job, lockKey = keysOfJob(job)[0]!): GateKeys => {
     const value = () => lockKeyValue(taskIdentifier, options, job.payload, job.id, true);
     return {
       rate: options.rate
         ? rateKeyOf(taskIdentifier, options.rate, job.payload, value, job.id)
         : null,
-      lockKey: keysOfJob(job)[0]!,
+      lockKey,
       lockMaterial: () => lockKeyMaterial(options.lockGroup ?? taskIdentifier, value(), null),
     };
   };
@@ -411,7 +412,7 @@ export function makeExclusiveTask<TPayload>(
   const rideAndRun = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;
     const slots = keysOfJob(job);
-    const keys = gateKeys(job);
+    const keys = gateKeys(job, slots[0]!);
     const ride = slots.length === 1 ? gate.ride(job, keys) : null;
     if (!ride) return probeAndRun(payload, helpers);
     const result = await giveBack.acquire(job, helpers, slots, holdInfo, undefined, ride);

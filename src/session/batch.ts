@@ -99,10 +99,6 @@ function integerArray(values: ReadonlyArray<bigint | string | null>): string {
   return literal + "}";
 }
 
-/**
- * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
- * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
- */
 /** The parameters of a batch's `rated` requests (sql.ts, `ratedBranch`). */
 function ratedValues(rated: readonly LockRequest[]): unknown[] {
   const rides = rated.map((r) => r.ride!);
@@ -118,6 +114,10 @@ function ratedValues(rated: readonly LockRequest[]): unknown[] {
   ];
 }
 
+/**
+ * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
+ * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
+ */
 export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
   const { unlocks, singles, multis, stacked, rated, prewakes, wakeHere } = batch;
   const waking = unlockLines(unlocks);

@@ -156,10 +156,7 @@ export abstract class SessionBook implements HoldOwner {
     noticesAtSend: number,
   ) {
     if (rode === "-") {
-      for (const k of request.slots) {
-        this.pending.delete(k);
-        this.handoff.answered(k);
-      }
+      this.answered(request);
       request.resolve({ acquired: false, local: false, rateFirst: true });
       return;
     }
@@ -251,10 +248,7 @@ export abstract class SessionBook implements HoldOwner {
       `A lock statement failed: ${full.message}. The lock session stays connected; ${locks.length} lock request(s) failed, ${unlocks.length} unlock(s) done, ${row?.released ?? 0} key(s) the statement left held released`,
     );
     for (const request of locks) {
-      for (const k of request.slots) {
-        this.pending.delete(k);
-        this.handoff.answered(k);
-      }
+      this.answered(request);
       request.reject(full);
     }
     for (const hold of unlocks) this.settleUnlock(hold, true);
@@ -287,6 +281,14 @@ export abstract class SessionBook implements HoldOwner {
     for (const hold of unlocks) hold.settle(LOST);
   }
 
+  /** `request`'s keys are no longer being acquired: its statement answered (or failed). */
+  private answered(request: LockRequest): void {
+    for (const k of request.slots) {
+      this.pending.delete(k);
+      this.handoff.answered(k);
+    }
+  }
+
   /** Settles a lock request with the key it took (`line`: others wait in line for it), or none. */
   private settleLock(
     request: LockRequest,
@@ -295,10 +297,7 @@ export abstract class SessionBook implements HoldOwner {
     line: boolean,
     counted?: RodeStart,
   ): void {
-    for (const k of request.slots) {
-      this.pending.delete(k);
-      this.handoff.answered(k);
-    }
+    this.answered(request);
     if (key === null) {
       request.resolve({ acquired: false, local: false });
       return;
@@ -313,10 +312,7 @@ export abstract class SessionBook implements HoldOwner {
    * '!' and the limit that was full (it took none).
    */
   private settleStacked(request: LockRequest, taken: string, generation: number): void {
-    for (const k of request.slots) {
-      this.pending.delete(k);
-      this.handoff.answered(k);
-    }
+    this.answered(request);
     if (taken.startsWith("!")) {
       request.resolve({ acquired: false, local: false, full: Number(taken.slice(1)) - 1 });
       return;
