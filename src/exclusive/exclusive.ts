@@ -396,18 +396,17 @@ export function makeExclusiveTask<TPayload>(
     }
   };
   const probed = options.lock && options.rate !== null;
-  // A job of such a task with one slot and one limit that gives up on a conflict (`drop`, `raise`) asks its
-  // rate in its lock statement instead (lock_rated, sql/000012.sql): no round trip of its own. A `reschedule`
-  // job asks it first: one that took its key while its rate's row was busy would hold the key while its rate
-  // refused it, and the copies whose slot came meanwhile would park behind it (see docs/semantics.md).
-  const rides = probed && !options.limits && options.onConflict !== "reschedule";
+  // A job of such a task with one slot and one limit asks its rate in its lock statement instead (lock_rated,
+  // sql/000012.sql and 000013.sql): no round trip of its own.
+  const rides = probed && !options.limits;
 
   /**
    * A job whose rate rides in its lock statement: where the rate lets it start now, it takes its key and its
    * start is counted there (and taken back if it does not start). Where the rate must decide first (a pause,
-   * a reservation, no room), the statement took nothing, and the job asks the rate first (`probeAndRun`).
-   * A start the statement did not count (its row was busy, or the key passed in memory) is decided once the
-   * job holds its key (runTask).
+   * a reservation, no room; for a `reschedule` job also its rate's row busy, or its key held), the statement
+   * took nothing, and the job asks the rate first (`probeAndRun`). A start the statement did not count (a
+   * `drop` or `raise` job's row was busy, or the key passed in memory) is decided once the job holds its key
+   * (runTask).
    */
   const rideAndRun = async (payload: unknown, helpers: JobHelpers) => {
     const { job } = helpers;

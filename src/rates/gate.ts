@@ -195,7 +195,10 @@ export class RateGate {
     };
   }
 
-  /** The rate key of `keys` refused a job now: its next jobs ask it first for a period (`ride`). */
+  /**
+   * The rate key of `keys` refused a job now, or a `reschedule` job met its key held: its next jobs ask it
+   * first for a period (`ride`).
+   */
   refused(keys: GateKeys): void {
     const rate = this.options.rate;
     if (!rate || !keys.rate) return;

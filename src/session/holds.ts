@@ -100,7 +100,8 @@ export interface RodeStart {
 /**
  * An acquisition's outcome. A conflict of a job with several limits says which limit (from 0) was full
  * (`full`). A request with a `RateRide` may come back with its start counted (`counted`), or not taken
- * because its rate must decide first (`rateFirst`: the key has a pause, a reservation or no room).
+ * because its rate must decide first (`rateFirst`: the key has a pause, a reservation or no room; or, for a
+ * `reschedule` job, its rate's row was busy or its key held).
  */
 export type AcquireResult =
   | { acquired: true; hold: Hold; counted?: RodeStart }

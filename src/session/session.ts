@@ -276,7 +276,10 @@ export class LockSession extends SessionBook {
 
   /**
    * `acquire` when the key is not simply free here. A request with a `ride` that ends up taking its key
-   * without a statement of its own (passed in memory) comes back without its start counted.
+   * without a statement of its own (passed in memory) comes back without its start counted; a `reschedule`
+   * one never does: where its key is held, kept or being taken in this process, it takes nothing and its
+   * rate decides first (`rateFirst`), so that it does not hold its key while its rate decides it with no
+   * reservation of its own.
    */
   private async acquireSlowly(
     slots: readonly bigint[],
@@ -292,6 +295,7 @@ export class LockSession extends SessionBook {
       if (this.connection.state !== "ready") await this.connection.ensureReady();
       free = keys.filter((k) => this.isFree(k) && !heldElsewhere?.has(k));
       if (free.length > 0) break;
+      if (ride && info.reschedule) return { acquired: false, local: false, rateFirst: true };
       // Another job of this process is only trying to take these keys. A semaphore request takes one slot of
       // all it tries, and a job that waits its turn (`reschedule`) may fail where this one would not (it may
       // not be that job's turn): wait for that answer, then look again.

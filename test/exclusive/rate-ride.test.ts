@@ -1,9 +1,9 @@
 /**
- * A job with a lock (one slot, one limit, `drop` or `raise`) and a rate asks its rate in its lock statement
- * (lock_rated, sql/000012.sql): its start is counted there, with no statement of its own on graphile-worker's
- * connection; a busy row of the rate does not hold up the lock session; and the rate still decides before the
- * lock (a job over its rate goes back to the queue even when its key is held). A line of `reschedule` jobs
- * with a rate (which ask their rate first) runs each job once, one at a time.
+ * A job with a lock (one slot, one limit) and a rate asks its rate in its lock statement (lock_rated,
+ * sql/000012.sql): its start is counted there, with no statement of its own on graphile-worker's connection;
+ * a busy row of the rate does not hold up the lock session (a `reschedule` job then takes nothing and asks
+ * its rate first); the rate still decides before the lock (a job over its rate goes back to the queue even
+ * when its key is held); and a `reschedule` job keeps its line.
  * Real PostgreSQL and graphile-worker runners; the cross-process proof is in rate.long.test.ts.
  */
 import pg from "pg";
@@ -145,6 +145,62 @@ describe("a rate asked in the lock statement", () => {
     expect(rows).toEqual([{ n: 2 }]);
   });
 
+  it("a `reschedule` job whose rate's row is busy takes nothing: its key stays free while it asks its rate first", async () => {
+    const counts = countStatements();
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const ran: string[] = [];
+    const rated = locks.exclusive(
+      "ride_busy_line",
+      async (p: { n: number }) => {
+        ran.push(`rated ${p.n}`);
+      },
+      {
+        key: () => "one",
+        onConflict: "reschedule",
+        reschedule: { minDelay: 50, maxDelay: 200 },
+        rate: { limit: 10, period: 60_000 },
+      },
+    );
+    const plain = locks.exclusive("ride_other_line", async (p: { n: number }) => {
+      ran.push(`plain ${p.n}`);
+    });
+    await h.utils.addJob("ride_busy_line", { n: 0 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ride_busy_line: rated, ride_other_line: plain },
+    });
+    locks.attach(r);
+    await waitFor(async () => ran.includes("rated 0"), { message: "job 0 to run" });
+    // Job 0 rode: its start was counted in its lock statement.
+    expect(counts.rateAdmit).toBe(0);
+    const holder = await h.connect();
+    await holder.query("begin");
+    await holder.query("select 1 from graphile_worker_locks.rates for update");
+    try {
+      await h.utils.addJob("ride_busy_line", { n: 1 });
+      // Job 1's lock statement found the row busy and took nothing; its rate now waits on
+      // graphile-worker's connection, its key free meanwhile, and the lock session serves other jobs.
+      await waitFor(async () => counts.rateAdmit === 1, { message: "job 1 to ask its rate" });
+      await h.utils.addJob("ride_other_line", { n: 2 });
+      await waitFor(async () => ran.includes("plain 2"), {
+        message: "a job of another task to run while the row is busy",
+      });
+      expect(await rated.lockAvailable({ n: 1 })).toBe(true);
+      expect(ran).not.toContain("rated 1");
+    } finally {
+      await holder.query("rollback");
+    }
+    await waitFor(async () => ran.includes("rated 1"), { message: "job 1 to run" });
+    expect(seen.admitted).toEqual([0, 1]);
+    expect(seen.conflicts).toEqual([]);
+    const { rows } = await h.q<{ n: number }>(
+      "select cardinality(starts)::int as n from graphile_worker_locks.rates",
+    );
+    expect(rows).toEqual([{ n: 2 }]);
+  });
+
   it("the rate decides first: a job over its rate whose key is held goes back to the queue; one below it meets the conflict", async () => {
     const locks = newLocks();
     const seen = recordOutcomes(locks);
@@ -206,6 +262,101 @@ describe("a rate asked in the lock statement", () => {
     );
     expect(rows[0]!.n).toBe(2);
     await h.q(`delete from graphile_worker._private_jobs where id in (select j.id ${copies})`);
+  });
+
+  it("a `reschedule` job that meets its key held asks its rate first, parks with nothing left counted, and is counted once when it starts", async () => {
+    const counts = countStatements();
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const parked: number[] = [];
+    locks.events.on("job:rescheduled", (e) => parked.push((e.job.payload as { n: number }).n));
+    const ran: number[] = [];
+    const task = locks.exclusive(
+      "ride_line",
+      async (p: { n: number }) => {
+        ran.push(p.n);
+      },
+      {
+        key: () => "one",
+        onConflict: "reschedule",
+        reschedule: { minDelay: 50, maxDelay: 200 },
+        rate: { limit: 10, period: 60_000 },
+      },
+    );
+    const held = await h.holdExternally(task.lockKey({ n: 0 }));
+    await h.utils.addJob("ride_line", { n: 0 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ride_line: task },
+    });
+    locks.attach(r);
+    await waitFor(async () => parked.includes(0), { message: "job 0 to park" });
+    const log = async () =>
+      (
+        await h.q<{ n: number }>(
+          "select cardinality(starts)::int as n from graphile_worker_locks.rates",
+        )
+      ).rows.map((row) => row.n);
+    // Its lock statement met the key held and took nothing; the job then asked its rate on
+    // graphile-worker's connection (the probe, which counted its start), met the key held again, parked,
+    // and its start was taken back.
+    expect(counts.rateAdmit).toBe(1);
+    expect(await log()).toEqual([0]);
+    expect(seen.conflicts).toContain(0);
+    await held.release();
+    await waitFor(async () => ran.includes(0), { message: "job 0 to run" });
+    expect(seen.admitted).toEqual([0]);
+    expect(await log()).toEqual([1]);
+  });
+
+  it("a `reschedule` job whose key a job of its own process holds asks its rate before it waits for the key", async () => {
+    const counts = countStatements();
+    const locks = newLocks();
+    const seen = recordOutcomes(locks);
+    const ran: number[] = [];
+    let finish!: () => void;
+    const finished = new Promise<void>((resolve) => (finish = resolve));
+    const task = locks.exclusive(
+      "ride_local",
+      async (p: { n: number }) => {
+        ran.push(p.n);
+        if (p.n === 0) await finished;
+      },
+      {
+        key: () => "one",
+        onConflict: "reschedule",
+        reschedule: { minDelay: 50, maxDelay: 200 },
+        rate: { limit: 10, period: 60_000 },
+      },
+    );
+    await h.utils.addJob("ride_local", { n: 0 });
+    const r = await runner({
+      connectionString: db.url,
+      concurrency: 4,
+      taskList: { ride_local: task },
+    });
+    locks.attach(r);
+    await waitFor(async () => ran.includes(0), { message: "job 0 to run" });
+    // Job 0 rode: its start was counted in its lock statement.
+    expect(counts.rateAdmit).toBe(0);
+    try {
+      await h.utils.addJob("ride_local", { n: 1 });
+      // Job 1 finds its key held here. Its rate decides now, while job 0 still holds the key: it does not
+      // take the key in memory at job 0's end with its rate still to be asked.
+      await waitFor(async () => counts.rateAdmit === 1, {
+        message: "job 1 to ask its rate while job 0 holds the key",
+      });
+      expect(ran).toEqual([0]);
+    } finally {
+      finish();
+    }
+    await waitFor(async () => ran.includes(1), { message: "job 1 to run" });
+    expect(seen.admitted).toEqual([0, 1]);
+    const { rows } = await h.q<{ n: number }>(
+      "select cardinality(starts)::int as n from graphile_worker_locks.rates",
+    );
+    expect(rows).toEqual([{ n: 2 }]);
   });
 
   it("a line of `reschedule` jobs of one key: each runs once, one at a time, each start counted once", async () => {

@@ -19,6 +19,7 @@ import { IdleWorkers } from "../../src/session/idle.js";
 import { Wakes } from "../../src/rates/wakes.js";
 import { maxStartsInWindow, minStartsInPeriods } from "../support/rates.js";
 import { startRunner } from "../support/runner.js";
+import { slotKeys } from "../../src/key.js";
 
 const h = useExclusiveHarness(
   "truncate test_executions, test_events; delete from graphile_worker_locks.rates; delete from graphile_worker_locks.rate_reservations; delete from graphile_worker_locks.pauses",
@@ -597,12 +598,15 @@ describe("rate with an execution lock", () => {
     const starts = recordStarts(locks);
     const parked: number[] = [];
     locks.events.on("job:rescheduled", (e) => parked.push((e.job.payload as { n: number }).n));
+    // (two slots: a job of one slot and one limit asks its rate in its lock statement, rate-ride.test.ts)
     const task = locks.exclusive("counted", async () => undefined, {
       key: () => "one",
+      limit: 2,
       onConflict: "reschedule",
       reschedule: { minDelay: 50, maxDelay: 200 },
       rate: { limit: 10, period: 60_000 },
     });
+    const slots = slotKeys("counted", "one", 2, null).map(String);
     // Every log the key's row holds, as written (a probe's start, then its refund).
     await h.q(`
       create table if not exists test_rate_logs (id bigserial primary key, n int not null);
@@ -618,7 +622,7 @@ describe("rate with an execution lock", () => {
         for each row when (new.label like '%:counted:%') execute function test_record_rate_log();`);
     const holder = await db.pool().connect();
     try {
-      await holder.query("select pg_advisory_lock($1)", [task.lockKey({}).toString()]);
+      await holder.query("select pg_advisory_lock(k) from unnest($1::bigint[]) k", [slots]);
       await h.utils.addJob("counted", { n: 0 });
       const r = await runner({
         connectionString: db.url,
@@ -644,7 +648,7 @@ describe("rate with an execution lock", () => {
           )
         ).rows[0]?.n;
       expect(starts).toEqual([]);
-      await holder.query("select pg_advisory_unlock($1)", [task.lockKey({}).toString()]);
+      await holder.query("select pg_advisory_unlock(k) from unnest($1::bigint[]) k", [slots]);
       // Its copy starts once the key is free, counted once.
       await waitFor(async () => starts.length === 1, { message: "job 0 to start" });
       await drained();
@@ -673,16 +677,19 @@ describe("rate with an execution lock", () => {
     locks.events.on("job:throttled", (e) =>
       throttled.set((e.job.payload as { n: number }).n, e.newJobId),
     );
+    // (two slots, as above)
     const task = locks.exclusive("kept", async () => undefined, {
       key: () => "one",
+      limit: 2,
       onConflict: "reschedule",
       reschedule: { minDelay: 50, maxDelay: 200 },
       rate: { limit: 1, period: 60_000 },
     });
+    const slots = slotKeys("kept", "one", 2, null).map(String);
     // The key's lock is held elsewhere (another connection), so job 0, whose slot is now, parks.
     const holder = await db.pool().connect();
     try {
-      await holder.query("select pg_advisory_lock($1)", [task.lockKey({}).toString()]);
+      await holder.query("select pg_advisory_lock(k) from unnest($1::bigint[]) k", [slots]);
       await h.utils.addJob("kept", { n: 0 });
       const r = await runner({
         connectionString: db.url,
@@ -702,7 +709,7 @@ describe("rate with an execution lock", () => {
          join graphile_worker._private_jobs j on j.id = r.job_id order by r.pos`,
       );
       expect(rows.map((x) => x.n)).toEqual([0, 1]);
-      await holder.query("select pg_advisory_unlock($1)", [task.lockKey({}).toString()]);
+      await holder.query("select pg_advisory_unlock(k) from unnest($1::bigint[]) k", [slots]);
       // The copy runs (by its safety net or a wake) at its reserved slot.
       await waitFor(async () => starts.length === 1, { message: "job 0 to start" });
       expect(starts.map((s) => s.n)).toEqual([0]);
