@@ -78,9 +78,9 @@ export const BatchOp = {
    */
   STACKED: 8,
   /**
-   * Request i of a job with a lock and a rate (`ratedBranch`): `key` is lock_rated's answer (sql/000012.sql):
-   * null or 'w', the key not taken (as LOCK_FAILED and WAIT_FOR_RELEASE); '-', nothing taken (the rate must
-   * decide first); digits, the key taken and the start counted at that instant (µs since the epoch); '~',
+   * Request i of a job with a lock and a rate (`ratedBranch`): `key` is lock_rated's answer (sql/000013.sql):
+   * null, the key not taken (as LOCK_FAILED); '-', nothing taken (the rate must decide first; a `reschedule`
+   * job's answer wherever its key was not taken); digits, the key taken and the start counted at that instant (µs since the epoch); '~',
    * the key taken, the start not counted; 'L' before digits or '~', others wait in line for the key.
    */
   RATED: 9,

@@ -140,35 +140,25 @@ export abstract class SessionBook implements HoldOwner {
         this.handoff.awaitRelease(r, noticesAtSend);
       else this.settleLock(r, null, generation, false);
     });
-    rated.forEach((r, index) =>
-      this.settleRated(r, answer.rated.get(index + 1), generation, noticesAtSend),
-    );
+    rated.forEach((r, index) => this.settleRated(r, answer.rated.get(index + 1), generation));
   }
 
   /**
    * Settles a request asked with its rate from lock_rated's answer (see BatchOp.RATED; every such request
    * has a row when the statement ran on its own backend).
    */
-  private settleRated(
-    request: LockRequest,
-    rode: string | null | undefined,
-    generation: number,
-    noticesAtSend: number,
-  ) {
+  private settleRated(request: LockRequest, rode: string | null | undefined, generation: number) {
     if (rode === "-") {
       this.answered(request);
       request.resolve({ acquired: false, local: false, rateFirst: true });
       return;
     }
-    if (rode == null || rode === "w") {
-      if (rode === "w" && (request.waits ?? 0) < 2)
-        this.handoff.awaitRelease(request, noticesAtSend);
-      else this.settleLock(request, null, generation, false);
+    if (rode == null) {
+      this.settleLock(request, null, generation, false);
       return;
     }
     const line = rode.startsWith("L");
     const start = line ? rode.slice(1) : rode;
-    if (request.waits) this.handoff.counts.afterRelease++;
     const counted =
       start === "~" ? undefined : { at: new Date(Number(BigInt(start) / 1000n)), atUs: start };
     this.settleLock(request, request.slots[0]!, generation, line, counted);
