@@ -96,110 +96,81 @@ describe("a rate asked in the lock statement", () => {
     expect(rows.map((row) => row.n)).toEqual([jobs / 2, jobs / 2]);
   });
 
-  it("a busy row of the rate does not hold up the lock session: the job is admitted once it holds its key", async () => {
-    const counts = countStatements();
-    const locks = newLocks();
-    const seen = recordOutcomes(locks);
-    const ran: string[] = [];
-    const rated = locks.exclusive(
-      "ride_busy",
-      async (p: { n: number }) => {
-        ran.push(`rated ${p.n}`);
-      },
-      { key: () => "one", rate: { limit: 10, period: 60_000 } },
-    );
-    const plain = locks.exclusive("ride_other", async (p: { n: number }) => {
-      ran.push(`plain ${p.n}`);
-    });
-    // The key's row, made by a first start, then held by a transaction of another connection.
-    await h.utils.addJob("ride_busy", { n: 0 });
-    const r = await runner({
-      connectionString: db.url,
-      concurrency: 4,
-      taskList: { ride_busy: rated, ride_other: plain },
-    });
-    locks.attach(r);
-    await waitFor(async () => ran.includes("rated 0"), { message: "job 0 to run" });
-    const holder = await h.connect();
-    await holder.query("begin");
-    await holder.query("select 1 from graphile_worker_locks.rates for update");
-    try {
-      await h.utils.addJob("ride_busy", { n: 1 });
-      // Job 1's lock statement took its key and skipped the busy row; its rate now waits on
-      // graphile-worker's connection. Meanwhile the lock session serves other jobs.
-      await waitFor(async () => counts.rateAdmit === 1, { message: "job 1 to ask its rate" });
-      await h.utils.addJob("ride_other", { n: 2 });
-      await waitFor(async () => ran.includes("plain 2"), {
-        message: "a job of another task to run while the row is busy",
+  // A `drop` job whose rate's row is busy takes its key (its rate then decides on graphile-worker's connection);
+  // a `reschedule` job takes nothing, and its key stays free while its rate decides first.
+  for (const { onConflict, title, suffix } of [
+    {
+      onConflict: "drop" as const,
+      title:
+        "a busy row of the rate does not hold up the lock session: the job is admitted once it holds its key",
+      suffix: "",
+    },
+    {
+      onConflict: "reschedule" as const,
+      title:
+        "a `reschedule` job whose rate's row is busy takes nothing: its key stays free while it asks its rate first",
+      suffix: "_line",
+    },
+  ]) {
+    it(title, async () => {
+      const counts = countStatements();
+      const locks = newLocks();
+      const seen = recordOutcomes(locks);
+      const ran: string[] = [];
+      const [ratedName, plainName] = [`ride_busy${suffix}`, `ride_other${suffix}`];
+      const rated = locks.exclusive(
+        ratedName,
+        async (p: { n: number }) => {
+          ran.push(`rated ${p.n}`);
+        },
+        {
+          key: () => "one",
+          onConflict,
+          ...(onConflict === "reschedule" ? { reschedule: { minDelay: 50, maxDelay: 200 } } : {}),
+          rate: { limit: 10, period: 60_000 },
+        },
+      );
+      const plain = locks.exclusive(plainName, async (p: { n: number }) => {
+        ran.push(`plain ${p.n}`);
       });
-      expect(ran).not.toContain("rated 1");
-    } finally {
-      await holder.query("rollback");
-    }
-    await waitFor(async () => ran.includes("rated 1"), { message: "job 1 to run" });
-    expect(seen.admitted).toEqual([0, 1]);
-    expect(seen.conflicts).toEqual([]);
-    const { rows } = await h.q<{ n: number }>(
-      "select cardinality(starts)::int as n from graphile_worker_locks.rates",
-    );
-    expect(rows).toEqual([{ n: 2 }]);
-  });
-
-  it("a `reschedule` job whose rate's row is busy takes nothing: its key stays free while it asks its rate first", async () => {
-    const counts = countStatements();
-    const locks = newLocks();
-    const seen = recordOutcomes(locks);
-    const ran: string[] = [];
-    const rated = locks.exclusive(
-      "ride_busy_line",
-      async (p: { n: number }) => {
-        ran.push(`rated ${p.n}`);
-      },
-      {
-        key: () => "one",
-        onConflict: "reschedule",
-        reschedule: { minDelay: 50, maxDelay: 200 },
-        rate: { limit: 10, period: 60_000 },
-      },
-    );
-    const plain = locks.exclusive("ride_other_line", async (p: { n: number }) => {
-      ran.push(`plain ${p.n}`);
-    });
-    await h.utils.addJob("ride_busy_line", { n: 0 });
-    const r = await runner({
-      connectionString: db.url,
-      concurrency: 4,
-      taskList: { ride_busy_line: rated, ride_other_line: plain },
-    });
-    locks.attach(r);
-    await waitFor(async () => ran.includes("rated 0"), { message: "job 0 to run" });
-    // Job 0 rode: its start was counted in its lock statement.
-    expect(counts.rateAdmit).toBe(0);
-    const holder = await h.connect();
-    await holder.query("begin");
-    await holder.query("select 1 from graphile_worker_locks.rates for update");
-    try {
-      await h.utils.addJob("ride_busy_line", { n: 1 });
-      // Job 1's lock statement found the row busy and took nothing; its rate now waits on
-      // graphile-worker's connection, its key free meanwhile, and the lock session serves other jobs.
-      await waitFor(async () => counts.rateAdmit === 1, { message: "job 1 to ask its rate" });
-      await h.utils.addJob("ride_other_line", { n: 2 });
-      await waitFor(async () => ran.includes("plain 2"), {
-        message: "a job of another task to run while the row is busy",
+      // The key's row, made by a first start, then held by a transaction of another connection.
+      await h.utils.addJob(ratedName, { n: 0 });
+      const r = await runner({
+        connectionString: db.url,
+        concurrency: 4,
+        taskList: { [ratedName]: rated, [plainName]: plain },
       });
-      expect(await rated.lockAvailable({ n: 1 })).toBe(true);
-      expect(ran).not.toContain("rated 1");
-    } finally {
-      await holder.query("rollback");
-    }
-    await waitFor(async () => ran.includes("rated 1"), { message: "job 1 to run" });
-    expect(seen.admitted).toEqual([0, 1]);
-    expect(seen.conflicts).toEqual([]);
-    const { rows } = await h.q<{ n: number }>(
-      "select cardinality(starts)::int as n from graphile_worker_locks.rates",
-    );
-    expect(rows).toEqual([{ n: 2 }]);
-  });
+      locks.attach(r);
+      await waitFor(async () => ran.includes("rated 0"), { message: "job 0 to run" });
+      // Job 0 rode: its start was counted in its lock statement.
+      expect(counts.rateAdmit).toBe(0);
+      const holder = await h.connect();
+      await holder.query("begin");
+      await holder.query("select 1 from graphile_worker_locks.rates for update");
+      try {
+        await h.utils.addJob(ratedName, { n: 1 });
+        // Job 1's lock statement skipped the busy row (a `drop` job took its key; a `reschedule` job took
+        // nothing); its rate now waits on graphile-worker's connection. Meanwhile the lock session serves
+        // other jobs.
+        await waitFor(async () => counts.rateAdmit === 1, { message: "job 1 to ask its rate" });
+        await h.utils.addJob(plainName, { n: 2 });
+        await waitFor(async () => ran.includes("plain 2"), {
+          message: "a job of another task to run while the row is busy",
+        });
+        expect(await rated.lockAvailable({ n: 1 })).toBe(onConflict === "reschedule");
+        expect(ran).not.toContain("rated 1");
+      } finally {
+        await holder.query("rollback");
+      }
+      await waitFor(async () => ran.includes("rated 1"), { message: "job 1 to run" });
+      expect(seen.admitted).toEqual([0, 1]);
+      expect(seen.conflicts).toEqual([]);
+      const { rows } = await h.q<{ n: number }>(
+        "select cardinality(starts)::int as n from graphile_worker_locks.rates",
+      );
+      expect(rows).toEqual([{ n: 2 }]);
+    });
+  }
 
   it("the rate decides first: a job over its rate whose key is held goes back to the queue; one below it meets the conflict", async () => {
     const locks = newLocks();

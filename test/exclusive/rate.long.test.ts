@@ -7,6 +7,7 @@
 import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { useTestDatabase, waitFor } from "../support/db.js";
+import { maxConcurrencyPerKey, readExecutions } from "../support/executions.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
 import {
   maxStartsInWindow,
@@ -135,6 +136,12 @@ describe("rate across 3 processes", () => {
       );
       expect(runs.rows).toHaveLength(keys.length * perKey);
       expect(runs.rows.every((r) => r.n === 1 && r.attempts === 1)).toBe(true);
+      // With a lock per key, no two executions of a key overlap, whichever processes ran them (recorded start
+      // and end on the database's clock).
+      if (lock && !ride) {
+        const most = maxConcurrencyPerKey(await readExecutions(db.pool(), "rated"));
+        expect(Object.fromEntries(most)).toEqual(Object.fromEntries(keys.map((k) => [k, 1])));
+      }
       // With a lock, a job the rate refuses never holds its key's lock: a lock conflict is a job whose slot
       // has come meeting the lock of another job that the rate let start.
       const events = await q<{ kind: string; n: number }>(
