@@ -31,7 +31,7 @@ if (libraryBuild === "dist") {
 }
 
 /** Imports a module of the library (`index`, `session`, ...) from the chosen build. */
-async function load<T>(module: string): Promise<T> {
+export async function load<T>(module: string): Promise<T> {
   const specifier = `../${libraryBuild}/${module}.js`;
   try {
     return (await import(specifier)) as T;

@@ -18,6 +18,7 @@ import { latency } from "./latency.js";
 import { limits } from "./limits.js";
 import { supersede } from "./supersede.js";
 import { rates } from "./rates.js";
+import { statements } from "./statements.js";
 
 const SECTIONS: Section[] = [
   throughput,
@@ -28,6 +29,7 @@ const SECTIONS: Section[] = [
   limits,
   supersede,
   rates,
+  statements,
 ];
 
 const quick = !["", "0", "false"].includes(process.env.BENCH_QUICK ?? "");

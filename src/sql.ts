@@ -133,7 +133,7 @@ function failedUnlocks(pidParam: number): string {
 
 /**
  * The branch of a lock statement for requests of jobs with a lock and a rate (lock_rated, sql/000012.sql),
- * from parameter `$first`: their keys, `reschedule` jobs' ids (null for the others, as $5 of `lockBatch`),
+ * from parameter `$first`: their keys, `reschedule` jobs' ids (null for the others),
  * rate keys, labels, limits, periods (ms), bursts and pause keys (each request's, comma-separated). Under
  * `onOwnBackend(pidParam)`.
  */
@@ -147,6 +147,191 @@ function ratedBranch(s: string, first: number, pidParam: number): string {
           ${p(4)}::int[], ${p(5)}::float8[], ${p(6)}::int[], ${p(7)}::text[])
           with ordinality as t(k, job, rk, label, lim, per, burst, pause, i)
         where ${onOwnBackend(pidParam)}`;
+}
+
+/**
+ * Which branches a lock statement carries besides its unlocks ($1) and single keys ($2), each present only
+ * when its batch has requests for it. A branch that a statement carries costs PostgreSQL its executor
+ * set-up on every call even when its parameters are empty (see bench/README.md, section "A lock statement
+ * of the branches its batch uses").
+ */
+export interface LockShape {
+  /** Single keys of `reschedule` jobs, which take a free key only when no parked job is ahead (is_next). */
+  lines: boolean;
+  /** Semaphore requests: several slots, the first free one taken. */
+  slots: boolean;
+  /** Requests of jobs with several limits through try_lock_all (a line, or a limit of several slots). */
+  stacked: boolean;
+  /**
+   * Requests of jobs with several limits, each limit one key and no line: the most limits of any (0: none
+   * such), taken all or nothing by one expression (`fastStackedBranch`).
+   */
+  fastLimits: number;
+  /** Single keys asked with their job's rate (`ratedBranch`). */
+  rated: boolean;
+  /** Lines to lock before the unlocks and wake after them (release_waiters). */
+  wakes: boolean;
+  /** Early wakes of the next job in line of held keys (prewake). */
+  prewakes: boolean;
+}
+
+/** A shape's name: `plain`, or its branches joined by `_` (`_rated` last). */
+export function lockShapeId(shape: LockShape): string {
+  const parts: string[] = [];
+  if (shape.lines) parts.push("lines");
+  if (shape.slots) parts.push("slots");
+  if (shape.stacked) parts.push("stacked");
+  if (shape.fastLimits > 0) parts.push(`limits${shape.fastLimits}`);
+  if (shape.wakes) parts.push("wakes");
+  if (shape.prewakes) parts.push("prewakes");
+  if (parts.length === 0) parts.push("plain");
+  if (shape.rated) parts.push("rated");
+  return parts.join("_");
+}
+
+/**
+ * The parameters of a lock statement of `shape`, numbered in this order (`batchQuery`, batch.ts, gives the
+ * values in the same order): $1 keys to unlock; $2 single keys to try; $3, $4 the pid of the session's
+ * backend and the session's mark on it (`onOwnBackend`); then, for each branch present, `lines`: each
+ * single key's `reschedule` job id or null; `slots`: each semaphore request's slot keys, comma-separated,
+ * tried in order; `stacked`: each request's limits (`line:slot,slot;...`, try_lock_all in sql/000002.sql)
+ * and its `reschedule` job's id or null; `fastLimits` arrays of keys, the n-th holding each request's n-th
+ * limit's key (null past its last limit); `rated`: the eight arrays of `ratedBranch`; `wakes`: the line keys
+ * to wake and the job that released each; `prewakes`: the held keys whose first waiter to wake early, and
+ * whether to announce those wakes to every worker (false when a worker of this process will fetch them).
+ */
+export function lockStatementParams(shape: LockShape) {
+  let next = 5;
+  const take = (n: number) => {
+    const first = next;
+    next += n;
+    return first;
+  };
+  return {
+    lines: shape.lines ? take(1) : 0,
+    slots: shape.slots ? take(1) : 0,
+    stacked: shape.stacked ? take(2) : 0,
+    fastLimits: shape.fastLimits > 0 ? take(shape.fastLimits) : 0,
+    rated: shape.rated ? take(8) : 0,
+    wakes: shape.wakes ? take(2) : 0,
+    prewakes: shape.prewakes ? take(2) : 0,
+  };
+}
+
+/**
+ * All or nothing, for each request of several limits of one key each, in one expression: each key is tried
+ * in order and, at the first one not taken, the keys taken before it are unlocked and the answer is '!' and
+ * that limit's place (from 1); else the keys taken, comma-separated. PostgreSQL evaluates a CASE's branches
+ * only as reached, in order.
+ */
+function allOrNothing(keys: string[], place = 0): string {
+  if (place === keys.length) return `concat_ws(',', ${keys.join(", ")})`;
+  const undo = keys
+    .slice(0, place)
+    .reverse()
+    .map((k) => `pg_catalog.pg_advisory_unlock(${k})`);
+  const failed =
+    undo.length === 0
+      ? `'!${place + 1}'`
+      : `'!${place + 1}' || left(concat(${undo.join(", ")}), 0)`;
+  const tried = `pg_catalog.pg_try_advisory_lock(${keys[place]})`;
+  // (a request with fewer limits than the statement's has nulls after its last)
+  const taken = place === 0 ? tried : `${keys[place]} is null or ${tried}`;
+  return `case when ${taken} then ${allOrNothing(keys, place + 1)} else ${failed} end`;
+}
+
+/**
+ * The text of a lock statement of `shape` (parameters: `lockStatementParams`). PostgreSQL runs its branches
+ * in order: the lines of the keys whose waiters to wake are locked before the unlocks, so that a job parking
+ * meanwhile sees this statement's wake; requests are tried after the unlocks, so that a key freed by the
+ * statement passes on in it; the wakes and early wakes come last. Besides the backend's pid, only failures
+ * come back for unlocks and single keys (rows are the costly part of a busy batch): every request without a
+ * row succeeded, except that a `reschedule` job's success comes back (LOCKED_WITH_LINE) when others wait in
+ * line for the key, and its failure says (WAIT_FOR_RELEASE) whether it was woken early and should wait for
+ * the release. Semaphore requests answer with the slot they took, each request of several limits with the
+ * slots it took or the limit that was full (STACKED), and PREWOKEN names the job each early wake woke.
+ */
+export function lockStatementText(s: string, shape: LockShape): string {
+  const p = lockStatementParams(shape);
+  const own = onOwnBackend(3);
+  let text = backendRow(4);
+  if (shape.wakes) {
+    // (the line locks of sql/000007.sql, in key order; count() is never below 0, so no row comes back)
+    text += `
+      union all
+      select ${BatchOp.WOKEN}, 0, null
+        where (select count(pg_catalog.pg_advisory_xact_lock(${s}.line_lock_high(u.k), ${s}.line_lock_low(u.k)))
+          from (select distinct d.k from unnest($${p.wakes}::bigint[]) as d(k) where ${own} order by d.k) u) < 0`;
+  }
+  text += `
+      union all
+      ${failedUnlocks(3)}`;
+  if (shape.lines) {
+    text += `
+      union all
+      select case
+          when r.got then ${BatchOp.LOCKED_WITH_LINE}
+          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
+          else ${BatchOp.LOCK_FAILED}
+        end, r.i::int, null
+        from (
+          select t.k, t.job, t.i, case
+              when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
+              else false
+            end as got
+          from unnest($2::bigint[], $${p.lines}::bigint[]) with ordinality as t(k, job, i)
+          where ${own}
+          offset 0
+        ) r
+        where not r.got or (r.job is not null and (
+          -- (the first in line by the (lock_key, pos) index: a plain exists() here turns into a scan of the whole
+          -- table once statistics were taken with a long line in it)
+          select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
+        ) is not null)`;
+  } else {
+    text += `
+      union all
+      select ${BatchOp.LOCK_FAILED}, t.i::int, null
+        from unnest($2::bigint[]) with ordinality as t(k, i)
+        where ${own} and not pg_catalog.pg_try_advisory_lock(t.k)`;
+  }
+  if (shape.slots) {
+    text += `
+      union all
+      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
+        from unnest($${p.slots}::text[]) with ordinality as t(slots, i)
+        where ${own}`;
+  }
+  if (shape.stacked) {
+    text += `
+      union all
+      select ${BatchOp.STACKED}, t.i::int, ${s}.try_lock_all(t.limits, t.job)
+        from unnest($${p.stacked}::text[], $${p.stacked + 1}::bigint[]) with ordinality as t(limits, job, i)
+        where ${own}`;
+  }
+  if (shape.fastLimits > 0) {
+    const keys = Array.from({ length: shape.fastLimits }, (_, n) => `t.k${n + 1}`);
+    const params = keys.map((_, n) => `$${p.fastLimits + n}::bigint[]`);
+    text += `
+      union all
+      select ${BatchOp.STACKED}, t.i::int, ${allOrNothing(keys)}
+        from unnest(${params.join(", ")}) with ordinality as t(${keys.map((k) => k.slice(2)).join(", ")}, i)
+        where ${own}`;
+  }
+  if (shape.rated) text += ratedBranch(s, p.rated, 3);
+  if (shape.wakes) {
+    text += `
+      union all
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($${p.wakes}::bigint[], $${p.wakes + 1}::bigint[]), null
+        where ${own}`;
+  }
+  if (shape.prewakes) {
+    text += `
+      union all
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($${p.prewakes}::bigint[], $${p.prewakes + 1}::boolean) p
+        where ${own}`;
+  }
+  return text;
 }
 
 const ADD_JOB_ARGS = `identifier => $1::text,
@@ -183,61 +368,7 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
   const supersedeColumn = (n: number) =>
     `, case when r.outcome = 'added' and ($${n}::bigint[])[r.ord] is not null
         then ${s}.supersede(($${n}::bigint[])[r.ord], (r.job).id) end as superseded`;
-  /** The branch of `lockBatchStacked`'s requests ($11, $12). */
-  const stackedBranch = `      union all
-      select ${BatchOp.STACKED}, t.i::int, ${s}.try_lock_all(t.limits, t.job)
-        from unnest($11::text[], $12::bigint[]) with ordinality as t(limits, job, i)
-        where ${onOwnBackend(9)}
-`;
-  /**
-   * The text of `lockBatch`, with `stacked` (the branch of requests with several limits, or nothing) and
-   * `rated` (`ratedBranch`, or nothing) before its wakes.
-   */
-  const lockBatchText = (stacked: string, rated = "") => `${backendRow(10)}
-      union all
-      select ${BatchOp.WOKEN}, 0, null
-        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)} and ${s}.lock_lines($4::bigint[]) < 0
-      union all
-      ${failedUnlocks(9)}
-      union all
-      select case
-          when r.got then ${BatchOp.LOCKED_WITH_LINE}
-          when r.job is not null and ${s}.is_prewoken(r.k, r.job) then ${BatchOp.WAIT_FOR_RELEASE}
-          else ${BatchOp.LOCK_FAILED}
-        end, r.i::int, null
-        from (
-          select t.k, t.job, t.i, case
-              when t.job is null or ${s}.is_next(t.k, t.job) then pg_catalog.pg_try_advisory_lock(t.k)
-              else false
-            end as got
-          from unnest($2::bigint[], $5::bigint[]) with ordinality as t(k, job, i)
-          where ${onOwnBackend(9)}
-          offset 0
-        ) r
-        where not r.got or (r.job is not null and (
-          -- (the first in line by the (lock_key, pos) index: a plain exists() here turns into a scan of the whole
-          -- table once statistics were taken with a long line in it)
-          select w.pos from ${s}.waiters w where w.lock_key = r.k order by w.pos limit 1
-        ) is not null)
-      union all
-      select ${BatchOp.SLOT}, t.i::int, ${s}.try_lock_first(string_to_array(t.slots, ',')::bigint[])::text
-        from unnest($3::text[]) with ordinality as t(slots, i)
-        where ${onOwnBackend(9)}
-${stacked}${rated}
-      union all
-      select ${BatchOp.WOKEN}, ${s}.release_waiters($4::bigint[], $7::bigint[]), null
-        where cardinality($4::bigint[]) > 0 and ${onOwnBackend(9)}
-      union all
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($6::bigint[], $8::boolean) p
-        where cardinality($6::bigint[]) > 0 and ${onOwnBackend(9)}`;
-  /** The text of `lockBatchPlain`, with `rated` (`ratedBranch`, or nothing) after its single keys. */
-  const lockBatchPlainText = (rated: string) => `${backendRow(4)}
-      union all
-      ${failedUnlocks(3)}
-      union all
-      select ${BatchOp.LOCK_FAILED}, t.i::int, null
-        from unnest($2::bigint[]) with ordinality as t(k, i)
-        where ${onOwnBackend(3)} and not pg_catalog.pg_try_advisory_lock(t.k)${rated}`;
+  const lockStatements = new Map<string, { name: string; text: string }>();
   return {
     /** Rates, snooze and pause (rates/statements.ts). */
     rates: rateStatements(s, w),
@@ -257,64 +388,17 @@ ${stacked}${rated}
     },
 
     /**
-     * One round trip for every lock and unlock request that queued up while the previous one was in
-     * flight. $1: keys to unlock; $2: single keys to try; $3: semaphore requests, each a comma-separated
-     * list of slot keys tried in order; $4: keys whose waiters to wake (release_waiters), with $7 the
-     * job ids that released them, which runs after the unlocks; $5: for each single key
-     * of $2, the job id of a `reschedule` job, which takes the key only if no parked job of that key is
-     * ahead of it (is_next), or null; $6: held keys whose first waiter to wake early (prewake), with
-     * $8 whether to announce those wakes to every worker (false when a worker of this process will fetch them,
-     * prewake); $9, $10: the pid of the session's backend and the session's mark on it (onOwnBackend). The
-     * functions are in sql/000001.sql, sections 3 and 4.
+     * The lock statement of a batch of this `shape` (see `lockStatementText`), named by its shape: each shape
+     * is prepared once per session, and carries only the branches its batch uses.
      */
-    lockBatch: {
-      name: `gwl_lock_batch`,
-      // Besides the backend's pid, only failures come back for unlocks and single keys (rows are the costly
-      // part of a busy batch):
-      // every request without a row succeeded, except that a \`reschedule\` job's success comes back
-      // (LOCKED_WITH_LINE) when others wait in line for the key, and its failure says (WAIT_FOR_RELEASE)
-      // whether it was woken early and should wait for the release. Semaphore requests answer with the slot
-      // they took; PREWOKEN names the job each early wake woke.
-      // PostgreSQL runs the branches in order: the lines of the keys whose waiters to wake are locked before the
-      // unlocks (lock_lines), so that a job parking meanwhile sees this statement's wake (no row comes back).
-      text: lockBatchText(""),
-    },
-
-    /**
-     * `lockBatch` with requests of jobs with several limits: $11, each request's limits (try_lock_all in
-     * sql/000002.sql), with $12 its `reschedule` job's id or null. Each answers a STACKED row: the slots
-     * it took, or '!' and the limit that was full.
-     */
-    lockBatchStacked: {
-      name: `gwl_lock_stacked`,
-      text: lockBatchText(stackedBranch),
-    },
-
-    /**
-     * `lockBatch` for the common batch: unlocks of holds without a line and single keys without a job
-     * waiting its turn, nothing else. The same answers (UNLOCK_FAILED, LOCK_FAILED), from a statement PostgreSQL runs in about
-     * two thirds of the time: no semaphore, wake or early-wake branch to start up and skip.
-     */
-    lockBatchPlain: {
-      name: `gwl_lock_plain`,
-      text: lockBatchPlainText(""),
-    },
-
-    /**
-     * The three lock statements with requests of jobs with a lock and a rate: `ratedBranch` from the
-     * parameter after their own (lockBatchPlain's $5, lockBatch's $11, lockBatchStacked's $13).
-     */
-    lockBatchPlainRated: {
-      name: `gwl_lock_plain_rated`,
-      text: lockBatchPlainText(ratedBranch(s, 5, 3)),
-    },
-    lockBatchRated: {
-      name: `gwl_lock_batch_rated`,
-      text: lockBatchText("", ratedBranch(s, 11, 9)),
-    },
-    lockBatchStackedRated: {
-      name: `gwl_lock_stacked_rated`,
-      text: lockBatchText(stackedBranch, ratedBranch(s, 13, 9)),
+    lockStatement(shape: LockShape): { name: string; text: string } {
+      const id = lockShapeId(shape);
+      let statement = lockStatements.get(id);
+      if (!statement) {
+        statement = { name: `gwl_lock_${id}`, text: lockStatementText(s, shape) };
+        lockStatements.set(id, statement);
+      }
+      return statement;
     },
 
     /**
@@ -340,7 +424,7 @@ ${stacked}${rated}
         pg_catalog.current_setting('max_prepared_transactions')::int as max_prepared_transactions`,
     },
 
-    /** Wakes the lines of released keys ($1, released by the jobs $2), as `lockBatch` does after its unlocks. */
+    /** Wakes the lines of released keys ($1, released by the jobs $2), as a lock statement does after its unlocks. */
     releaseWaiters: `select ${s}.release_waiters($1::bigint[], $2::bigint[]) as woken`,
 
     /** The channel on which a release tells the session of a job woken early that its key is free. */

@@ -1,11 +1,11 @@
 /**
  * One lock statement: the requests that queued up while the previous statement was in flight, the query
- * that carries them (`lockBatch`, or `lockBatchPlain` when they are only plain locks and unlocks; see
- * sql.ts), and the decoding of its answer rows (`BatchOp`).
+ * that carries them (the lock statement of the branches they use: `LockShape`, sql.ts), and the decoding
+ * of its answer rows (`BatchOp`).
  */
 import type { QueryConfig } from "pg";
 import { linesOf, type HoldImpl, type LockRequest } from "./holds.js";
-import { BatchOp, type Sql } from "../sql.js";
+import { BatchOp, type LockShape, type Sql } from "../sql.js";
 
 export interface Batch {
   unlocks: HoldImpl[];
@@ -115,49 +115,41 @@ function ratedValues(rated: readonly LockRequest[]): unknown[] {
 }
 
 /**
- * The query of a batch: the plain statement when it carries no line, semaphore or early wake. `pid` is the
+ * Whether a request of several limits can take them all by one expression (`fastLimits`, sql.ts): each
+ * limit one key, and no line to keep its place in.
+ */
+const fastStacked = (r: LockRequest) =>
+  !r.info.reschedule && r.limits!.every((l) => l.length === 1);
+
+/**
+ * The query of a batch: the lock statement with the branches it uses (`LockShape`, sql.ts). `pid` is the
  * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
  */
 export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
   const { unlocks, singles, multis, stacked, rated, prewakes, wakeHere } = batch;
   const waking = unlockLines(unlocks);
-  const plain =
-    multis.length === 0 &&
-    stacked.length === 0 &&
-    waking.keys.length === 0 &&
-    prewakes.length === 0 &&
-    singles.every((r) => !r.info.reschedule);
-  // $1 and $2 of both statements (the pid and mark are $3 and $4 of the plain one, $9 and $10 of the other).
-  const unlocked = integerArray(unlockKeys(unlocks).keys);
-  const singleKeys = integerArray(singles.map((r) => r.slots[0]!));
-  const rides = rated.length > 0;
-  if (plain) {
-    const { name, text } = rides ? sql.lockBatchPlainRated : sql.lockBatchPlain;
-    const values = [unlocked, singleKeys, pid, mark];
-    return { name, text, values: rides ? [...values, ...ratedValues(rated)] : values };
-  }
-  const { name, text } =
-    stacked.length > 0
-      ? rides
-        ? sql.lockBatchStackedRated
-        : sql.lockBatchStacked
-      : rides
-        ? sql.lockBatchRated
-        : sql.lockBatch;
+  // (the requests of several limits go one way or the other, all of them: their answers share one list)
+  const fast = stacked.length > 0 && stacked.every(fastStacked);
+  const shape: LockShape = {
+    lines: singles.some((r) => r.info.reschedule),
+    slots: multis.length > 0,
+    stacked: stacked.length > 0 && !fast,
+    fastLimits: fast ? Math.max(...stacked.map((r) => r.limits!.length)) : 0,
+    rated: rated.length > 0,
+    wakes: waking.keys.length > 0,
+    prewakes: prewakes.length > 0,
+  };
   const values: unknown[] = [
-    unlocked,
-    singleKeys,
-    multis.map((r) => r.slots.join(",")),
-    integerArray(waking.keys),
-    // Jobs that wait their turn (`reschedule`) take a free key only when no parked job is ahead.
-    integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))),
-    integerArray(prewakes.map((hold) => hold.keyText)),
-    integerArray(waking.jobIds),
-    !wakeHere,
+    integerArray(unlockKeys(unlocks).keys),
+    integerArray(singles.map((r) => r.slots[0]!)),
     pid,
     mark,
   ];
-  if (stacked.length > 0) {
+  // (in the order of lockStatementParams)
+  if (shape.lines)
+    values.push(integerArray(singles.map((r) => (r.info.reschedule ? r.info.jobId : null))));
+  if (shape.slots) values.push(multis.map((r) => r.slots.join(",")));
+  if (shape.stacked) {
     values.push(
       stacked.map((r) =>
         r.limits!.map((slots, i) => `${r.lines![i]}:${slots.join(",")}`).join(";"),
@@ -165,7 +157,12 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
       integerArray(stacked.map((r) => (r.info.reschedule ? r.info.jobId : null))),
     );
   }
-  if (rides) values.push(...ratedValues(rated));
+  for (let n = 0; n < shape.fastLimits; n++)
+    values.push(integerArray(stacked.map((r) => r.limits![n]?.[0] ?? null)));
+  if (shape.rated) values.push(...ratedValues(rated));
+  if (shape.wakes) values.push(integerArray(waking.keys), integerArray(waking.jobIds));
+  if (shape.prewakes) values.push(integerArray(prewakes.map((hold) => hold.keyText)), !wakeHere);
+  const { name, text } = sql.lockStatement(shape);
   return { name, text, values };
 }
 

@@ -231,9 +231,10 @@ export class LockConnection {
       // What this connection writes (wakes of parked jobs, holder registry rows) need not wait for the WAL
       // to reach disk: a server crash ends every lock it holds anyway, and a lost wake is covered by the
       // parked job's safety net. So its hand-offs do not pay a disk flush.
-      // Its statements are the lock batch, prepared once, whose branches are switched on and off by their
-      // parameters: a generic plan skips the unused ones at run time, while PostgreSQL's default would keep
-      // re-planning it for each call (see bench/README.md, section "Generic plans").
+      // Its statements are the lock statements, each prepared once, whose plans do not depend on their
+      // parameters' values: PostgreSQL's default would keep re-planning them for each call, as the custom
+      // plan of a statement whose one-time filters its parameters decide always looks cheaper than the
+      // generic one (see bench/README.md, section "Generic plans").
       await client.query("set synchronous_commit = off; set plan_cache_mode = force_generic_plan");
       await client.query(this.options.sql.registerSession, [process.pid, hostname()]);
       const { releaseChannel, supersedeChannel } = this.options.sql;

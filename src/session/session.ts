@@ -15,7 +15,8 @@
  *   process waits for that answer and tries the slots still free, so this process's own acquisitions never
  *   turn a job away while a slot is free.
  * - A request of a job with several limits (`limits`) counts every slot it tries as pending and takes one
- *   slot of each limit or none, in one call of its statement (try_lock_all, sql/000002.sql). Its hold is one
+ *   slot of each limit or none, in its statement (try_lock_all, sql/000002.sql, or for limits of one key each
+ *   without a line, one expression: `fastLimits`, sql.ts). Its hold is one
  *   `Hold` registered under each key it took, released in one unlock, marked lost once; it is never handed
  *   over in memory nor woken early (a single key's hand-off cannot promise every limit). A request of this
  *   process may take its slots in the statement that carries their unlock, which runs before its locks.
@@ -423,7 +424,7 @@ export class LockSession extends SessionBook {
   /**
    * Whether `key` is a slot of a hold of several limits whose unlock waits in the queue of the next statement,
    * and no request of this process is acquiring it: a request queued now goes in that same statement (the
-   * batch takes both queues whole), whose unlocks run before its lock requests (sql.ts, `lockBatch`). Such a
+   * batch takes both queues whole), whose unlocks run before its lock requests (sql.ts, `lockStatementText`). Such a
    * hold is never handed over in memory, so the unlock is certain to be in that statement.
    */
   private unlockRides(key: string): boolean {

@@ -6,7 +6,7 @@
 import pg from "pg";
 import { describe, expect, it } from "vitest";
 import { lockKey, type HandoffCounts, type Locks } from "../../src/index.js";
-import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
+import { CLAIM_SETTING, makeSql, type LockShape } from "../../src/sql.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
@@ -52,6 +52,24 @@ async function asLockSession(client: pg.Client): Promise<number> {
   return backendPid(client);
 }
 
+/** The text of the lock statement with the given branches (sql.ts, `LockShape`). */
+function lockStatement(branches: Partial<LockShape>): string {
+  const none: LockShape = {
+    lines: false,
+    slots: false,
+    stacked: false,
+    fastLimits: 0,
+    rated: false,
+    wakes: false,
+    prewakes: false,
+  };
+  return makeSql("graphile_worker_locks", "graphile_worker").lockStatement({ ...none, ...branches })
+    .text;
+}
+
+/** The lock statement of a release that wakes its key's line: $5 the line keys, $6 the releasing jobs. */
+const releaseStatement = lockStatement({ wakes: true });
+
 /**
  * The holder's lock session (a connection of its own) releases `key` of job `holder` with the lock statement,
  * held open in a transaction: its unlock has happened (session locks are not transactional), its wake and its
@@ -61,9 +79,8 @@ async function releaseInOpenTransaction(key: string, holder: string) {
   const releaser = await connect();
   await releaser.query("select pg_advisory_lock($1)", [key]);
   await releaser.query("begin");
-  const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
   const pid = await asLockSession(releaser);
-  await releaser.query(lockBatch.text, [[key], [], [], [key], [], [], [holder], true, pid, MARK]);
+  await releaser.query(releaseStatement, [[key], [], pid, MARK, [key], [holder]]);
   return { releaser, pid };
 }
 
@@ -624,18 +641,13 @@ describe("reschedule hand-off", () => {
     );
     expect(checked[0]!.woken).toBe(0);
     const releaserPid = await asLockSession(releaser);
-    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
-    const released = releaser.query(lockBatch.text, [
+    const released = releaser.query(releaseStatement, [
       [key],
       [],
-      [],
-      [key],
-      [],
-      [],
-      [holder],
-      true,
       releaserPid,
       MARK,
+      [key],
+      [holder],
     ]);
     await waitForLockWait(releaserPid, "the release to wait for the check");
     // Still held while the release waits: had it unlocked first, the check would have seen the key free.
@@ -787,15 +799,14 @@ describe("plans with a long line analyzed", () => {
 
     // The lock statement's own question, whether anyone waits in line for the key a `reschedule` job just
     // took, is read by key and position as well, never by scanning every waiter.
-    const { lockBatch } = makeSql("graphile_worker_locks", "graphile_worker");
     const pid = await asLockSession(client);
     await client.query({
       name: "lock_batch",
-      text: lockBatch.text,
-      values: [[], [key], [], [], [id], [], [], true, pid, MARK],
+      text: lockStatement({ lines: true }),
+      values: [[], [key], pid, MARK, [id]],
     });
     const { rows: batchPlan } = await client.query<{ "QUERY PLAN": string }>(
-      `explain (costs off) execute lock_batch('{}', '{${key}}', '{}', '{}', '{${id}}', '{}', '{}', true, ${pid}, '${MARK}')`,
+      `explain (costs off) execute lock_batch('{}', '{${key}}', ${pid}, '${MARK}', '{${id}}')`,
     );
     const batchText = batchPlan.map((row) => row["QUERY PLAN"]).join("\n");
     expect(batchText).toContain("waiters_lock_key_pos");

@@ -410,20 +410,31 @@ describe("a rate asked in the lock statement", () => {
     const cases = [
       // (a plain batch: the rated request alone)
       { name: "gwl_lock_plain_rated", locks: [request(["101"], plainInfo, { ride: ride("901") })] },
-      // (a full batch: a semaphore request beside it)
+      // (a semaphore request beside it)
       {
-        name: "gwl_lock_batch_rated",
+        name: "gwl_lock_slots_rated",
         locks: [
           request(["102"], plainInfo, { ride: ride("902") }),
           request(["201", "202"], plainInfo),
         ],
       },
-      // (a batch with a request of several limits beside it)
+      // (a request of several limits of one key each beside it)
       {
-        name: "gwl_lock_stacked_rated",
+        name: "gwl_lock_limits2_rated",
         locks: [
           request(["103"], plainInfo, { ride: ride("903") }),
           request(["301", "302"], plainInfo, { limits: [["301"], ["302"]], lines: ["301", "302"] }),
+        ],
+      },
+      // (a request of several limits, one of two slots, beside it: try_lock_all)
+      {
+        name: "gwl_lock_stacked_rated",
+        locks: [
+          request(["104"], plainInfo, { ride: ride("904") }),
+          request(["401", "402", "403"], plainInfo, {
+            limits: [["401", "402"], ["403"]],
+            lines: ["", "403"],
+          }),
         ],
       },
     ];
@@ -435,11 +446,15 @@ describe("a rate asked in the lock statement", () => {
       expect(answer.marked, c.name).toBe(true);
       const rated = answer.rated.get(1);
       expect(rated, c.name).toMatch(/^\d+$/);
+      const limits = c.locks[1]?.limits;
+      if (limits) expect(answer.stacked.get(1), c.name).toBe(limits.map((l) => l[0]).join(","));
     }
     const { rows } = await client.query<{ k: string }>(
       "select ((classid::bigint << 32) | objid::bigint)::text as k from pg_locks where locktype = 'advisory' and pid = pg_backend_pid() order by 1",
     );
-    expect(rows.map((r) => r.k)).toEqual(expect.arrayContaining(["101", "102", "103"]));
+    expect(rows.map((r) => r.k)).toEqual(
+      expect.arrayContaining(["101", "102", "103", "104", "301", "302", "401", "403"]),
+    );
     const logs = await h.q<{ rate_key: string; n: number }>(
       "select rate_key::text, cardinality(starts)::int as n from graphile_worker_locks.rates order by rate_key",
     );
@@ -447,6 +462,7 @@ describe("a rate asked in the lock statement", () => {
       { rate_key: "901", n: 1 },
       { rate_key: "902", n: 1 },
       { rate_key: "903", n: 1 },
+      { rate_key: "904", n: 1 },
     ]);
   });
 });
