@@ -11,6 +11,9 @@ import { makeWorkerUtils, type WorkerUtils } from "graphile-worker";
 import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { advisoryParts, slotKeys } from "../../src/key.js";
+import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "../../src/session/batch.js";
+import type { HoldInfo, LockRequest } from "../../src/session/holds.js";
+import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
 import { useTestDatabase, waitFor, waitForNoJobs } from "../support/db.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
@@ -357,49 +360,83 @@ describe("composed limits across 3 processes", () => {
     expect(runs).toHaveLength(600);
   }, 300_000);
 
-  it("the lock function, on two connections in opposite orders, thousands of rounds: never a deadlock or a partial hold", async () => {
-    const [a, b] = slotKeys("g", "A", 1).concat(slotKeys("g", "B", 1));
-    const forward = `${a}:${a};${b}:${b}`;
-    const backward = `${b}:${b};${a}:${a}`;
-    const clients = [
-      new pg.Client({ connectionString: db.url }),
-      new pg.Client({ connectionString: db.url }),
-    ];
-    await Promise.all(clients.map((c) => c.connect()));
-    const held = async (c: pg.Client) =>
+  /**
+   * The two ways a lock statement takes a job's limits all or none: try_lock_all (a line, or a limit of
+   * several slots), and the CASE expression of the statement for limits of one key each (`fastLimits`).
+   * Each answers the slots taken, or '!' and the limit that was full.
+   */
+  const takeAll = {
+    try_lock_all: async (c: pg.Client, keys: string[]) =>
       (
-        await c.query<{ n: number }>(
-          "select count(*)::int as n from pg_locks where locktype = 'advisory' and pid = pg_backend_pid() and granted",
-        )
-      ).rows[0]!.n;
-    let taken = 0;
-    let refused = 0;
-    try {
-      await Promise.all(
-        clients.map(async (c, i) => {
-          for (let round = 0; round < 2500; round++) {
-            const { rows } = await c.query<{ r: string }>(
-              "select graphile_worker_locks.try_lock_all($1, null) as r",
-              [i === 0 ? forward : backward],
-            );
-            const answer = rows[0]!.r;
-            if (answer.startsWith("!")) {
-              refused++;
-              // Refused: it holds nothing.
-              expect(await held(c)).toBe(0);
-            } else {
-              taken++;
-              expect(await held(c)).toBe(2);
-              await c.query("select pg_advisory_unlock_all()");
+        await c.query<{ r: string }>("select graphile_worker_locks.try_lock_all($1, null) as r", [
+          keys.map((k) => `${k}:${k}`).join(";"),
+        ])
+      ).rows[0]!.r,
+    "the lock statement's expression": async (c: pg.Client, keys: string[]) => {
+      const mark = "limits-test";
+      await c.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, mark]);
+      const pid = (await c.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
+      const info: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
+      const request = {
+        slots: keys,
+        keys: keys.map(BigInt),
+        info,
+        limits: keys.map((k) => [k]),
+        lines: keys,
+        resolve: () => undefined,
+        reject: () => undefined,
+      } as LockRequest;
+      const query = batchQuery(sql, makeBatch([], [request], [], false), pid, mark);
+      expect(query.name).toBe("gwl_lock_limits2");
+      return decodeBatch((await c.query<BatchRow>(query)).rows).stacked.get(1)!;
+    },
+  };
+  const sql = makeSql("graphile_worker_locks", "graphile_worker");
+
+  it.each(Object.keys(takeAll))(
+    "%s, on two connections in opposite orders, thousands of rounds: never a deadlock or a partial hold",
+    async (way) => {
+      const take = takeAll[way as keyof typeof takeAll];
+      const [a, b] = slotKeys("g", "A", 1).concat(slotKeys("g", "B", 1));
+      const forward = [String(a), String(b)];
+      const backward = [String(b), String(a)];
+      const clients = [
+        new pg.Client({ connectionString: db.url }),
+        new pg.Client({ connectionString: db.url }),
+      ];
+      await Promise.all(clients.map((c) => c.connect()));
+      const held = async (c: pg.Client) =>
+        (
+          await c.query<{ n: number }>(
+            "select count(*)::int as n from pg_locks where locktype = 'advisory' and pid = pg_backend_pid() and granted",
+          )
+        ).rows[0]!.n;
+      let taken = 0;
+      let refused = 0;
+      try {
+        await Promise.all(
+          clients.map(async (c, i) => {
+            for (let round = 0; round < 2500; round++) {
+              const answer = await take(c, i === 0 ? forward : backward);
+              if (answer.startsWith("!")) {
+                refused++;
+                // Refused: it holds nothing.
+                expect(await held(c)).toBe(0);
+              } else {
+                taken++;
+                expect(await held(c)).toBe(2);
+                await c.query("select pg_advisory_unlock_all()");
+              }
             }
-          }
-        }),
-      );
-    } finally {
-      await Promise.all(clients.map((c) => c.end()));
-    }
-    expect(taken + refused).toBe(5000);
-    expect(taken).toBeGreaterThan(0);
-    expect(refused).toBeGreaterThan(0);
-  }, 300_000);
+          }),
+        );
+      } finally {
+        await Promise.all(clients.map((c) => c.end()));
+      }
+      expect(taken + refused).toBe(5000);
+      expect(taken).toBeGreaterThan(0);
+      expect(refused).toBeGreaterThan(0);
+    },
+    300_000,
+  );
 });
