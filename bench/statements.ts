@@ -94,6 +94,27 @@ const KINDS: Kind[] = [
   },
   limits(2),
   limits(3),
+  {
+    // (the contended run of section `limits`: a tenant's key, and a cap of 4 slots in a group)
+    label: "2 limits, `reschedule`, the second a cap of 4 slots",
+    step(i) {
+      const tenant = key(0, i);
+      const cap = [1, 2, 3, 4].map((slot) => key(slot, 0));
+      const info: HoldInfo = {
+        taskIdentifier: "bench",
+        jobId: String(2_000_000 + i),
+        reschedule: true,
+        wakeKey: BigInt(tenant),
+        wakeKeys: [BigInt(tenant), BigInt(cap[0]!)],
+        prewakeAfterMs: null,
+        releaseWaitMs: 0,
+      };
+      return {
+        locks: [request([tenant, ...cap], info, { limits: [[tenant], cap], lines: [tenant, ""] })],
+        hold: { keyText: tenant, keyTexts: [tenant, cap[0]!], stacked: true, info },
+      };
+    },
+  },
 ];
 
 /** The backend `pid`'s time on a core so far, µs (null where /proc cannot show it). */
