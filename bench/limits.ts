@@ -233,7 +233,19 @@ export const limits = sizedSection(
       );
     }
     const ratio = c.makespanMs / c.idealMs;
-    goals.push(goal("limits: contended makespan vs ideal", "≤ 1.25×", ratio, ratio <= 1.25));
+    // The floor: each of the CAP slots runs jobs / CAP jobs one after another, each its run (as long as runs
+    // took) and at least one lock statement's round trip before it (the unlock that frees the slot and the
+    // next job's lock ride in one statement), after the first start.
+    const floor =
+      (c.firstStartMs + (size.contended / CAP) * (c.runP50Ms + c.lockTripP50Ms)) / c.idealMs;
+    goals.push(
+      goal(
+        "limits: contended makespan vs ideal",
+        `≤ 1.25× (floor this run ${fmtFixed(floor, 2)})`,
+        ratio,
+        ratio <= 1.25,
+      ),
+    );
     goals.push(
       goal("limits: contended hand-off p50", "< 5 ms", c.handoffP50Ms, c.handoffP50Ms < 5),
     );
@@ -255,15 +267,19 @@ export const limits = sizedSection(
         ),
         table(
           `Several limits, contended (${size.contended} reschedule jobs of ${TASK_MS} ms, ${TENANTS} tenants, 1 per tenant and ${CAP} in all)`,
-          "makespan ms | ideal ms | ratio | hand-off p50 ms | hand-off p90 ms",
+          "makespan ms | ideal ms | ratio | floor | hand-off p50 ms | hand-off p90 ms",
           [
             [
               fmtInt(c.makespanMs),
               fmtInt(c.idealMs),
               fmtFixed(ratio, 2),
+              fmtFixed(floor, 2),
               fmtFixed(c.handoffP50Ms, 1),
               fmtFixed(c.handoffP90Ms, 1),
             ],
+          ],
+          [
+            "floor: the first start, then each slot's jobs one after another, each a run (p50) after one lock statement's round trip (p50), over the ideal.",
           ],
         ),
         table(
@@ -287,7 +303,10 @@ export const limits = sizedSection(
         ),
       ],
       goals,
-      figures: { uncontended: { variants: VARIANTS.map((v) => v.label), results }, contended: c },
+      figures: {
+        uncontended: { variants: VARIANTS.map((v) => v.label), results },
+        contended: { ...c, floor },
+      },
     };
   },
 );
