@@ -7,6 +7,7 @@ import type { AcquireResult, HoldInfo, RateRide } from "./session/holds.js";
 import type { AheadAcquisition } from "./session/lock-ahead.js";
 import type { Sql } from "./sql.js";
 import type { LimitKeys } from "./key.js";
+import type { LockedAborts } from "./exclusive/aborts.js";
 
 /** What the task wrapper asks of the lock session (session/session.ts). */
 export interface LockService {
@@ -46,6 +47,8 @@ export interface PoolClientLike {
 export interface LocksContext {
   readonly session: LockService;
   readonly sql: Sql;
+  /** The abort signals its tasks' jobs see, shared by every task of the instance (exclusive/aborts.ts). */
+  readonly aborts: LockedAborts;
   /**
    * Runs statement `text`, called `name`, on `client`, a connection of graphile-worker's pool lent to a job:
    * prepared unless the instance's prepared statements are off, or that pool turned out not to carry them

@@ -19,6 +19,7 @@ import {
 } from "./errors.js";
 import { makeEmitter, type LocksEvents } from "./events.js";
 import { canStart } from "./exclusive/can-start.js";
+import { LockedAborts } from "./exclusive/aborts.js";
 import { makeExclusiveTask, type ExclusiveTaskImpl } from "./exclusive/exclusive.js";
 import { assertIdentifier } from "./key.js";
 import { migrateChecked } from "./migrate.js";
@@ -257,6 +258,7 @@ export function makeLocks(options: LocksOptions): Locks {
   // refused as such runs again unprepared (it did not run), and so do all after it.
   let poolUnprepared = false;
   const ctx: LocksContext = {
+    aborts: new LockedAborts(),
     wakeIn: (delayMs, reservedCopy) => wakes.in(delayMs, reservedCopy),
     session,
     sql,

@@ -2,6 +2,7 @@
  * The abort signal a locked task sees: graphile-worker's own, combined with the lock session's loss and, for
  * a job of a `reschedule` task, its supersession by a newer job of its key (`supersede`).
  */
+import { setMaxListeners } from "node:events";
 import type { JobHelpers } from "graphile-worker";
 import type { Hold } from "../session/holds.js";
 
@@ -19,8 +20,10 @@ interface LockedAbort {
  * when the lock session is lost (one signal per connection, shared by its holds). Both are long-lived and
  * shared, so their combination is made once per worker and connection, not per job: a job pays for a
  * spread of its helpers and nothing else. A job of a `reschedule` task may also be superseded, which is its
- * own: its combination is made per job, on the task's first look at its signal, and stops listening to the
- * shared signals when the job ends (`done`).
+ * own: its combination of that shared one and its supersession is made per job, on the task's first look at
+ * its signal, and stops listening when the job ends (`done`). So graphile-worker's signal and the session's
+ * have one listener each per worker and connection, however many jobs run; the shared combination has one
+ * per running job that looked, and no limit on their number (Node.js warns of a leak past ten listeners).
  */
 export class LockedAborts {
   private readonly byWorker = new WeakMap<object, LockedAbort>();
@@ -34,39 +37,44 @@ export class LockedAborts {
   }
 
   helpers(helpers: JobHelpers, hold: Hold): JobHelpers {
+    const shared = this.shared(helpers, hold);
     if (hold.info.reschedule) {
-      const { helpers: own, made } = supersedable(helpers, hold);
+      const { helpers: own, made } = supersedable(helpers, hold, shared);
       this.perJob.set(hold, made);
       return own;
     }
+    return { ...helpers, abortSignal: shared.signal, abortPromise: shared.promise };
+  }
+
+  /** The combination of the worker's signal and the session's loss, made once per worker and connection. */
+  private shared(helpers: JobHelpers, hold: Hold): LockedAbort {
     const lost = hold.sessionSignal;
     const workerSignal: AbortSignal | undefined = helpers.abortSignal;
     const owner = workerSignal ?? this.noWorkerSignal;
     let abort = this.byWorker.get(owner);
     if (abort?.lost !== lost) {
       abort = combine(lost, workerSignal ? [workerSignal, lost] : [lost]);
+      // (each running job of a `reschedule` task that looked at its signal listens to it)
+      setMaxListeners(0, abort.signal);
       this.byWorker.set(owner, abort);
     }
-    return { ...helpers, abortSignal: abort.signal, abortPromise: abort.promise };
+    return abort;
   }
 }
 
 /**
- * Helpers whose abort signal also fires when `hold`'s job is superseded, made when first read; and `made`,
- * the combination if it was made.
+ * Helpers whose abort signal fires on `shared` (the worker's and the session's) and when `hold`'s job is
+ * superseded, made when first read; and `made`, the combination if it was made.
  */
 function supersedable(
   helpers: JobHelpers,
   hold: Hold,
+  shared: LockedAbort,
 ): { helpers: JobHelpers; made: () => LockedAbort | undefined } {
-  const workerSignal: AbortSignal | undefined = helpers.abortSignal;
   let abort: LockedAbort | undefined;
   const make = () => {
     if (abort) return abort;
-    const lost = hold.sessionSignal;
-    const sources = [lost, hold.supersedeSignal];
-    if (workerSignal) sources.push(workerSignal);
-    return (abort = combine(lost, sources));
+    return (abort = combine(shared.lost, [shared.signal, hold.supersedeSignal]));
   };
   const own = Object.defineProperties(
     { ...helpers },

@@ -12,7 +12,6 @@ import type { AcquireResult, Hold, HoldInfo } from "../session/holds.js";
 import { jobLimitKeys, jobLockKeys, lockKeyMaterial, lockKeyValue } from "../key.js";
 import { RateGate, type CountedStart, type GateKeys } from "../rates/gate.js";
 import { rateKeyOf } from "../rates/options.js";
-import { LockedAborts } from "./aborts.js";
 import { GiveBack } from "./give-back.js";
 import { ConflictCounter, HoldTime } from "./hold-time.js";
 import type { AddJobSpec, ResolvedExclusiveOptions } from "../options.js";
@@ -248,7 +247,7 @@ export function makeExclusiveTask<TPayload>(
       throw error;
     }
   };
-  const aborts = new LockedAborts();
+  const { aborts } = ctx;
   const holdTime = new HoldTime();
   const timed = options.onConflict === "reschedule";
   const listening = () => ctx.listening("lock:released");
