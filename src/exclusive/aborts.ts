@@ -27,6 +27,7 @@ interface LockedAbort {
  */
 export class LockedAborts {
   private readonly byWorker = new WeakMap<object, LockedAbort>();
+  private readonly relays = new WeakMap<AbortSignal, AbortSignal>();
   private readonly noWorkerSignal = {};
   private readonly perJob = new WeakMap<Hold, () => LockedAbort | undefined>();
 
@@ -44,6 +45,23 @@ export class LockedAborts {
       return own;
     }
     return { ...helpers, abortSignal: shared.signal, abortPromise: shared.promise };
+  }
+
+  /**
+   * graphile-worker's signal (`helpers.abortSignal`) relayed by one listener to a signal of ours that takes any
+   * number: what a job waits on before it holds its lock (a rate's slot, a give-back's retry), so that many
+   * jobs waiting at once add no listener each to graphile-worker's.
+   */
+  workerSignal(helpers: JobHelpers): AbortSignal | undefined {
+    const signal: AbortSignal | undefined = helpers.abortSignal;
+    if (!signal) return undefined;
+    let relayed = this.relays.get(signal);
+    if (!relayed) {
+      relayed = combine(signal, [signal]).signal;
+      setMaxListeners(0, relayed);
+      this.relays.set(signal, relayed);
+    }
+    return relayed;
   }
 
   /** The combination of the worker's signal and the session's loss, made once per worker and connection. */

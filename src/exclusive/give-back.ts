@@ -175,7 +175,7 @@ export class GiveBack {
           if (helpers.abortSignal?.aborted) throw deferError;
           // (a worker that aborts meanwhile stops asking: the job fails with the give-back's error)
           await delay(Math.min(DEFER_RETRY_MAX_MS, 50 * 2 ** tries), undefined, {
-            signal: helpers.abortSignal,
+            signal: ctx.aborts.workerSignal(helpers),
           }).catch(() => {
             throw deferError;
           });

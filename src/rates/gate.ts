@@ -284,7 +284,7 @@ export class RateGate {
         // Its slot is near: wait here, holding its reservation, and ask again a little ahead of it.
         waited = true;
         await delay(Math.max(0, delayMs - RATE_HOLD_MS), undefined, {
-          signal: helpers.abortSignal,
+          signal: this.ctx.aborts.workerSignal(helpers),
         });
         continue;
       }
