@@ -12,10 +12,10 @@ import pg from "pg";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { advisoryParts, slotKeys } from "../../src/key.js";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "../../src/session/batch.js";
-import type { HoldInfo, LockRequest } from "../../src/session/holds.js";
-import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
+import { makeSql } from "../../src/sql.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
 import { useTestDatabase, waitFor, waitForNoJobs } from "../support/db.js";
+import { markBackend, stackedRequest } from "../support/lock-requests.js";
 import { startWorkerProcess, type WorkerProcess } from "../support/processes.js";
 
 const SCRIPT = "limits-worker.ts";
@@ -374,18 +374,8 @@ describe("composed limits across 3 processes", () => {
       ).rows[0]!.r,
     "the lock statement's expression": async (c: pg.Client, keys: string[]) => {
       const mark = "limits-test";
-      await c.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, mark]);
-      const pid = (await c.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
-      const info: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
-      const request = {
-        slots: keys,
-        keys: keys.map(BigInt),
-        info,
-        limits: keys.map((k) => [k]),
-        lines: keys,
-        resolve: () => undefined,
-        reject: () => undefined,
-      } as LockRequest;
+      const pid = await markBackend(c, mark);
+      const request = stackedRequest(keys.map((k) => [k]));
       const query = batchQuery(sql, makeBatch([], [request], [], false), pid, mark);
       expect(query.name).toBe("gwl_lock_limits2");
       return decodeBatch((await c.query<BatchRow>(query)).rows).stacked.get(1)!;

@@ -12,8 +12,9 @@ import type { Locks } from "../../src/index.js";
 import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "../../src/session/batch.js";
-import type { HoldInfo, LockRequest, RateRide } from "../../src/session/holds.js";
-import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
+import type { RateRide } from "../../src/session/holds.js";
+import { makeSql } from "../../src/sql.js";
+import { lockRequest, markBackend, plainInfo } from "../support/lock-requests.js";
 
 const h = useExclusiveHarness(
   "truncate test_executions, test_events; delete from graphile_worker_locks.rates; delete from graphile_worker_locks.rate_reservations; delete from graphile_worker_locks.pauses",
@@ -383,22 +384,7 @@ describe("a rate asked in the lock statement", () => {
   it("each lock statement that carries rates (plain, full, with several limits) takes the key and counts the start", async () => {
     const sql = makeSql("graphile_worker_locks", "graphile_worker");
     const client = await h.connect();
-    await client.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, "test"]);
-    const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!
-      .pid;
-    const request = (
-      slots: string[],
-      info: HoldInfo,
-      extra: Partial<LockRequest> = {},
-    ): LockRequest => ({
-      slots,
-      keys: slots.map(BigInt),
-      info,
-      resolve: () => undefined,
-      reject: () => undefined,
-      ...extra,
-    });
-    const plainInfo: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
+    const pid = await markBackend(client, "test");
     const ride = (rateKey: string): RateRide => ({
       rateKey,
       label: `rate ${rateKey}`,
@@ -409,29 +395,35 @@ describe("a rate asked in the lock statement", () => {
     });
     const cases = [
       // (a plain batch: the rated request alone)
-      { name: "gwl_lock_plain_rated", locks: [request(["101"], plainInfo, { ride: ride("901") })] },
+      {
+        name: "gwl_lock_plain_rated",
+        locks: [lockRequest(["101"], plainInfo, { ride: ride("901") })],
+      },
       // (a semaphore request beside it)
       {
         name: "gwl_lock_slots_rated",
         locks: [
-          request(["102"], plainInfo, { ride: ride("902") }),
-          request(["201", "202"], plainInfo),
+          lockRequest(["102"], plainInfo, { ride: ride("902") }),
+          lockRequest(["201", "202"], plainInfo),
         ],
       },
       // (a request of several limits of one key each beside it)
       {
         name: "gwl_lock_limits2_rated",
         locks: [
-          request(["103"], plainInfo, { ride: ride("903") }),
-          request(["301", "302"], plainInfo, { limits: [["301"], ["302"]], lines: ["301", "302"] }),
+          lockRequest(["103"], plainInfo, { ride: ride("903") }),
+          lockRequest(["301", "302"], plainInfo, {
+            limits: [["301"], ["302"]],
+            lines: ["301", "302"],
+          }),
         ],
       },
       // (a request of several limits, one of two slots, beside it: try_lock_all)
       {
         name: "gwl_lock_stacked_rated",
         locks: [
-          request(["104"], plainInfo, { ride: ride("904") }),
-          request(["401", "402", "403"], plainInfo, {
+          lockRequest(["104"], plainInfo, { ride: ride("904") }),
+          lockRequest(["401", "402", "403"], plainInfo, {
             limits: [["401", "402"], ["403"]],
             lines: ["", "403"],
           }),

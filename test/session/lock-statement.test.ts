@@ -6,13 +6,13 @@
 import { describe, expect, it } from "vitest";
 import { batchQuery, decodeBatch, makeBatch, type BatchRow } from "../../src/session/batch.js";
 import type { HoldInfo, LockRequest } from "../../src/session/holds.js";
-import { CLAIM_SETTING, makeSql } from "../../src/sql.js";
+import { makeSql } from "../../src/sql.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
+import { lockRequest, markBackend, stackedRequest } from "../support/lock-requests.js";
 
 const h = useExclusiveHarness();
 const sql = makeSql("graphile_worker_locks", "graphile_worker");
 const MARK = "lock-statement-test";
-const plainInfo: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
 const lineInfo: HoldInfo = {
   taskIdentifier: "t",
   jobId: "2",
@@ -22,27 +22,10 @@ const lineInfo: HoldInfo = {
   releaseWaitMs: 0,
 };
 
-function request(slots: string[], info = plainInfo, extra: Partial<LockRequest> = {}): LockRequest {
-  return {
-    slots,
-    keys: slots.map(BigInt),
-    info,
-    resolve: () => undefined,
-    reject: () => undefined,
-    ...extra,
-  };
-}
-
-/** A request of several limits, each the given slots (the first its line). */
-function stacked(limits: string[][], info = plainInfo): LockRequest {
-  return request(limits.flat(), info, { limits, lines: limits.map((l) => l[0]!) });
-}
-
 /** A marked backend (as a lock session's) and a runner of batches on it. */
 async function session() {
   const client = await h.connect();
-  await client.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, MARK]);
-  const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
+  const pid = await markBackend(client, MARK);
   return {
     client,
     async run(locks: LockRequest[]) {
@@ -64,7 +47,7 @@ async function session() {
 describe("the lock statement of a batch", () => {
   it("carries only the branches its requests use", async () => {
     const s = await session();
-    const plain = await s.run([request(["11"])]);
+    const plain = await s.run([lockRequest(["11"])]);
     expect(plain.name).toBe("gwl_lock_plain");
     for (const absent of [
       "is_next",
@@ -75,22 +58,25 @@ describe("the lock statement of a batch", () => {
     ])
       expect(plain.text).not.toContain(absent);
 
-    const line = await s.run([request(["12"], lineInfo)]);
+    const line = await s.run([lockRequest(["12"], lineInfo)]);
     expect(line.name).toBe("gwl_lock_lines");
     expect(line.text).toContain("is_next");
     expect(line.text).not.toContain("try_lock_all");
 
-    const slots = await s.run([request(["13", "14"])]);
+    const slots = await s.run([lockRequest(["13", "14"])]);
     expect(slots.name).toBe("gwl_lock_slots");
     expect(slots.answer.slots.get(1)).toBe("13");
 
-    const fast = await s.run([stacked([["15"], ["16"]])]);
+    const fast = await s.run([stackedRequest([["15"], ["16"]])]);
     expect(fast.name).toBe("gwl_lock_limits2");
     expect(fast.text).not.toContain("try_lock_all");
     expect(fast.answer.stacked.get(1)).toBe("15,16");
 
     // (a line, or a limit of several slots, goes through try_lock_all; so do the others of its batch)
-    const full = await s.run([stacked([["17"], ["18"]]), stacked([["19", "20"], ["21"]])]);
+    const full = await s.run([
+      stackedRequest([["17"], ["18"]]),
+      stackedRequest([["19", "20"], ["21"]]),
+    ]);
     expect(full.name).toBe("gwl_lock_stacked");
     expect([full.answer.stacked.get(1), full.answer.stacked.get(2)]).toEqual(["17,18", "19,21"]);
     expect(await s.held()).toEqual(["11", "12", "13", "15", "16", "17", "18", "19", "21"]);
@@ -101,11 +87,11 @@ describe("the lock statement of a batch", () => {
     const other = await h.connect();
     await other.query("select pg_advisory_lock(k) from unnest('{102,203,301}'::bigint[]) as k");
     const { name, answer } = await s.run([
-      stacked([["101"], ["102"]]), // the second full
-      stacked([["201"], ["202"], ["203"]]), // the third full
-      stacked([["301"], ["302"], ["303"]]), // the first full
-      stacked([["401"], ["402"]]), // free
-      stacked([["501"], ["502"], ["503"]]), // free
+      stackedRequest([["101"], ["102"]]), // the second full
+      stackedRequest([["201"], ["202"], ["203"]]), // the third full
+      stackedRequest([["301"], ["302"], ["303"]]), // the first full
+      stackedRequest([["401"], ["402"]]), // free
+      stackedRequest([["501"], ["502"], ["503"]]), // free
     ]);
     expect(name).toBe("gwl_lock_limits3");
     expect([...answer.stacked.entries()].sort((a, b) => a[0] - b[0])).toEqual([
@@ -157,7 +143,7 @@ describe("the lock statement of a batch", () => {
         if (rows[0]!.r.startsWith("!")) failures++;
       }
       await reference.query("select pg_advisory_unlock_all()");
-      const { answer } = await s.run(requests.map((limits) => stacked(limits)));
+      const { answer } = await s.run(requests.map((limits) => stackedRequest(limits)));
       expected.forEach((r, i) =>
         expect(answer.stacked.get(i + 1), `round ${round}, request ${i + 1}`).toBe(r),
       );
