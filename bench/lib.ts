@@ -15,6 +15,7 @@ import { fileURLToPath, pathToFileURL } from "node:url";
 import pg from "pg";
 import { Logger, run, runMigrations, type RunnerOptions } from "graphile-worker";
 import { databaseUrl, startPostgres } from "../scripts/postgres.js";
+import { SERVER_STATS_FLAGS } from "./server-stats.js";
 import { library, libraryBuild } from "./library.js";
 
 // ---------------------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ export async function openBench(log: (message: string) => void, quick: boolean) 
   log(
     `starting PostgreSQL (${server})${quick ? "; BENCH_QUICK: small job counts, figures not meaningful" : ""}`,
   );
-  const postgres = await startPostgres({ envVar: "DATABASE_URL" });
+  const postgres = await startPostgres({ envVar: "DATABASE_URL", serverFlags: SERVER_STATS_FLAGS });
   let database: BenchDatabase | undefined;
   let pool: pg.Pool | undefined;
   const close = async () => {

@@ -9,13 +9,16 @@
  * - contended: `reschedule` jobs of 20 ms over 8 tenants with two limits (1 per tenant, a cap of 4 in all,
  *   a group), against the ideal makespan (jobs × 20 ms / 4); hand-off is the gap from the end that freed a
  *   cap slot to the next start while jobs waited.
+ * BENCH_LIMITS=contended (or uncontended) runs one part alone, for an A/B of the other.
  */
+import { readFileSync } from "node:fs";
 import type { Runner } from "graphile-worker";
 import type { ExclusiveOptions, Locks } from "../src/index.js";
 import { library, timingProbe } from "./library.js";
-import { fmtFixed, fmtInt, goal, machineClock as clock, median } from "./lib.js";
+import { fmtFixed, fmtInt, goal, machineClock as clock, median, sleep } from "./lib.js";
 import { percentile, quietLogger, resetJobs, sizedSection, startRunner, table } from "./lib.js";
-import { waitUntilNoJobs, type BenchContext, type Goal } from "./lib.js";
+import { waitUntilNoJobs, type BenchContext, type Goal, type Table } from "./lib.js";
+import { resetServerStats, serverStatsTables } from "./server-stats.js";
 import {
   NOOP_CONCURRENCY as CONCURRENCY,
   noopRun,
@@ -32,6 +35,22 @@ const SIZES = {
 };
 
 type Payload = NoopPayload;
+
+/** The parts BENCH_LIMITS names (default both). */
+const PARTS = (process.env.BENCH_LIMITS ?? "uncontended,contended").split(",");
+
+/**
+ * A backend's schedstat, when it runs on this machine: its time on a core and its time runnable but waiting
+ * for one, ms (null elsewhere).
+ */
+function backendSched(pid: number | null): { runMs: number; waitMs: number } | null {
+  try {
+    const [run, wait] = readFileSync(`/proc/${pid}/schedstat`, "utf8").split(" ").map(Number);
+    return { runMs: run! / 1e6, waitMs: wait! / 1e6 };
+  } catch {
+    return null;
+  }
+}
 const byJob = (p: Payload) => p.i;
 /**
  * `reference`: a row for reading the others, without a goal of its own. `options: null`: a plain
@@ -108,6 +127,8 @@ async function contended(ctx: BenchContext, jobs: number) {
     });
     locks.attach(runner);
     await resetJobs(ctx.pool);
+    await resetServerStats(ctx.pool);
+    const schedBefore = backendSched(locks.status().pid);
     const started = clock();
     await locks.addJobs(
       Array.from({ length: jobs }, (_, i) => ({
@@ -115,7 +136,13 @@ async function contended(ctx: BenchContext, jobs: number) {
         payload: { t: i % TENANTS, i },
       })),
     );
+    // (the executions are counted here first: a count of the jobs table every few ms would load the server
+    // whose hand-offs the run measures)
+    const deadline = clock() + 300_000;
+    while (runs.length < jobs && clock() < deadline) await sleep(50);
+    const schedAfter = backendSched(locks.status().pid);
     await waitUntilNoJobs(ctx.pool, 300_000);
+    const serverStats = await serverStatsTables(ctx.pool, "the contended run", jobs);
     const lastEnd = Math.max(...runs.map((r) => r.end));
     const makespan = lastEnd - started;
     // Hand-off: for each start after the first CAP, the gap since the latest end before it, split at the
@@ -177,7 +204,13 @@ async function contended(ctx: BenchContext, jobs: number) {
       underCapShare: underCapMs / makespan,
       longestUnderCapMs,
       lockWaitP50Ms: percentile(lockWaits, 50),
+      // The lock session's backend over the run, per job: its CPU, and its wait for a core.
+      lockBackendUsPerJob:
+        schedBefore && schedAfter ? ((schedAfter.runMs - schedBefore.runMs) * 1000) / jobs : null,
+      lockBackendWaitUsPerJob:
+        schedBefore && schedAfter ? ((schedAfter.waitMs - schedBefore.waitMs) * 1000) / jobs : null,
       lockTripP50Ms: percentile(lockTrips, 50),
+      serverStats,
     };
   } finally {
     timingProbe?.setTimingProbe(null);
@@ -190,81 +223,35 @@ async function contended(ctx: BenchContext, jobs: number) {
 export const limits = sizedSection(
   { id: "limits", title: "Several limits per job", sizes: SIZES, rounds: 3 },
   async (ctx, size, rounds) => {
-    const results = VARIANTS.map(() => [] as NoopRun[]);
-    // (warm-up, then rounds alternating the variants)
-    for (const v of VARIANTS)
-      await noopRun(ctx, "limits_bench", v.options, Math.min(300, size.jobs));
-    for (let r = 0; r < rounds; r++) {
-      for (let i = 0; i < VARIANTS.length; i++) {
-        ctx.log(`limits: ${VARIANTS[i]!.label}, round ${r + 1}/${rounds}`);
-        results[i]!.push(await noopRun(ctx, "limits_bench", VARIANTS[i]!.options, size.jobs));
-      }
-    }
-    const med = results.map((rs) => ({
-      jobsPerSecond: median(rs.map((x) => x.jobsPerSecond)),
-      statementsPerJob: median(rs.map((x) => x.statementsPerJob)),
-      serverCpuUsPerJob: median(rs.map((x) => x.serverCpuUsPerJob)),
-    }));
-    ctx.log("limits: contended");
-    const c = await contended(ctx, size.contended);
-    const base = med[1]!;
-    // One lock statement's share of PostgreSQL's CPU per job: the plain exclusive job's less a plain one's.
-    const lockCpu = base.serverCpuUsPerJob - med[0]!.serverCpuUsPerJob;
     const goals: Goal[] = [];
-    for (let i = 2; i < med.length; i++) {
-      if (VARIANTS[i]!.reference) continue;
-      goals.push(
-        goal(
-          `limits: ${VARIANTS[i]!.label}, lock statements per job vs 1 limit`,
-          "no more (no extra round trip)",
-          med[i]!.statementsPerJob,
-          med[i]!.statementsPerJob <= base.statementsPerJob * 1.05,
-        ),
-      );
-      const further = VARIANTS[i]!.options!.limits!.length - 1;
-      const added = (med[i]!.serverCpuUsPerJob - base.serverCpuUsPerJob) / further;
-      goals.push(
-        goal(
-          `limits: ${VARIANTS[i]!.label}, PostgreSQL CPU per further limit ÷ one lock statement's (${fmtInt(lockCpu)} µs)`,
-          "≤ 1",
-          added / lockCpu,
-          added <= lockCpu,
-        ),
-      );
+    const tables: Table[] = [];
+    const figures: Record<string, unknown> = {};
+    if (PARTS.includes("uncontended")) {
+      const { table: t, goals: g, results } = await uncontended(ctx, size.jobs, rounds);
+      tables.push(t);
+      goals.push(...g);
+      figures.uncontended = { variants: VARIANTS.map((v) => v.label), results };
     }
-    const ratio = c.makespanMs / c.idealMs;
-    // The floor: each of the CAP slots runs jobs / CAP jobs one after another, each its run (as long as runs
-    // took) and at least one lock statement's round trip before it (the unlock that frees the slot and the
-    // next job's lock ride in one statement), after the first start.
-    const floor =
-      (c.firstStartMs + (size.contended / CAP) * (c.runP50Ms + c.lockTripP50Ms)) / c.idealMs;
-    goals.push(
-      goal(
-        "limits: contended makespan vs ideal",
-        `≤ 1.25× (floor this run ${fmtFixed(floor, 2)})`,
-        ratio,
-        ratio <= 1.25,
-      ),
-    );
-    goals.push(
-      goal("limits: contended hand-off p50", "< 5 ms", c.handoffP50Ms, c.handoffP50Ms < 5),
-    );
-    return {
-      tables: [
-        table(
-          `Several limits per job, no contention (${size.jobs} no-op jobs of distinct keys, concurrency ${CONCURRENCY}, medians of ${rounds} alternating rounds)`,
-          "variant | jobs/s | lock statements/job | PostgreSQL CPU µs/job",
-          VARIANTS.map((v, i) => [
-            v.label,
-            fmtInt(med[i]!.jobsPerSecond),
-            fmtFixed(med[i]!.statementsPerJob, 2),
-            fmtInt(med[i]!.serverCpuUsPerJob),
-          ]),
-          [
-            "PostgreSQL CPU is every server process's, over the run (cpu.ts): the lock statements' share of it is what a limit adds.",
-            "One lock statement's share: the plain exclusive row less the no-lock row.",
-          ],
+    if (PARTS.includes("contended")) {
+      ctx.log("limits: contended");
+      const c = await contended(ctx, size.contended);
+      const ratio = c.makespanMs / c.idealMs;
+      // The floor: each of the CAP slots runs jobs / CAP jobs one after another, each its run (as long as
+      // runs took) and at least one lock statement's round trip before it (the unlock that frees the slot and
+      // the next job's lock ride in one statement), after the first start.
+      const floor =
+        (c.firstStartMs + (size.contended / CAP) * (c.runP50Ms + c.lockTripP50Ms)) / c.idealMs;
+      goals.push(
+        goal(
+          "limits: contended makespan vs ideal",
+          `≤ 1.25× (floor this run ${fmtFixed(floor, 2)})`,
+          ratio,
+          ratio <= 1.25,
         ),
+        goal("limits: contended hand-off p50", "< 5 ms", c.handoffP50Ms, c.handoffP50Ms < 5),
+      );
+      const us = (v: number | null) => (v === null ? "–" : fmtInt(v));
+      tables.push(
         table(
           `Several limits, contended (${size.contended} reschedule jobs of ${TASK_MS} ms, ${TENANTS} tenants, 1 per tenant and ${CAP} in all)`,
           "makespan ms | ideal ms | ratio | floor | hand-off p50 ms | hand-off p90 ms",
@@ -284,7 +271,7 @@ export const limits = sizedSection(
         ),
         table(
           "Where the contended run's time goes (per job, and each hand-off split at the starting job's fetch)",
-          "fetches/job | parks/job | jobs run at first fetch | end → fetch p50 ms | fetch → start p50 ms | lock request queued p50 ms | lock statement round trip p50 ms | under the cap | longest under the cap ms | first start ms | a run p50 ms",
+          "fetches/job | parks/job | jobs run at first fetch | end → fetch p50 ms | fetch → start p50 ms | lock request queued p50 ms | lock statement round trip p50 ms | lock backend CPU µs/job | its wait for a core µs/job | under the cap | longest under the cap ms | first start ms | a run p50 ms",
           [
             [
               fmtFixed(c.fetchesPerJob, 2),
@@ -294,19 +281,82 @@ export const limits = sizedSection(
               fmtFixed(c.fetchToStartP50Ms, 1),
               fmtFixed(c.lockWaitP50Ms, 1),
               fmtFixed(c.lockTripP50Ms, 1),
+              us(c.lockBackendUsPerJob),
+              us(c.lockBackendWaitUsPerJob),
               `${fmtInt(c.underCapShare * 100)} %`,
               fmtInt(c.longestUnderCapMs),
               fmtInt(c.firstStartMs),
               fmtFixed(c.runP50Ms, 1),
             ],
           ],
+          [
+            "lock backend: the lock session's server process over the run (its schedstat; embedded or local server only), per job.",
+          ],
         ),
-      ],
-      goals,
-      figures: {
-        uncontended: { variants: VARIANTS.map((v) => v.label), results },
-        contended: { ...c, floor },
-      },
-    };
+      );
+      tables.push(...c.serverStats);
+      figures.contended = { ...c, serverStats: undefined, floor };
+    }
+    return { tables, goals, figures };
   },
 );
+
+/** The uncontended rows: a warm-up of each variant, then `rounds` rounds alternating them; medians. */
+async function uncontended(ctx: BenchContext, jobs: number, rounds: number) {
+  const results = VARIANTS.map(() => [] as NoopRun[]);
+  for (const v of VARIANTS) await noopRun(ctx, "limits_bench", v.options, Math.min(300, jobs));
+  for (let r = 0; r < rounds; r++) {
+    for (let i = 0; i < VARIANTS.length; i++) {
+      ctx.log(`limits: ${VARIANTS[i]!.label}, round ${r + 1}/${rounds}`);
+      results[i]!.push(await noopRun(ctx, "limits_bench", VARIANTS[i]!.options, jobs));
+    }
+  }
+  const med = results.map((rs) => ({
+    jobsPerSecond: median(rs.map((x) => x.jobsPerSecond)),
+    statementsPerJob: median(rs.map((x) => x.statementsPerJob)),
+    serverCpuUsPerJob: median(rs.map((x) => x.serverCpuUsPerJob)),
+  }));
+  const base = med[1]!;
+  // One lock statement's share of PostgreSQL's CPU per job: the plain exclusive job's less a plain one's.
+  const lockCpu = base.serverCpuUsPerJob - med[0]!.serverCpuUsPerJob;
+  const goals: Goal[] = [];
+  for (let i = 2; i < med.length; i++) {
+    if (VARIANTS[i]!.reference) continue;
+    goals.push(
+      goal(
+        `limits: ${VARIANTS[i]!.label}, lock statements per job vs 1 limit`,
+        "no more (no extra round trip)",
+        med[i]!.statementsPerJob,
+        med[i]!.statementsPerJob <= base.statementsPerJob * 1.05,
+      ),
+    );
+    const further = VARIANTS[i]!.options!.limits!.length - 1;
+    const added = (med[i]!.serverCpuUsPerJob - base.serverCpuUsPerJob) / further;
+    goals.push(
+      goal(
+        `limits: ${VARIANTS[i]!.label}, PostgreSQL CPU per further limit ÷ one lock statement's (${fmtInt(lockCpu)} µs)`,
+        "≤ 1",
+        added / lockCpu,
+        added <= lockCpu,
+      ),
+    );
+  }
+  return {
+    results,
+    goals,
+    table: table(
+      `Several limits per job, no contention (${jobs} no-op jobs of distinct keys, concurrency ${CONCURRENCY}, medians of ${rounds} alternating rounds)`,
+      "variant | jobs/s | lock statements/job | PostgreSQL CPU µs/job",
+      VARIANTS.map((v, i) => [
+        v.label,
+        fmtInt(med[i]!.jobsPerSecond),
+        fmtFixed(med[i]!.statementsPerJob, 2),
+        fmtInt(med[i]!.serverCpuUsPerJob),
+      ]),
+      [
+        "PostgreSQL CPU is every server process's, over the run (cpu.ts): the lock statements' share of it is what a limit adds.",
+        "One lock statement's share: the plain exclusive row less the no-lock row.",
+      ],
+    ),
+  };
+}

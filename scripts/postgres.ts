@@ -35,6 +35,8 @@ import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 export interface StartPostgresOptions {
+  /** Settings (`-c name=value`) an embedded server or a container starts with, after the defaults. */
+  serverFlags?: ReadonlyArray<readonly [string, string]>;
   /** Receives the server's log output. Silent when omitted. */
   log?: (line: string) => void;
   /** Environment variable naming an existing server to use instead. @defaultValue `"TEST_DATABASE_URL"` */
@@ -162,9 +164,12 @@ async function startContainer(options: StartPostgresOptions): Promise<StartedPos
         .withCommand([
           "postgres",
           // The host's loopback only, on a port free on the host.
-          ...[["listen_addresses", "127.0.0.1"], ["port", String(port)], ...SERVER_FLAGS].flatMap(
-            ([k, v]) => ["-c", `${k}=${v}`],
-          ),
+          ...[
+            ["listen_addresses", "127.0.0.1"],
+            ["port", String(port)],
+            ...SERVER_FLAGS,
+            ...(options.serverFlags ?? []),
+          ].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
         ])
         .withTmpFs({ "/var/lib/postgresql/data": "rw" })
         // The host's network: no published ports, and no address outside loopback for the container.
@@ -417,6 +422,7 @@ async function startEmbedded(options: StartPostgresOptions, pkg: string): Promis
           ["listen_addresses", "127.0.0.1"],
           ["unix_socket_directories", ""],
           ...SERVER_FLAGS,
+          ...(options.serverFlags ?? []),
         ].flatMap(([k, v]) => ["-c", `${k}=${v}`]),
       };
       const candidate = new EmbeddedPostgres(candidateOptions);
