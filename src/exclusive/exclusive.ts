@@ -33,6 +33,24 @@ interface LockPlan {
   limits?: bigint[][];
 }
 
+/**
+ * How long a finished job waits, at most, for the answer that starts the job of this process it hands its key
+ * or slot to (`Hold.handsOffHere`). It returns to graphile-worker after that answer, so that its completion
+ * and its worker's next fetch do not compete for the server and the event loop with the hand-off's
+ * statement (figures: bench/README.md, section "A finished job behind its hand-off"). The bound only
+ * matters on a stalled connection, whose loss answers the release.
+ */
+const HAND_OFF_WAIT_MAX_MS = 1000;
+
+/** Resolves with `hold`'s release answer, or after HAND_OFF_WAIT_MAX_MS. */
+function handOffAnswered(hold: Hold): Promise<unknown> {
+  let timer: NodeJS.Timeout | undefined;
+  return Promise.race([
+    hold.release(),
+    new Promise((resolve) => (timer = setTimeout(resolve, HAND_OFF_WAIT_MAX_MS))),
+  ]).finally(() => clearTimeout(timer));
+}
+
 /** The answer of a job whose hold was lost before its task started: it did not run. */
 const LOST_BEFORE_START: unique symbol = Symbol("lost before start");
 
@@ -330,7 +348,8 @@ export function makeExclusiveTask<TPayload>(
       // The unlock goes in the lock session's next statement; the job need not wait for it. Until it lands,
       // the key is still held (PostgreSQL enforces that, and this process counts it as held), so nothing
       // can overlap; a late unlock of a lost session is a no-op. (Waiting for it before returning, as
-      // que-locks does, is no faster: see bench/README.md, section "Unlock without waiting".)
+      // que-locks does, is no faster: see bench/README.md, section "Unlock without waiting".) A job that
+      // hands its key or slot to a job waiting here waits for that answer (handOffAnswered).
       const heldMs = measured ? performance.now() - started : 0;
       if (timed && ran) holdTime.record(heldMs);
       if (!listening()) hold.releaseQuietly();
@@ -342,6 +361,7 @@ export function makeExclusiveTask<TPayload>(
             ctx.emit("lock:released", { taskIdentifier, lockKey: hold.key, job, outcome, heldMs }),
           );
       }
+      if (hold.handsOffHere) await handOffAnswered(hold);
     }
   };
 

@@ -76,6 +76,11 @@ export interface Hold {
   release(): Promise<ReleaseResult>;
   /** Releases the key like `release()`, for a caller that does not wait for the answer (no promise made). */
   releaseQuietly(): void;
+  /**
+   * Set by the release: a job of this process waits to take this hold's key (passed in memory) or one of its
+   * slots (in the statement that carries its unlock), and the release's answer is that job's start.
+   */
+  readonly handsOffHere: boolean;
 }
 
 /**
@@ -136,6 +141,7 @@ export class HoldImpl implements Hold {
    * its job has returned, and whether its key was held until then is known only with that answer.
    */
   passedFrom: HoldImpl | null = null;
+  handsOffHere = false;
   private result: ReleaseResult | undefined;
   private answered: Promise<ReleaseResult> | undefined;
   private resolveAnswered: ((result: ReleaseResult) => void) | undefined;

@@ -482,7 +482,10 @@ export class LockSession extends SessionBook {
 
   /**
    * Queues the unlock of `hold`; its answer goes to `hold.settle`. When the job its hold woke early waits in
-   * this process, the key passes to that job instead, without an unlock.
+   * this process, the key passes to that job instead, without an unlock. The hold is marked `handsOffHere`
+   * when a job of this process takes its key or slot with that answer: the key passed in memory (answered at
+   * the pass's confirmation), or a slot of several limits that a job waiting here (`awaitRelease`) asks for
+   * in the statement carrying the unlock.
    */
   release(hold: HoldImpl): void {
     hold.cancelPrewake();
@@ -494,14 +497,18 @@ export class LockSession extends SessionBook {
       hold.settle(LOST);
       return;
     }
-    if (
-      !hold.stacked &&
-      this.holds.get(hold.keyText) === hold &&
-      (this.handoff.handOver(hold) || this.handoff.keepFor(hold))
-    )
-      return;
+    if (!hold.stacked && this.holds.get(hold.keyText) === hold) {
+      if (this.handoff.handOver(hold)) {
+        hold.handsOffHere = true;
+        return;
+      }
+      if (this.handoff.keepFor(hold)) return;
+    }
     this.queueUnlock(hold);
-    if (hold.stacked) for (const watcher of [...this.releaseWatchers]) watcher();
+    if (hold.stacked && this.releaseWatchers.size > 0) {
+      hold.handsOffHere = true;
+      for (const watcher of [...this.releaseWatchers]) watcher();
+    }
   }
 
   private queueUnlock(hold: HoldImpl): void {

@@ -471,7 +471,7 @@ describe("limits: several limits per job", () => {
     expect(await h.parkedCount()).toBe(0);
   });
 
-  it("a job that finds a limit full, its slot held here, waits for that release and rides with its unlock, rather than park", async () => {
+  it("a job that finds a limit full, its slot held here, waits for that release and rides with its unlock, rather than park; the holder returns after that answer", async () => {
     const locks = newLocks();
     const gate = deferred();
     cleanups.push(async () => gate.resolve());
@@ -491,12 +491,17 @@ describe("limits: several limits per job", () => {
     );
     const parks: bigint[] = [];
     locks.events.on("job:rescheduled", (e) => parks.push(e.lockKey));
-    await runner({
+    // In order: each job's unlock answered, and its return to graphile-worker.
+    const order: string[] = [];
+    const tenantOf = (job: { payload: unknown }) => (job.payload as Job).tenant;
+    locks.events.on("lock:released", (e) => order.push(`released ${tenantOf(e.job)}`));
+    const r = await runner({
       connectionString: db.url,
       concurrency: 2,
       taskList: { ride: task },
       pollInterval: 100,
     });
+    r.events.on("job:success", ({ job }) => order.push(`returned ${tenantOf(job)}`));
     // A first job teaches the task its usual hold (600 ms): a job waits up to twice that (at most 1 s).
     await task.addJob({ tenant: "teach", ms: 600 });
     await waitFor(
@@ -522,6 +527,13 @@ describe("limits: several limits per job", () => {
     expect(parks).toEqual([]);
     expect(locks.status().handoffs).toMatchObject({ waitedHere: 1, rodeWithUnlock: 1 });
     expect(highestConcurrency(intervals(await readExecutions(db.pool(), "ride")))).toBe(1);
+    // A job whose slot a job waiting here takes returns once the statement carrying its unlock (and that
+    // job's lock) has answered; a job that hands nothing on returns at once, its unlock on its way.
+    await waitFor(async () => order.length === 6, { message: "every release and return" });
+    const at = (event: string) => order.indexOf(event);
+    expect(at("released h")).toBeLessThan(at("returned h"));
+    expect(at("returned teach")).toBeLessThan(at("released teach"));
+    expect(at("returned w")).toBeLessThan(at("released w"));
   });
 
   it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {

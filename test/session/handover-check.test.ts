@@ -66,7 +66,7 @@ function spannedTask(locks: Locks, identifier: string, ms: number) {
 }
 
 describe("hand-over check", () => {
-  it("rides on the lock statement that carries the new hold's early wake: no statement of its own", async () => {
+  it("rides on the lock statement that carries the new hold's early wake: no statement of its own; the passing job returns after it", async () => {
     // No heartbeat within the test: a heartbeat-shaped statement can only be a hand-over's own check.
     const locks = newLocks({ heartbeatInterval: 60_000, heartbeatTimeout: 60_000 });
     const gate = deferred();
@@ -136,10 +136,18 @@ describe("hand-over check", () => {
       "lock:acquired",
       (e) => (e.job.payload as { n: number }).n === 102,
     );
+    // 101's release is answered at the pass's check; 101 returns to graphile-worker after it.
+    const order: string[] = [];
+    const nOf = (job: { payload: unknown }) => (job.payload as { n: number }).n;
+    locks.events.on("lock:released", (e) => order.push(`released ${nOf(e.job)}`));
+    r.events.on("job:success", ({ job }) => order.push(`returned ${nOf(job)}`));
     gate.resolve();
     await held102;
     expect(locks.status().handoffs.handedOver).toBe(handedOver + 1);
     expect(counts).toEqual({ lock: 1, check: 0 });
+    await waitFor(async () => order.includes("returned 101"), { message: "101 to return" });
+    expect(order.indexOf("released 101")).toBeGreaterThanOrEqual(0);
+    expect(order.indexOf("released 101")).toBeLessThan(order.indexOf("returned 101"));
   });
 
   it("a key released before the job it woke early arrives here is kept for that job, which takes it in memory", async () => {
