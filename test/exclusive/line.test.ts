@@ -312,6 +312,35 @@ describe("reschedule hand-off", () => {
       expect(await isNext(key, second)).toBe(true);
     });
 
+    it("a release listing a key twice wakes its first two waiters, passing over one whose job is gone; a listing that finds nobody retires the wake", async () => {
+      const { locks, key, first, second } = await lineOfTwo("twice");
+      const later = new Date(Date.now() + 3_600_000).toISOString();
+      const { job } = await locks.addJob("twice", { n: 3 });
+      const third = await parkFetched(job!.id, key.toString(), later);
+      // The first waiter's job is gone (completed or deleted by hand): the next in line goes instead.
+      await q("delete from graphile_worker._private_jobs where id = $1", [first]);
+      const ready = async (ids: string[]) =>
+        (
+          await q<{ id: string }>(
+            "select id::text from graphile_worker._private_jobs where id = any($1) and run_at <= now() order by id",
+            [ids],
+          )
+        ).rows.map((r) => r.id);
+      const wake = async (times: number) =>
+        (
+          await q<{ woken: number }>(`select ${S}.wake_waiters($1, true) as woken`, [
+            Array.from({ length: times }, () => key.toString()),
+          ])
+        ).rows[0]!.woken;
+      expect(await wake(2)).toBe(2);
+      expect(await ready([second, third])).toEqual([second, third]);
+      expect(await wokenFor(key)).toEqual([third]);
+      expect(await parkedCount()).toBe(0);
+      // Two more listings, nobody left: the wake goes, so that a job parking next wakes itself.
+      expect(await wake(2)).toBe(0);
+      expect(await wokenFor(key)).toEqual([]);
+    });
+
     it("a holder that took its key by its safety net wakes the next in line at its release", async () => {
       const { key, first, second } = await lineOfTwo("selfline");
       // The first waiter's safety net ran out; it took the key (its waiter row stays while it runs)...
