@@ -197,6 +197,13 @@ async function insertContentionJobs(
   return new Map(rows.map((r, index) => [r.seq, index + 1]));
 }
 
+/**
+ * How often a run counts the jobs left, to see its end. The makespan is read from the executions, not from
+ * this count, so a coarse one costs no precision; a count every 10 ms loaded the server the run measures
+ * (figures: bench/README.md, section "The contended line: a hand-off stage by stage").
+ */
+const END_POLL_MS = 100;
+
 /** Inserts, waits for an empty table (or, with `limitMs`, deletes what has not run by then), collects. */
 async function measure(
   ctx: BenchContext,
@@ -228,7 +235,7 @@ async function measure(
       }
       break;
     }
-    await sleep(10);
+    await sleep(END_POLL_MS);
   }
   const records: WorkerRecords[] = [];
   for (const w of workers) records.push(await w.request<WorkerRecords>({ type: "collect" }));
