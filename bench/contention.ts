@@ -34,7 +34,8 @@ import {
   spread,
   table,
 } from "./lib.js";
-import { withWorkers, type BenchContext, type WorkerProcess } from "./lib.js";
+import { withWorkers, type BenchContext, type Table, type WorkerProcess } from "./lib.js";
+import { resetServerStats, serverStatsTables } from "./server-stats.js";
 import { QUEUE_TASK, STRATEGY_TASKS, TASK_MS, strategyOptions } from "./contention-worker.js";
 import type { ContentionPayload, Mark, Stages, WorkerRecords } from "./contention-worker.js";
 
@@ -566,6 +567,7 @@ export const contention = sizedSection(
       POLL_INTERVAL: String(POLL_INTERVAL_MS),
     };
     const runs: RunFigures[] = [];
+    const statsTables: Table[] = [];
     await withWorkers(WORKER_SCRIPT, PROCESSES, env, async (workers) => {
       let settings = {
         pollInterval: POLL_INTERVAL_MS,
@@ -602,11 +604,15 @@ export const contention = sizedSection(
           settings = next;
         }
         if (v.shape) jobs = Math.round((v.shape.jobs * jobs) / size.jobs);
+        // (with BENCH_SERVER_STATS, the server's time by statement in each variant's last round)
+        const last = r === rounds;
+        if (last) await resetServerStats(ctx.pool);
         const f = {
           ...(await measure(ctx, locks, workers, id, jobs, limitMs)),
           variant: id,
           round: r,
         };
+        if (last) statsTables.push(...(await serverStatsTables(ctx.pool, id, jobs)));
         ctx.log(
           `contention: ${r === 0 ? "warm-up" : `round ${r}`} ${id.padEnd(10)} ${fmtInt(f.executed)} executed, ` +
             `makespan ${(f.makespanMs / 1000).toFixed(2)} s (ideal ${(f.idealMs / 1000).toFixed(2)} s), ` +
@@ -636,7 +642,11 @@ export const contention = sizedSection(
           `${Number.isNaN(g.floor) ? "–" : fmtFixed(g.floor, 2)}: ${verdict(g)}`,
       );
     return {
-      tables: [...tables(summaries, runs, size, rounds), ...floorTables(summaries, floorGoals)],
+      tables: [
+        ...tables(summaries, runs, size, rounds),
+        ...floorTables(summaries, floorGoals),
+        ...statsTables,
+      ],
       goals: [
         ...rescheduling.flatMap((v) =>
           GOALS.map(([name, target, figure, most]) =>
