@@ -10,7 +10,7 @@
  * - In-process hand-over: the job woken early, fetched here while its key is still held here, waits in
  *   `handovers`; the hold's release passes it the key without an unlock (`handOver`), and the job gets it
  *   once the connection has answered a lock statement sent after the pass (`confirmHandOver`): the next one,
- *   which carries the new hold's early wake, or any request or unlock of the same turn.
+ *   with any request or unlock of the same turn; the new hold's early wake follows in the statement after.
  * - Kept for a job fetched here: a hold released before the job it woke early arrived, while an idle worker
  *   of this process nudged to fetch that job is fetching, keeps its key for it (`keepFor`) rather than
  *   unlocking: until that fetch, and every other fetch of this process in flight when it came back, have
@@ -215,9 +215,10 @@ export class Handoff {
    * backend that ended while this process has not heard of it (a silent network, an error not yet read) has
    * already freed the key for other sessions, and a job handed it then would run beside theirs. Waiting for
    * an answer gives a hand-over the guarantee of a lock statement: the key was held when PostgreSQL
-   * answered. The check costs no statement of its own: it rides on the next lock statement, which the new
-   * hold's early wake sends at once when its line is short of time. A statement already on its way at the
-   * pass does not count: its answer may have been written before the backend ended. A job whose check fails
+   * answered. The check rides on the next lock statement, sent at once; an early wake of the new hold queued
+   * with it follows in the statement after (session.ts, `flush`), so that the job does not wait for the
+   * wake's work on the server. A statement already on its way at the pass does not count: its answer may
+   * have been written before the backend ended. A job whose check fails
    * gets the connection's error (its hold is lost with the connection).
    */
   private confirmHandOver(hold: HoldImpl, request: LockRequest): void {
