@@ -50,6 +50,16 @@ export function cpuSnapshot(): Snapshot {
   return out;
 }
 
+/**
+ * One process's schedstat so far (a backend's, by its pid): its time on a core and its time runnable but
+ * waiting for one, ms; null where /proc cannot show it (another machine's server, not Linux).
+ */
+export function processSched(pid: number | null): { runMs: number; waitMs: number } | null {
+  const fields = pid === null ? undefined : read(`/proc/${pid}/schedstat`)?.trim().split(" ");
+  if (!fields || fields.length < 2) return null;
+  return { runMs: Number(fields[0]) / 1e6, waitMs: Number(fields[1]) / 1e6 };
+}
+
 /** What was used between two snapshots. */
 export function cpuBetween(before: Snapshot, after: Snapshot): CpuUse {
   const use: CpuUse = { serverMs: 0, serverWaitMs: 0, workerMs: 0, workerWaitMs: 0 };

@@ -11,9 +11,9 @@
  *   cap slot to the next start while jobs waited.
  * BENCH_LIMITS=contended (or uncontended) runs one part alone, for an A/B of the other.
  */
-import { readFileSync } from "node:fs";
 import type { Runner } from "graphile-worker";
 import type { ExclusiveOptions, Locks } from "../src/index.js";
+import { processSched } from "./cpu.js";
 import { library, timingProbe } from "./library.js";
 import { fmtFixed, fmtInt, goal, machineClock as clock, median, sleep } from "./lib.js";
 import { percentile, quietLogger, resetJobs, sizedSection, startRunner, table } from "./lib.js";
@@ -39,18 +39,6 @@ type Payload = NoopPayload;
 /** The parts BENCH_LIMITS names (default both). */
 const PARTS = (process.env.BENCH_LIMITS ?? "uncontended,contended").split(",");
 
-/**
- * A backend's schedstat, when it runs on this machine: its time on a core and its time runnable but waiting
- * for one, ms (null elsewhere).
- */
-function backendSched(pid: number | null): { runMs: number; waitMs: number } | null {
-  try {
-    const [run, wait] = readFileSync(`/proc/${pid}/schedstat`, "utf8").split(" ").map(Number);
-    return { runMs: run! / 1e6, waitMs: wait! / 1e6 };
-  } catch {
-    return null;
-  }
-}
 const byJob = (p: Payload) => p.i;
 /**
  * `reference`: a row for reading the others, without a goal of its own. `options: null`: a plain
@@ -128,7 +116,7 @@ async function contended(ctx: BenchContext, jobs: number) {
     locks.attach(runner);
     await resetJobs(ctx.pool);
     await resetServerStats(ctx.pool);
-    const schedBefore = backendSched(locks.status().pid);
+    const schedBefore = processSched(locks.status().pid);
     const started = clock();
     await locks.addJobs(
       Array.from({ length: jobs }, (_, i) => ({
@@ -140,7 +128,7 @@ async function contended(ctx: BenchContext, jobs: number) {
     // whose hand-offs the run measures)
     const deadline = clock() + 300_000;
     while (runs.length < jobs && clock() < deadline) await sleep(50);
-    const schedAfter = backendSched(locks.status().pid);
+    const schedAfter = processSched(locks.status().pid);
     await waitUntilNoJobs(ctx.pool, 300_000);
     const serverStats = await serverStatsTables(ctx.pool, "the contended run", jobs);
     const lastEnd = Math.max(...runs.map((r) => r.end));

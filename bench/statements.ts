@@ -7,11 +7,11 @@
  * BENCH_ROUNDS rounds (default 5), medians. No worker and no job: the statement alone, which is what the
  * `limits` section's per-job figures add up over a run.
  */
-import { readFileSync } from "node:fs";
 import pg from "pg";
 import type * as Batch from "../src/session/batch.js";
 import type { HoldImpl, HoldInfo, LockRequest } from "../src/session/holds.js";
 import type * as Sql from "../src/sql.js";
+import { processSched } from "./cpu.js";
 import { load } from "./library.js";
 import { benchRounds, fmtFixed, fmtInt, median, sizedSection, table } from "./lib.js";
 
@@ -117,15 +117,6 @@ const KINDS: Kind[] = [
   },
 ];
 
-/** The backend `pid`'s time on a core so far, µs (null where /proc cannot show it). */
-function backendCpuUs(pid: number): number | null {
-  try {
-    return Number(readFileSync(`/proc/${pid}/schedstat`, "utf8").split(" ")[0]) / 1000;
-  } catch {
-    return null;
-  }
-}
-
 export const statements = sizedSection(
   {
     id: "statements",
@@ -152,7 +143,7 @@ export const statements = sizedSection(
         for (let k = 0; k < KINDS.length; k++) {
           const kind = KINDS[k]!;
           let previous: Hold | null = null;
-          const cpu0 = backendCpuUs(pid);
+          const cpu0 = processSched(pid);
           const t0 = performance.now();
           for (let i = 0; i < count; i++) {
             const { locks, hold } = kind.step(i);
@@ -168,10 +159,10 @@ export const statements = sizedSection(
             previous = hold;
           }
           const elapsed = performance.now() - t0;
-          const cpu1 = backendCpuUs(pid);
+          const cpu1 = processSched(pid);
           await client.query("select pg_catalog.pg_advisory_unlock_all()");
           if (r < 0) continue;
-          if (cpu0 !== null && cpu1 !== null) cpu[k]!.push((cpu1 - cpu0) / count);
+          if (cpu0 && cpu1) cpu[k]!.push(((cpu1.runMs - cpu0.runMs) * 1000) / count);
           trips[k]!.push((elapsed * 1000) / count);
         }
       }
