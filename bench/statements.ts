@@ -11,6 +11,7 @@ import pg from "pg";
 import type * as Batch from "../src/session/batch.js";
 import type { HoldImpl, HoldInfo, LockRequest } from "../src/session/holds.js";
 import type * as Sql from "../src/sql.js";
+import { lockRequest } from "../test/support/lock-requests.js";
 import { processSched } from "./cpu.js";
 import { load } from "./library.js";
 import { benchRounds, fmtFixed, fmtInt, median, sizedSection, table } from "./lib.js";
@@ -30,15 +31,6 @@ interface Kind {
   step(i: number): { locks: LockRequest[]; hold: Hold };
 }
 
-const request = (slots: string[], info: HoldInfo, extra: Partial<LockRequest> = {}) =>
-  ({
-    slots,
-    keys: slots.map(BigInt),
-    info,
-    resolve: () => undefined,
-    reject: () => undefined,
-    ...extra,
-  }) as LockRequest;
 const key = (limit: number, i: number) => String(BASE + (BigInt(limit) << 32n) + BigInt(i));
 const plain: HoldInfo = { taskIdentifier: "bench", jobId: "1", reschedule: false };
 
@@ -50,7 +42,9 @@ function limits(count: number): Kind {
       const keys = Array.from({ length: count }, (_, n) => key(n, i));
       const info: HoldInfo = { ...plain, wakeKeys: keys.slice(1).map(BigInt) };
       return {
-        locks: [request(keys, info, { limits: keys.map((k) => [k]), lines: keys.map((k) => k) })],
+        locks: [
+          lockRequest(keys, info, { limits: keys.map((k) => [k]), lines: keys.map((k) => k) }),
+        ],
         hold: { keyText: keys[0]!, keyTexts: keys, stacked: true, info },
       };
     },
@@ -61,7 +55,7 @@ const KINDS: Kind[] = [
   {
     label: "1 key (plain exclusive)",
     step: (i) => ({
-      locks: [request([key(0, i)], plain)],
+      locks: [lockRequest([key(0, i)], plain)],
       hold: { keyText: key(0, i), keyTexts: [key(0, i)], stacked: false, info: plain },
     }),
   },
@@ -70,7 +64,7 @@ const KINDS: Kind[] = [
     step(i) {
       const info: HoldInfo = { ...plain, wakeKeys: [BigInt(key(0, i))] };
       return {
-        locks: [request([key(0, i)], info)],
+        locks: [lockRequest([key(0, i)], info)],
         hold: { keyText: key(0, i), keyTexts: [key(0, i)], stacked: false, info },
       };
     },
@@ -87,7 +81,7 @@ const KINDS: Kind[] = [
         releaseWaitMs: 0,
       };
       return {
-        locks: [request([key(0, i)], info)],
+        locks: [lockRequest([key(0, i)], info)],
         hold: { keyText: key(0, i), keyTexts: [key(0, i)], stacked: false, info },
       };
     },
@@ -110,7 +104,9 @@ const KINDS: Kind[] = [
         releaseWaitMs: 0,
       };
       return {
-        locks: [request([tenant, ...cap], info, { limits: [[tenant], cap], lines: [tenant, ""] })],
+        locks: [
+          lockRequest([tenant, ...cap], info, { limits: [[tenant], cap], lines: [tenant, ""] }),
+        ],
         hold: { keyText: tenant, keyTexts: [tenant, cap[0]!], stacked: true, info },
       };
     },

@@ -4,7 +4,7 @@
  */
 import type pg from "pg";
 import type { HoldInfo, LockRequest } from "../../src/session/holds.js";
-import { CLAIM_SETTING } from "../../src/sql.js";
+import { CLAIM_BACKEND } from "../../src/sql.js";
 
 /** The hold info of a job that is not `reschedule`. */
 export const plainInfo: HoldInfo = { taskIdentifier: "t", jobId: "1", reschedule: false };
@@ -30,8 +30,13 @@ export function stackedRequest(limits: string[][], info: HoldInfo = plainInfo): 
   return lockRequest(limits.flat(), info, { limits, lines: limits.map((l) => l[0]!) });
 }
 
-/** Marks `client`'s backend with `mark` as a lock session does, and answers its pid. */
+/**
+ * Marks `client`'s backend with `mark` by the statement a lock session claims its backend with, and answers
+ * its pid. Throws if the backend carries another mark.
+ */
 export async function markBackend(client: pg.Client, mark: string): Promise<number> {
-  await client.query("select pg_catalog.set_config($1, $2, false)", [CLAIM_SETTING, mark]);
-  return (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!.pid;
+  const { rows } = await client.query<{ pid: number; claimed: boolean }>(CLAIM_BACKEND, [mark]);
+  if (!rows[0]!.claimed)
+    throw new Error(`backend ${rows[0]!.pid} carries another mark than ${mark}`);
+  return rows[0]!.pid;
 }
