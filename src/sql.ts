@@ -173,6 +173,12 @@ export interface LockShape {
   wakes: boolean;
   /** Early wakes of the next job in line of held keys (prewake). */
   prewakes: boolean;
+  /**
+   * The wakes and early wakes go in a second statement of the same transaction (`wakeStatementText`), sent
+   * in the same write behind a Flush (two-part.ts): the lock statement then carries only the line locks of
+   * the keys to wake, and its answer comes back before the wakes run.
+   */
+  split?: boolean;
 }
 
 /** A shape's name: `plain`, or its branches joined by `_` (`_rated` last). */
@@ -182,8 +188,12 @@ export function lockShapeId(shape: LockShape): string {
   if (shape.slots) parts.push("slots");
   if (shape.stacked) parts.push("stacked");
   if (shape.fastLimits > 0) parts.push(`limits${shape.fastLimits}`);
-  if (shape.wakes) parts.push("wakes");
-  if (shape.prewakes) parts.push("prewakes");
+  if (shape.split) {
+    if (shape.wakes) parts.push("linelocks");
+  } else {
+    if (shape.wakes) parts.push("wakes");
+    if (shape.prewakes) parts.push("prewakes");
+  }
   if (parts.length === 0) parts.push("plain");
   if (shape.rated) parts.push("rated");
   return parts.join("_");
@@ -213,9 +223,42 @@ export function lockStatementParams(shape: LockShape) {
     stacked: shape.stacked ? take(2) : 0,
     fastLimits: shape.fastLimits > 0 ? take(shape.fastLimits) : 0,
     rated: shape.rated ? take(8) : 0,
-    wakes: shape.wakes ? take(2) : 0,
-    prewakes: shape.prewakes ? take(2) : 0,
+    // (split: only the keys, for their line locks)
+    wakes: shape.wakes ? take(shape.split ? 1 : 2) : 0,
+    prewakes: shape.prewakes && !shape.split ? take(2) : 0,
   };
+}
+
+/** The name of the wake statement of `shape` (split): `wakes`, `prewakes` or both. */
+function wakeShapeId(shape: LockShape): string {
+  return [shape.wakes ? "wakes" : "", shape.prewakes ? "prewakes" : ""].filter(Boolean).join("_");
+}
+
+/**
+ * The wakes of a split lock statement (`LockShape.split`), run in its transaction right after it: $1, $2 the
+ * session's backend and mark (`onOwnBackend`); then, for `wakes`, the line keys to wake and the job that
+ * released each (release_waiters; the lock statement locked their lines before its unlocks); for
+ * `prewakes`, the held keys whose first waiter to wake early and whether to announce those wakes. Answers
+ * PREWOKEN rows as the lock statement would.
+ */
+export function wakeStatementText(s: string, shape: LockShape): string {
+  const own = onOwnBackend(1);
+  const branches: string[] = [];
+  let next = 3;
+  if (shape.wakes) {
+    branches.push(`
+      select ${BatchOp.WOKEN} as op, ${s}.release_waiters($${next}::bigint[], $${next + 1}::bigint[]) as i, null::text as key
+        where ${own}`);
+    next += 2;
+  }
+  if (shape.prewakes) {
+    branches.push(`
+      select ${BatchOp.PREWOKEN} as op, p.i, p.job_id::text as key
+        from ${s}.prewake($${next}::bigint[], $${next + 1}::boolean) p
+        where ${own}`);
+  }
+  return branches.join(`
+      union all`);
 }
 
 /**
@@ -244,7 +287,8 @@ function allOrNothing(keys: string[], place = 0): string {
  * The text of a lock statement of `shape` (parameters: `lockStatementParams`). PostgreSQL runs its branches
  * in order: the lines of the keys whose waiters to wake are locked before the unlocks, so that a job parking
  * meanwhile sees this statement's wake; requests are tried after the unlocks, so that a key freed by the
- * statement passes on in it; the wakes and early wakes come last. Besides the backend's pid, only failures
+ * statement passes on in it; the wakes and early wakes come last (`split`: in a second statement of its
+ * transaction, `wakeStatementText`). Besides the backend's pid, only failures
  * come back for unlocks and single keys (rows are the costly part of a busy batch): every request without a
  * row succeeded, except that a `reschedule` job's success comes back (LOCKED_WITH_LINE) when others wait in
  * line for the key, and its failure says (WAIT_FOR_RELEASE) whether it was woken early and should wait for
@@ -319,6 +363,7 @@ export function lockStatementText(s: string, shape: LockShape): string {
         where ${own}`;
   }
   if (shape.rated) text += ratedBranch(s, p.rated, 3);
+  if (shape.split) return text;
   if (shape.wakes) {
     text += `
       union all
@@ -396,6 +441,17 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
       let statement = lockStatements.get(id);
       if (!statement) {
         statement = { name: `gwl_lock_${id}`, text: lockStatementText(s, shape) };
+        lockStatements.set(id, statement);
+      }
+      return statement;
+    },
+
+    /** The wake statement of a split lock statement of `shape` (`wakeStatementText`), named by its branches. */
+    wakeStatement(shape: LockShape): { name: string; text: string } {
+      const id = `wake_${wakeShapeId(shape)}`;
+      let statement = lockStatements.get(id);
+      if (!statement) {
+        statement = { name: `gwl_${id}`, text: wakeStatementText(s, shape) };
         lockStatements.set(id, statement);
       }
       return statement;

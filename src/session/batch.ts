@@ -3,9 +3,9 @@
  * that carries them (the lock statement of the branches they use: `LockShape`, sql.ts), and the decoding
  * of its answer rows (`BatchOp`).
  */
-import type { QueryConfig } from "pg";
 import { linesOf, type HoldImpl, type LockRequest } from "./holds.js";
 import { BatchOp, type LockShape, type Sql } from "../sql.js";
+import type { NamedQuery } from "./two-part.js";
 
 export interface Batch {
   unlocks: HoldImpl[];
@@ -125,7 +125,24 @@ const fastStacked = (r: LockRequest) =>
  * The query of a batch: the lock statement with the branches it uses (`LockShape`, sql.ts). `pid` is the
  * session's backend, marked with `mark`: the only one the statement takes or releases anything on.
  */
-export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): QueryConfig {
+export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): NamedQuery {
+  return batchQueries(sql, batch, pid, mark, false).lock;
+}
+
+/**
+ * The queries of a batch: the lock statement and, when `answerFirst` and the batch wakes lines or wakes
+ * jobs early, its wakes in a second statement of its transaction (`LockShape.split`; sent together by
+ * two-part.ts), so that the lock statement's answer does not wait for the wakes. A batch of requests with
+ * their rate stays one statement: lock_rated writes the rate's starts, which a failed wake would roll back
+ * after their jobs had been told they may start.
+ */
+export function batchQueries(
+  sql: Sql,
+  batch: Batch,
+  pid: number,
+  mark: string,
+  answerFirst: boolean,
+): { lock: NamedQuery; wake: NamedQuery | null } {
   const { unlocks, singles, multis, stacked, rated, prewakes, wakeHere } = batch;
   const waking = unlockLines(unlocks);
   // (the requests of several limits go one way or the other, all of them: their answers share one list)
@@ -139,6 +156,7 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
     wakes: waking.keys.length > 0,
     prewakes: prewakes.length > 0,
   };
+  shape.split = answerFirst && !shape.rated && (shape.wakes || shape.prewakes);
   const values: unknown[] = [
     integerArray(unlockKeys(unlocks).keys),
     integerArray(singles.map((r) => r.slots[0]!)),
@@ -160,10 +178,20 @@ export function batchQuery(sql: Sql, batch: Batch, pid: number, mark: string): Q
   for (let n = 0; n < shape.fastLimits; n++)
     values.push(integerArray(stacked.map((r) => r.limits![n]?.[0] ?? null)));
   if (shape.rated) values.push(...ratedValues(rated));
-  if (shape.wakes) values.push(integerArray(waking.keys), integerArray(waking.jobIds));
-  if (shape.prewakes) values.push(integerArray(prewakes.map((hold) => hold.keyText)), !wakeHere);
-  const { name, text } = sql.lockStatement(shape);
-  return { name, text, values };
+  const wakeValues: unknown[] = [];
+  if (shape.wakes) wakeValues.push(integerArray(waking.keys), integerArray(waking.jobIds));
+  if (shape.prewakes)
+    wakeValues.push(integerArray(prewakes.map((hold) => hold.keyText)), !wakeHere);
+  if (!shape.split) {
+    values.push(...wakeValues);
+    return { lock: { ...sql.lockStatement(shape), values }, wake: null };
+  }
+  // (the lock statement keeps the keys to wake, whose lines it locks before its unlocks)
+  if (shape.wakes) values.push(wakeValues[0]);
+  return {
+    lock: { ...sql.lockStatement(shape), values },
+    wake: { ...sql.wakeStatement(shape), values: [pid, mark, ...wakeValues] },
+  };
 }
 
 export interface BatchRow {

@@ -242,8 +242,15 @@ export abstract class SessionBook implements HoldOwner {
       request.reject(full);
     }
     for (const hold of unlocks) this.settleUnlock(hold, true);
-    // The wakes of the failed statement rolled back with it: the lines of released `reschedule` keys are woken
-    // now (should this fail, their jobs' safety net runs them).
+    // The wakes of the failed statement rolled back with it.
+    await this.wakeReleasedLines(client, unlocks);
+  }
+
+  /**
+   * Wakes the lines of the keys `unlocks` released in a statement whose wakes rolled back (should this fail,
+   * their parked jobs run by their safety net).
+   */
+  private async wakeReleasedLines(client: pg.Client, unlocks: HoldImpl[]): Promise<void> {
     const waking = unlockLines(unlocks);
     if (waking.keys.length === 0) return;
     try {
@@ -257,6 +264,38 @@ export abstract class SessionBook implements HoldOwner {
         wakeError,
       );
     }
+  }
+
+  /**
+   * The wakes of a lock statement sent in a second statement of its transaction (two-part.ts) answered: the
+   * jobs its early wakes woke.
+   */
+  protected settleWakes(
+    rows: BatchRow[],
+    generation: number,
+    prewakes: HoldImpl[],
+    wakeHere: boolean,
+  ): void {
+    if (generation !== this.connection.generation) return;
+    for (const [i, jobId] of decodeBatch(rows).prewoken)
+      this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
+  }
+
+  /**
+   * The wakes sent after a lock statement, in its transaction, failed (`error`), after the lock statement was
+   * answered and settled. They take and release no session lock, so the session's state is known and the
+   * connection stays: their transaction rolled back, so no job was woken early, and the lines of the keys
+   * released are woken again in a statement of their own.
+   */
+  protected async wakesFailed(
+    client: pg.Client,
+    generation: number,
+    unlocks: HoldImpl[],
+    error: Error,
+  ): Promise<void> {
+    if (generation !== this.connection.generation) return;
+    this.options.onWarning("The wakes of a lock statement failed; waking its lines again", error);
+    await this.wakeReleasedLines(client, unlocks);
   }
 
   /**

@@ -24,6 +24,13 @@
  *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
  *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
  *   `holds`) settles from its own statement's answer, so no request depends on a statement still in flight.
+ * - A statement that someone waits on (a lock request, a hand-over's check) and that wakes lines or jobs early
+ *   sends those wakes in a second statement of its transaction, in the same write (two-part.ts): its requests
+ *   settle at the first statement's answer, its early wakes at the second's. The line locks, taken by the
+ *   first before its unlocks, last until the second ends, as in one statement. The second takes and releases
+ *   no session lock, so its failure leaves the session's state known: the connection stays, and the lines
+ *   its rolled-back wakes left are woken again in a statement of their own (book.ts, `wakesFailed`). A batch
+ *   of requests with their rate stays one statement (batch.ts, `batchQueries`).
  * - Every hold belongs to a generation (one per connection). When the connection is lost, the generation
  *   changes, every hold is marked lost and its signal aborts, and a late release of such a hold is a no-op:
  *   it can never unlock a key that a hold of the new connection now owns.
@@ -43,7 +50,7 @@
  * - A supersede notice (supersede.ts) only aborts the signals of the holds of the key's older jobs: it never
  *   releases a key, which stays held until its job returns.
  */
-import { batchQuery, makeBatch, type BatchRow } from "./batch.js";
+import { batchQueries, makeBatch, type BatchRow } from "./batch.js";
 import { SessionBook } from "./book.js";
 import { LockConnection, type ConnectionState, type LockConnectionOptions } from "./connection.js";
 import { lockLost, lockSessionUnavailable, SupersededError, type LocksError } from "../errors.js";
@@ -63,6 +70,7 @@ import type { IdleWorkers } from "./idle.js";
 import { QuietUnlocks } from "./quiet-unlocks.js";
 import { parseSupersedeNotice, Supersessions } from "./supersede.js";
 import { probeQueued, probeStage } from "./timing-probe.js";
+import { TwoPartQuery } from "./two-part.js";
 import type { Sql } from "../sql.js";
 
 export interface LockSessionOptions extends LockConnectionOptions {
@@ -573,19 +581,11 @@ export class LockSession extends SessionBook {
     if (this.closing && this.unlockQueue.length === 0) return;
     this.quiet.end();
     const noticesAtSend = this.handoff.notices;
-    // A hand-over's check goes ahead of the early wakes, which follow at once in a statement of their own: a
-    // job passed a key in memory starts at this statement's answer, and an early wake costs the server more
-    // than the rest of a statement (figures: bench/README.md, section "A hand-over's check ahead of the early
-    // wakes"). Only where the pipeline has room for both.
-    const wakesAfter =
-      !this.closing &&
-      this.confirmQueue.length > 0 &&
-      this.handoff.hasPrewakes() &&
-      this.inFlight.length + 2 <= this.maxInFlight;
     // While closing, only unlocks leave: a lock taken now would be lost with the connection at once, its job
     // running unlocked until it saw its signal; queued lock requests fail when the connection goes instead.
-    const { prewakes, wakeHere } =
-      this.closing || wakesAfter ? { prewakes: [], wakeHere: false } : this.handoff.takePrewakes();
+    const { prewakes, wakeHere } = this.closing
+      ? { prewakes: [], wakeHere: false }
+      : this.handoff.takePrewakes();
     const batch = makeBatch(
       this.unlockQueue.splice(0),
       this.closing ? [] : this.lockQueue.splice(0),
@@ -605,53 +605,66 @@ export class LockSession extends SessionBook {
 
     this.connection.statements++;
     const sentAt = performance.now();
-    const done: Promise<void> = client
-      .query<BatchRow>(
-        batchQuery(
-          this.options.sql,
-          batch,
-          this.connection.backendPid!,
-          this.connection.claimToken!,
-        ),
-      )
-      .then(
-        ({ rows }) => {
-          this.settleAnswer(
-            rows,
-            client,
-            generation,
-            batch,
-            locks,
-            prewakes,
-            wakeHere,
-            noticesAtSend,
-            sentAt,
+    // A batch that someone waits on (a lock request, a hand-over's check) and that wakes lines or jobs early
+    // sends its wakes in a second statement of its transaction, answered after the first: the wakes cost the
+    // server more than the rest of the statement, and the jobs waiting for its answer need not wait for them
+    // (figures: bench/README.md, section "The wakes after the lock statement's answer").
+    const { lock, wake } = batchQueries(
+      this.options.sql,
+      batch,
+      this.connection.backendPid!,
+      this.connection.claimToken!,
+      locks.length > 0 || confirms.length > 0,
+    );
+    const settle = (rows: BatchRow[]) => {
+      this.settleAnswer(
+        rows,
+        client,
+        generation,
+        batch,
+        locks,
+        prewakes,
+        wakeHere,
+        noticesAtSend,
+        sentAt,
+      );
+      // (an answer from another backend, or one found reset, has ended the generation meanwhile)
+      const alive = generation === this.connection.generation;
+      for (const confirmed of confirms) confirmed(alive);
+    };
+    const fail = async (error: Error) => {
+      await this.settleFailure(client, generation, locks, unlocks, error);
+      // A statement PostgreSQL refused for want of resources leaves the connection sound (book.ts's
+      // recover): its checks wait for the next one.
+      if (generation === this.connection.generation && this.connection.state === "ready") {
+        this.confirmQueue.push(...confirms);
+        this.scheduleFlush();
+      } else for (const confirmed of confirms) confirmed(false);
+    };
+    const sent: Promise<void> = wake
+      ? new Promise<void>((resolve) => {
+          client.query(
+            new TwoPartQuery(lock, wake, settle, (end) => {
+              if (!end.firstAnswered) resolve(fail(end.error!));
+              else if (end.error) resolve(this.wakesFailed(client, generation, unlocks, end.error));
+              else {
+                this.settleWakes(end.rows, generation, prewakes, wakeHere);
+                resolve();
+              }
+            }),
           );
-          // (an answer from another backend, or one found reset, has ended the generation meanwhile)
-          const alive = generation === this.connection.generation;
-          for (const confirmed of confirms) confirmed(alive);
-        },
-        async (error: Error) => {
-          await this.settleFailure(client, generation, locks, unlocks, error);
-          // A statement PostgreSQL refused for want of resources leaves the connection sound (book.ts's
-          // recover): its checks wait for the next one.
-          if (generation === this.connection.generation && this.connection.state === "ready") {
-            this.confirmQueue.push(...confirms);
-            this.scheduleFlush();
-          } else for (const confirmed of confirms) confirmed(false);
-        },
-      )
-      .finally(() => {
-        for (const hold of prewakes) hold.prewaking = null;
-        answered();
-        this.inFlight.splice(
-          this.inFlight.findIndex((s) => s.done === done),
-          1,
-        );
-        this.flush();
-      });
+        })
+      : client.query<BatchRow>(lock).then(({ rows }) => settle(rows), fail);
+    const done = sent.finally(() => {
+      for (const hold of prewakes) hold.prewaking = null;
+      answered();
+      this.inFlight.splice(
+        this.inFlight.findIndex((s) => s.done === done),
+        1,
+      );
+      this.flush();
+    });
     this.inFlight.push({ sentAt, done });
-    if (wakesAfter) this.flush();
   }
 
   /**

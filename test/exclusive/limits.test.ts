@@ -12,6 +12,7 @@ import { highestConcurrency } from "../../scripts/overlap.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { readExecutions, type Execution } from "../support/executions.js";
+import { nextEvent, warningsLogger } from "../support/runner.js";
 
 const h = useExclusiveHarness("truncate test_executions, test_events");
 const { db, cleanups, newLocks, runner } = h;
@@ -68,6 +69,38 @@ async function isHeld(key: bigint): Promise<boolean> {
       [classid, objid],
     );
   return rows.length > 0;
+}
+
+/**
+ * Makes the next call of release_waiters raise 'injected wake failure' (the calls after it run as before),
+ * keeping the function's oid, so that statements prepared already call it. Returns the function that puts
+ * the original back.
+ */
+async function failReleaseWaitersOnce(): Promise<() => Promise<void>> {
+  const pool = db.pool();
+  const { rows } = await pool.query<{ def: string }>(
+    "select pg_get_functiondef('graphile_worker_locks.release_waiters(bigint[], bigint[])'::regprocedure) as def",
+  );
+  const def = rows[0]!.def;
+  const copy = def.replace(".release_waiters(", ".release_waiters_real(");
+  if (copy === def) throw new Error("release_waiters: unexpected definition");
+  await pool.query(copy);
+  await pool.query("create sequence graphile_worker_locks.test_wake_failures");
+  await pool.query(`create or replace function graphile_worker_locks.release_waiters(p_keys bigint[], p_job_ids bigint[])
+    returns int language plpgsql volatile as $$
+    begin
+      if nextval('graphile_worker_locks.test_wake_failures') = 1 then
+        raise exception 'injected wake failure';
+      end if;
+      return graphile_worker_locks.release_waiters_real(p_keys, p_job_ids);
+    end $$`);
+  return async () => {
+    await pool.query(def);
+    await pool.query(
+      "drop function graphile_worker_locks.release_waiters_real(bigint[], bigint[])",
+    );
+    await pool.query("drop sequence graphile_worker_locks.test_wake_failures");
+  };
 }
 
 /**
@@ -534,6 +567,76 @@ describe("limits: several limits per job", () => {
     expect(at("released h")).toBeLessThan(at("returned h"));
     expect(at("returned teach")).toBeLessThan(at("released teach"));
     expect(at("returned w")).toBeLessThan(at("released w"));
+  });
+
+  it("a release whose wakes fail after its statement answered keeps the lock session, and wakes its lines again", async () => {
+    // Both tasks share a tenant limit and a cap of 1 (groups), each on a runner and a lock session of its own.
+    const limits = [
+      { key: (p: Job) => p.tenant, group: "wf_tenant" },
+      { key: () => "all", group: "wf_cap" },
+    ];
+    // (safety nets far away: a parked job runs within the test only if a wake runs it)
+    const reschedule = { minDelay: 30_000, maxDelay: 60_000 };
+    const { logger, warnings } = warningsLogger();
+    const locks = newLocks({ logger });
+    const gate = deferred();
+    cleanups.push(async () => gate.resolve());
+    const body = recording("wf");
+    const task = locks.exclusive(
+      "wf",
+      async (payload: Job, helpers) => {
+        if (payload.tenant === "h") await gate.promise;
+        await body(payload, helpers);
+      },
+      { onConflict: "reschedule", limits, reschedule },
+    );
+    const other = newLocks();
+    const otherTask = other.exclusive("wf_other", recording("wf"), {
+      onConflict: "reschedule",
+      limits,
+      reschedule,
+    });
+    const lost: string[] = [];
+    locks.events.on("lock:lost", (e) => lost.push(...e.holds.map((hold) => hold.taskIdentifier)));
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { wf: task } });
+    await runner({ connectionString: db.url, concurrency: 1, taskList: { wf_other: otherTask } });
+    // A first job teaches the task its usual hold (600 ms): a job waits here up to twice that.
+    await task.addJob({ tenant: "teach", ms: 600 });
+    await waitFor(async () => (await readExecutions(db.pool(), "wf")).some((e) => e.end !== null), {
+      message: "the teaching job to run",
+    });
+    await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
+    // h holds its tenant's slot and the cap; the other session's job of tenant h parks in the line of the
+    // tenant's key, which only h's release wakes; w meets the cap full, held here, and waits here.
+    await task.addJob({ tenant: "h" });
+    await waitFor(async () => locks.status().held.length === 2, { message: "h to hold its slots" });
+    const parked = nextEvent(other, "job:rescheduled");
+    await otherTask.addJob({ tenant: "h" });
+    await parked;
+    await task.addJob({ tenant: "w" });
+    await waitFor(async () => locks.status().handoffs.waitedHere > 0, {
+      message: "w to wait here",
+      intervalMs: 1,
+    });
+    const pid = locks.status().pid;
+    // h's release carries w's request: its wakes go after the lock statement, in its transaction. They fail
+    // once (the first call of release_waiters from now on raises).
+    const restore = await failReleaseWaitersOnce();
+    cleanups.push(restore);
+    gate.resolve();
+    await waitFor(
+      async () =>
+        (await readExecutions(db.pool(), "wf")).filter((e) => e.end !== null).length === 4,
+      { message: "w, and the parked job, to run", timeoutMs: 15_000 },
+    );
+    expect(warnings.some((w) => w.includes("The wakes of a lock statement failed"))).toBe(true);
+    expect(warnings.join("\n")).toContain("injected wake failure");
+    expect(locks.status().handoffs.rodeWithUnlock).toBe(1);
+    expect(lost).toEqual([]);
+    expect(locks.status()).toMatchObject({ state: "ready", pid });
+    const executions = await readExecutions(db.pool(), "wf");
+    expect(new Set(executions.map((e) => e.jobId)).size).toBe(4);
+    expect(concurrency(executions).all).toBe(1);
   });
 
   it("two tasks taking the same two keys in opposite orders never deadlock, nor exceed either", async () => {
