@@ -234,6 +234,11 @@ export interface LockRequest {
   lines?: string[];
   /** The rate asked with a single key, in the same statement (see `RateRide`). */
   ride?: RateRide;
+  /**
+   * Set when the request asks for a slot that the unlock of a hold of this process, in the same statement,
+   * frees: its job waited here for that release (session.ts, `acquireAll`).
+   */
+  ridesUnlock?: boolean;
 }
 
 /**
@@ -247,6 +252,7 @@ export class Acquisition implements LockRequest {
   limits?: string[][];
   lines?: string[];
   ride?: RateRide;
+  ridesUnlock?: boolean;
   private done = false;
   private value: AcquireResult | undefined;
   private error: Error | undefined;

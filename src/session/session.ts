@@ -24,8 +24,9 @@
  *   PIPELINE_DEPTH statements are in flight at once; beyond that, requests queue up and the next statement
  *   carries all of them. PostgreSQL runs them in the order sent, and each request's state (`pending`,
  *   `holds`) settles from its own statement's answer, so no request depends on a statement still in flight.
- * - A statement that someone waits on (a lock request, a hand-over's check) and that wakes lines or jobs early
- *   sends those wakes in a second statement of its transaction, in the same write (two-part.ts): its requests
+ * - A statement that hands something on in this process (a hand-over's check, a request for a slot its
+ *   unlocks free) or has early wakes beside lock requests, and that wakes lines or jobs early, sends those
+ *   wakes in a second statement of its transaction, in the same write (two-part.ts): its requests
  *   settle at the first statement's answer, its early wakes at the second's. The line locks, taken by the
  *   first before its unlocks, last until the second ends, as in one statement. The second takes and releases
  *   no session lock, so its failure leaves the session's state known: the connection stays, and the lines
@@ -381,8 +382,8 @@ export class LockSession extends SessionBook {
         free.push(open);
       }
       if (full < 0) {
-        if (free.some((open) => open.some((k) => this.holds.has(k))))
-          this.handoff.counts.rodeWithUnlock++;
+        const rides = free.some((open) => open.some((k) => this.holds.has(k)));
+        if (rides) this.handoff.counts.rodeWithUnlock++;
         const flat = free.flat();
         const acquisition = new Acquisition(
           flat,
@@ -390,6 +391,7 @@ export class LockSession extends SessionBook {
           info,
           undefined,
         );
+        if (rides) acquisition.ridesUnlock = true;
         acquisition.limits = free;
         // (a limit of several slots has no line order: see try_lock_all in sql/000002.sql)
         acquisition.lines = texts.map((slots) => (slots.length === 1 ? slots[0]! : ""));
@@ -605,16 +607,23 @@ export class LockSession extends SessionBook {
 
     this.connection.statements++;
     const sentAt = performance.now();
-    // A batch that someone waits on (a lock request, a hand-over's check) and that wakes lines or jobs early
-    // sends its wakes in a second statement of its transaction, answered after the first: the wakes cost the
-    // server more than the rest of the statement, and the jobs waiting for its answer need not wait for them
-    // (figures: bench/README.md, section "The wakes after the lock statement's answer").
+    // A batch that hands something on in this process (a hand-over's check, a request for a slot its unlocks
+    // free) or carries early wakes beside lock requests, and that wakes lines or jobs early, sends its wakes
+    // in a second statement of its transaction, answered after the first: those wakes wake somebody, which
+    // costs the server more than the rest of the statement, and the jobs waiting for its answer need not wait
+    // for them. A batch of other requests and releases goes whole: its lines are mostly empty, and a second
+    // statement would cost more than their wake (figures: bench/README.md, section "The wakes after the lock
+    // statement's answer").
+    const answerFirst =
+      confirms.length > 0 ||
+      (prewakes.length > 0 && locks.length > 0) ||
+      locks.some((request) => request.ridesUnlock === true);
     const { lock, wake } = batchQueries(
       this.options.sql,
       batch,
       this.connection.backendPid!,
       this.connection.claimToken!,
-      locks.length > 0 || confirms.length > 0,
+      answerFirst,
     );
     const settle = (rows: BatchRow[]) => {
       this.settleAnswer(
