@@ -242,23 +242,30 @@ function wakeShapeId(shape: LockShape): string {
  * PREWOKEN rows as the lock statement would.
  */
 export function wakeStatementText(s: string, shape: LockShape): string {
-  const own = onOwnBackend(1);
-  const branches: string[] = [];
-  let next = 3;
-  if (shape.wakes) {
-    branches.push(`
-      select ${BatchOp.WOKEN} as op, ${s}.release_waiters($${next}::bigint[], $${next + 1}::bigint[]) as i, null::text as key
-        where ${own}`);
-    next += 2;
-  }
-  if (shape.prewakes) {
-    branches.push(`
-      select ${BatchOp.PREWOKEN} as op, p.i, p.job_id::text as key
-        from ${s}.prewake($${next}::bigint[], $${next + 1}::boolean) p
-        where ${own}`);
-  }
-  return branches.join(`
+  const wakes = shape.wakes ? 3 : 0;
+  const prewakes = shape.prewakes ? (shape.wakes ? 5 : 3) : 0;
+  return wakeBranches(s, wakes, prewakes, onOwnBackend(1)).join(`
       union all`);
+}
+
+/**
+ * The wakes of a lock statement, as branches of a union under `own`: release_waiters of the line keys at
+ * parameter `$wakes` and the jobs that released them (the next parameter), and prewake of the held keys at
+ * `$prewakes` and whether to announce them (the next); 0 leaves a branch out.
+ */
+function wakeBranches(s: string, wakes: number, prewakes: number, own: string): string[] {
+  const branches: string[] = [];
+  if (wakes > 0) {
+    branches.push(`
+      select ${BatchOp.WOKEN}, ${s}.release_waiters($${wakes}::bigint[], $${wakes + 1}::bigint[]), null
+        where ${own}`);
+  }
+  if (prewakes > 0) {
+    branches.push(`
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($${prewakes}::bigint[], $${prewakes + 1}::boolean) p
+        where ${own}`);
+  }
+  return branches;
 }
 
 /**
@@ -363,19 +370,11 @@ export function lockStatementText(s: string, shape: LockShape): string {
         where ${own}`;
   }
   if (shape.rated) text += ratedBranch(s, p.rated, 3);
+  // (split: the wakes go in the wake statement; its line locks above stay here)
   if (shape.split) return text;
-  if (shape.wakes) {
+  for (const branch of wakeBranches(s, p.wakes, p.prewakes, own))
     text += `
-      union all
-      select ${BatchOp.WOKEN}, ${s}.release_waiters($${p.wakes}::bigint[], $${p.wakes + 1}::bigint[]), null
-        where ${own}`;
-  }
-  if (shape.prewakes) {
-    text += `
-      union all
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($${p.prewakes}::bigint[], $${p.prewakes + 1}::boolean) p
-        where ${own}`;
-  }
+      union all${branch}`;
   return text;
 }
 
@@ -414,6 +413,15 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     `, case when r.outcome = 'added' and ($${n}::bigint[])[r.ord] is not null
         then ${s}.supersede(($${n}::bigint[])[r.ord], (r.job).id) end as superseded`;
   const lockStatements = new Map<string, { name: string; text: string }>();
+  /** The statement named `gwl_<id>`, its text made once per `Locks` instance. */
+  const shaped = (id: string, text: () => string) => {
+    let statement = lockStatements.get(id);
+    if (!statement) {
+      statement = { name: `gwl_${id}`, text: text() };
+      lockStatements.set(id, statement);
+    }
+    return statement;
+  };
   return {
     /** Rates, snooze and pause (rates/statements.ts). */
     rates: rateStatements(s, w),
@@ -437,24 +445,12 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
      * is prepared once per session, and carries only the branches its batch uses.
      */
     lockStatement(shape: LockShape): { name: string; text: string } {
-      const id = lockShapeId(shape);
-      let statement = lockStatements.get(id);
-      if (!statement) {
-        statement = { name: `gwl_lock_${id}`, text: lockStatementText(s, shape) };
-        lockStatements.set(id, statement);
-      }
-      return statement;
+      return shaped(`lock_${lockShapeId(shape)}`, () => lockStatementText(s, shape));
     },
 
     /** The wake statement of a split lock statement of `shape` (`wakeStatementText`), named by its branches. */
     wakeStatement(shape: LockShape): { name: string; text: string } {
-      const id = `wake_${wakeShapeId(shape)}`;
-      let statement = lockStatements.get(id);
-      if (!statement) {
-        statement = { name: `gwl_${id}`, text: wakeStatementText(s, shape) };
-        lockStatements.set(id, statement);
-      }
-      return statement;
+      return shaped(`wake_${wakeShapeId(shape)}`, () => wakeStatementText(s, shape));
     },
 
     /**

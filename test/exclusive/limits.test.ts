@@ -5,7 +5,7 @@
  * runners. The cross-process proofs are in limits.long.test.ts.
  */
 import { describe, expect, it } from "vitest";
-import { InvalidArgumentError, type Locks } from "../../src/index.js";
+import { InvalidArgumentError, type ExclusiveOptions, type Locks } from "../../src/index.js";
 import { advisoryParts, lockKey, slotKeys } from "../../src/key.js";
 import { validateTaskRules } from "../../src/preset/rules.js";
 import { highestConcurrency } from "../../scripts/overlap.js";
@@ -38,6 +38,46 @@ function recording(identifier: string, wait?: () => Promise<void>) {
       rows[0]!.id,
     ]);
   };
+}
+
+/**
+ * A `reschedule` task `identifier` of `locks` recording its executions, whose jobs of tenant "h" run until
+ * `gate` resolves (at the latest when the test ends).
+ */
+function gatedTask(
+  locks: Locks,
+  identifier: string,
+  options: Omit<ExclusiveOptions<Job>, "onConflict">,
+) {
+  const gate = deferred();
+  cleanups.push(async () => gate.resolve());
+  const body = recording(identifier);
+  const task = locks.exclusive(
+    identifier,
+    async (payload: Job, helpers) => {
+      if (payload.tenant === "h") await gate.promise;
+      await body(payload, helpers);
+    },
+    { ...options, onConflict: "reschedule" },
+  );
+  return { task, gate };
+}
+
+/**
+ * Runs a first job of `task` (recorded as `identifier`), which teaches the task its usual hold (600 ms: a job
+ * waits here up to twice that, at most 1 s), and waits for its release.
+ */
+async function teachHold(
+  locks: Locks,
+  task: { addJob(payload: Job): Promise<unknown> },
+  identifier: string,
+) {
+  await task.addJob({ tenant: "teach", ms: 600 });
+  await waitFor(
+    async () => (await readExecutions(db.pool(), identifier)).some((e) => e.end !== null),
+    { message: "the teaching job to run" },
+  );
+  await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
 }
 
 function intervals(executions: readonly Execution[]) {
@@ -506,22 +546,11 @@ describe("limits: several limits per job", () => {
 
   it("a job that finds a limit full, its slot held here, waits for that release and rides with its unlock, rather than park; the holder returns after that answer", async () => {
     const locks = newLocks();
-    const gate = deferred();
-    cleanups.push(async () => gate.resolve());
-    const body = recording("ride");
-    const task = locks.exclusive(
-      "ride",
-      async (payload: Job, helpers) => {
-        if (payload.tenant === "h") await gate.promise;
-        await body(payload, helpers);
-      },
-      {
-        onConflict: "reschedule",
-        limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", group: "ride_cap" }],
-        // (safety nets far away: a job that parked would not run within the test)
-        reschedule: { minDelay: 30_000, maxDelay: 60_000 },
-      },
-    );
+    const { task, gate } = gatedTask(locks, "ride", {
+      limits: [{ key: (p: Job) => p.tenant }, { key: () => "all", group: "ride_cap" }],
+      // (safety nets far away: a job that parked would not run within the test)
+      reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+    });
     const parks: bigint[] = [];
     locks.events.on("job:rescheduled", (e) => parks.push(e.lockKey));
     // In order: each job's unlock answered, and its return to graphile-worker.
@@ -535,13 +564,7 @@ describe("limits: several limits per job", () => {
       pollInterval: 100,
     });
     r.events.on("job:success", ({ job }) => order.push(`returned ${tenantOf(job)}`));
-    // A first job teaches the task its usual hold (600 ms): a job waits up to twice that (at most 1 s).
-    await task.addJob({ tenant: "teach", ms: 600 });
-    await waitFor(
-      async () => (await readExecutions(db.pool(), "ride")).some((e) => e.end !== null),
-      { message: "the teaching job to run" },
-    );
-    await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
+    await teachHold(locks, task, "ride");
     // h holds the cap; w (another tenant) meets it full, held here.
     await task.addJob({ tenant: "h" });
     await waitFor(async () => locks.status().held.length === 2, { message: "h to hold its slots" });
@@ -579,17 +602,7 @@ describe("limits: several limits per job", () => {
     const reschedule = { minDelay: 30_000, maxDelay: 60_000 };
     const { logger, warnings } = warningsLogger();
     const locks = newLocks({ logger });
-    const gate = deferred();
-    cleanups.push(async () => gate.resolve());
-    const body = recording("wf");
-    const task = locks.exclusive(
-      "wf",
-      async (payload: Job, helpers) => {
-        if (payload.tenant === "h") await gate.promise;
-        await body(payload, helpers);
-      },
-      { onConflict: "reschedule", limits, reschedule },
-    );
+    const { task, gate } = gatedTask(locks, "wf", { limits, reschedule });
     const other = newLocks();
     const otherTask = other.exclusive("wf_other", recording("wf"), {
       onConflict: "reschedule",
@@ -600,12 +613,7 @@ describe("limits: several limits per job", () => {
     locks.events.on("lock:lost", (e) => lost.push(...e.holds.map((hold) => hold.taskIdentifier)));
     await runner({ connectionString: db.url, concurrency: 2, taskList: { wf: task } });
     await runner({ connectionString: db.url, concurrency: 1, taskList: { wf_other: otherTask } });
-    // A first job teaches the task its usual hold (600 ms): a job waits here up to twice that.
-    await task.addJob({ tenant: "teach", ms: 600 });
-    await waitFor(async () => (await readExecutions(db.pool(), "wf")).some((e) => e.end !== null), {
-      message: "the teaching job to run",
-    });
-    await waitFor(async () => locks.status().held.length === 0, { message: "its release" });
+    await teachHold(locks, task, "wf");
     // h holds its tenant's slot and the cap; the other session's job of tenant h parks in the line of the
     // tenant's key, which only h's release wakes; w meets the cap full, held here, and waits here.
     await task.addJob({ tenant: "h" });

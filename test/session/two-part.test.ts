@@ -6,6 +6,7 @@
  */
 import pg from "pg";
 import { describe, expect, it } from "vitest";
+import { backendPid } from "../../src/session/backend.js";
 import type { BatchRow } from "../../src/session/batch.js";
 import { TwoPartQuery, type NamedQuery, type TwoPartEnd } from "../../src/session/two-part.js";
 import { deferred, waitFor } from "../support/db.js";
@@ -19,6 +20,12 @@ async function pipelined(): Promise<pg.Client> {
   await client.connect();
   h.cleanups.push(() => client.end());
   return client;
+}
+
+/** A pipelined client, its backend's pid, and a connection of its own to watch that backend's locks. */
+async function watched(): Promise<{ client: pg.Client; observer: pg.Client; pid: number }> {
+  const client = await pipelined();
+  return { client, observer: await h.connect(), pid: await backendPid(client) };
 }
 
 /** Sends `first` and `second` as one two-part query: the first part's rows, and how it ended. */
@@ -52,10 +59,7 @@ async function pairLocks(observer: pg.Client, pid: number) {
 
 describe("a two-part query", () => {
   it("answers its first statement while its second still runs, in one transaction", async () => {
-    const client = await pipelined();
-    const observer = await h.connect();
-    const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!
-      .pid;
+    const { client, observer, pid } = await watched();
     // The observer holds (9, 2): the second statement waits for it, so it cannot have run when the first's
     // rows arrive.
     await observer.query("select pg_advisory_lock(9, 2)");
@@ -100,10 +104,7 @@ describe("a two-part query", () => {
   });
 
   it("a failed second statement: the first was answered, its transaction rolled back, the connection goes on", async () => {
-    const client = await pipelined();
-    const observer = await h.connect();
-    const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!
-      .pid;
+    const { client, observer, pid } = await watched();
     const first: NamedQuery = {
       name: "two_part_fail_first",
       text: `select 1 as op, 0 as i, null::text as key from (select pg_advisory_xact_lock(9, 3)) x`,
@@ -152,10 +153,7 @@ describe("a two-part query", () => {
   });
 
   it("a failed first statement: the second never runs, and the first is reported unanswered", async () => {
-    const client = await pipelined();
-    const observer = await h.connect();
-    const pid = (await client.query<{ pid: number }>("select pg_backend_pid() as pid")).rows[0]!
-      .pid;
+    const { client, observer, pid } = await watched();
     const first: NamedQuery = {
       name: "two_part_first_fails",
       text: "select 1 as op, 10 / $1::int as i, null::text as key",
