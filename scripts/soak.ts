@@ -822,9 +822,24 @@ async function analyse(
       )
     ).rows.map((r) => r.job_id),
   );
+  // The jobs each process's lock:lost listed as running when it noticed the loss (worker/job id). One whose
+  // signal had already fired for another reason (a superseded job finishing) could not be aborted again: the
+  // loss is reported on the event, and the job had been told to stop before it.
+  const lostWhileRunning = new Set(
+    (
+      await admin.query<{ worker: string; detail: string }>(
+        `select worker, detail from ${SOAK_SCHEMA}.events where kind = 'lock:lost'`,
+      )
+    ).rows.flatMap((r) =>
+      ((JSON.parse(r.detail) as { holds: Array<string | null> }).holds ?? []).map(
+        (jobId) => `${r.worker}/${jobId}`,
+      ),
+    ),
+  );
   let overlaps = 0;
   let excusedOverlaps = 0;
   let overlapsNoticedAfterReturn = 0;
+  let overlapsAbortedBeforeLoss = 0;
   const overlapExamples: string[] = [];
   for (const list of byKey.values()) {
     list.sort((a, b) => (a.start < b.start ? -1 : a.start > b.start ? 1 : a.id - b.id));
@@ -839,6 +854,10 @@ async function analyse(
         // process took to hear of the termination, not a hold that outlived its key in the library.
         if (returnedLoss.has(a.jobId)) {
           overlapsNoticedAfterReturn++;
+          continue;
+        }
+        if (a.aborted !== null && lostWhileRunning.has(`${a.worker}/${a.jobId}`)) {
+          overlapsAbortedBeforeLoss++;
           continue;
         }
         overlaps++;
@@ -1042,6 +1061,7 @@ async function analyse(
     overlaps,
     overlapsAfterLockLoss: excusedOverlaps,
     overlapsLossNoticedAfterReturn: overlapsNoticedAfterReturn,
+    overlapsAbortedBeforeLoss,
     lockLossDetectionMs: {
       terminations: context.terminations.length,
       ofSessionsUp: up.length,

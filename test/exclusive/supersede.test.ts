@@ -509,6 +509,43 @@ describe("the abort signal of a job that may be superseded", () => {
   });
 });
 
+describe("a superseded job whose lock session dies", () => {
+  it("is listed by `lock:lost` as running while it finishes: its signal had fired, and the loss is told", async () => {
+    const locks = newLocks();
+    const lost = collect(locks, "lock:lost");
+    const finish = deferred();
+    const reasons: unknown[] = [];
+    const task = locks.exclusive(
+      "sup_lost",
+      async (p: { n: number }, helpers) => {
+        if (p.n !== 1) return;
+        helpers.abortSignal!.addEventListener("abort", () =>
+          reasons.push(helpers.abortSignal!.reason),
+        );
+        // A task that finishes its work after its signal fired (the supersede), still holding its key.
+        await finish.promise;
+      },
+      { key: () => "one", onConflict: "reschedule", supersede: true },
+    );
+    await runner({ connectionString: db.url, concurrency: 2, taskList: { sup_lost: task } });
+    const old = (await task.addJob({ n: 1 })).job!;
+    await waitFor(async () => locks.status().held.some((hold) => hold.jobId === old.id), {
+      message: "job 1 to hold its key",
+    });
+    await locks.addJob("sup_lost", { n: 2 }, { supersede: true });
+    await waitFor(async () => reasons.length === 1, { message: "job 1's signal to fire" });
+    expect((reasons[0] as { code?: string }).code).toBe(ErrorCodes.SUPERSEDED);
+    const pid = locks.status().pid!;
+    await q("select pg_terminate_backend($1)", [pid]);
+    await waitFor(async () => lost.length > 0, { message: "the loss to be told" });
+    expect(lost[0]!.holds.map((hold) => [hold.jobId, hold.returned])).toEqual([[old.id, false]]);
+    // Its signal fired once, for the supersede.
+    expect(reasons).toHaveLength(1);
+    finish.resolve();
+    await drained();
+  });
+});
+
 describe("supersede options", () => {
   it("is refused on a task that does not wait (`onConflict` other than reschedule), naming the task", () => {
     const locks = newLocks();
