@@ -77,6 +77,8 @@ export interface WorkerRecords {
   stages: Array<[string, Stages]>;
   /** The floors sampled during the run. */
   floors: Floors;
+  /** The lock session's hand-off counts over the run (`status().handoffs`; empty with a build without them). */
+  handoffs: Record<string, number>;
 }
 
 export type ContentionRequest =
@@ -161,6 +163,7 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     stages: new Map<string, Stages>(),
     floors: { rtt: [], notify: [], fetch: [] } as Floors,
     cpu: process.cpuUsage(),
+    handoffs: {} as Record<string, number>,
   });
   let records = blank();
   const mark = (job: Job, at: number): Mark => {
@@ -215,6 +218,9 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     records.floors.fetch.push(clock() - at);
   });
   const probe = new FloorProbe(url, () => records.floors);
+  const handoffCounts = (): Record<string, number> => ({
+    ...(locks.status() as unknown as { handoffs?: Record<string, number> }).handoffs,
+  });
 
   await locks.connect();
   // `attach` detaches itself when the runner stops: each runner started on these events is attached anew.
@@ -238,6 +244,7 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
     handlers: {
       reset: async () => {
         records = blank();
+        records.handoffs = handoffCounts();
         await probe.start();
       },
       collect: async (): Promise<WorkerRecords> => {
@@ -245,10 +252,15 @@ workerMain<ContentionRequest>(import.meta.url, async (url, name) => {
         const cpu = process.cpuUsage(records.cpu);
         const { executions, fetches, releases, rescheduled, stages, floors } = records;
         const cpuMs = (cpu.user + cpu.system) / 1000;
+        const before = records.handoffs;
+        const handoffs = Object.fromEntries(
+          Object.entries(handoffCounts()).map(([k, n]) => [k, n - (before[k] ?? 0)]),
+        );
         return {
           ...{ name, executions, fetches, releases: [...releases], rescheduled, cpuMs },
           stages: [...stages],
           floors,
+          handoffs,
         };
       },
       poll: async ({ pollInterval, skipHeld, localQueue, stopped }) => {

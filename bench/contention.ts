@@ -408,6 +408,11 @@ function analyse(
     reschedulesPerExecuted: perExecuted(
       records.reduce((n, r) => n + (r.rescheduled[task] ?? 0), 0),
     ),
+    // (the sessions' counts cover every task of the run; one task runs at a time)
+    sessionHandoffs: records.reduce<Record<string, number>>((sum, r) => {
+      for (const [k, n] of Object.entries(r.handoffs ?? {})) sum[k] = (sum[k] ?? 0) + n;
+      return sum;
+    }, {}),
     handoffs: q(gaps),
     parts: q(parts),
     stages: {
@@ -619,6 +624,12 @@ export const contention = sizedSection(
             `${f.fetches} fetches, hand-off p50 ${fmtFixed(f.handoffs.handoff.p50, 1)} ms ` +
             `p99 ${fmtFixed(f.handoffs.handoff.p99, 1)} ms, max per key ${f.maxPerKey}` +
             (f.maxPerKey > 1 ? `; OVERLAP: ${f.maxPerKey} executions of a key at once` : ""),
+        );
+        ctx.log(
+          `contention: ${id} hand-offs by the sessions: ` +
+            Object.entries(f.sessionHandoffs)
+              .map(([k, n]) => `${k} ${n}`)
+              .join(", "),
         );
         runs.push(f);
       };
