@@ -67,8 +67,15 @@ export class IdleWorkers {
     this.watched.delete(jobId);
   }
 
-  /** Follows a runner's workers; returns a function that stops following them. */
+  /**
+   * Follows a runner's workers; returns a function that stops following them. A runner detaches as it
+   * begins to stop, before its workers do: what they do after that is never heard, so the function also
+   * forgets each worker this runner showed, as if its fetch in flight, if any, had come back with nothing.
+   * Otherwise a fetch in flight at the stop would stay in flight here for good, and a key kept for a job
+   * woken early would wait for it (`afterFetchesInFlight`) until the keep's time limit.
+   */
   attach(events: WorkerEvents): () => void {
+    const seen = new Set<Worker>();
     const told = (worker: Worker, jobId: string | null) => {
       this.inFlight.delete(worker);
       if (jobId !== null && this.watched.has(jobId)) this.watched.set(jobId, true);
@@ -83,10 +90,12 @@ export class IdleWorkers {
       fetched(jobId);
     };
     const onEmpty = ({ worker }: { worker: Worker }) => {
+      seen.add(worker);
       this.idle.add(worker);
       told(worker, null);
     };
     const onFetch = ({ worker }: { worker: Worker }) => {
+      seen.add(worker);
       this.idle.delete(worker);
       this.inFlight.add(worker);
     };
@@ -97,6 +106,7 @@ export class IdleWorkers {
     const onStart = ({ worker, job }: { worker: Worker; job: { id: string } }) =>
       told(worker, job.id);
     const onStop = ({ worker }: { worker: Worker }) => {
+      seen.delete(worker);
       this.idle.delete(worker);
       told(worker, null);
     };
@@ -113,6 +123,11 @@ export class IdleWorkers {
       events.off("worker:release", onBusy);
       events.off("worker:stop", onStop);
       events.off("job:start", onStart);
+      for (const worker of seen) {
+        this.idle.delete(worker);
+        told(worker, null);
+      }
+      seen.clear();
     };
   }
 }

@@ -5,15 +5,17 @@
  * session is handover-loss.test.ts's.)
  * Real PostgreSQL, a real graphile-worker runner.
  */
+import { EventEmitter } from "node:events";
 import { setTimeout as sleep } from "node:timers/promises";
 
 import pg from "pg";
 import { describe, expect, it } from "vitest";
+import type { Worker, WorkerEvents } from "graphile-worker";
 import type { Locks } from "../../src/index.js";
 import { startProxy } from "../../scripts/soak/proxy.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
-import { nextEvent } from "../support/runner.js";
+import { nextEvent, startRunner } from "../support/runner.js";
 import { setTimingProbe } from "../../src/session/timing-probe.js";
 
 const h = useExclusiveHarness();
@@ -338,5 +340,102 @@ describe("hand-over check", () => {
     expect(locks.status().handoffs.handedOver).toBe(mid.handedOver + 1);
     expect(spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
     await waitFor(async () => locks.status().held.length === 0, { message: "102's release" });
+  });
+
+  it("a runner that stops with a fetch in flight leaves nothing in flight here: no key is kept for a fetch that already came back", async () => {
+    // A first runner of this process stops while its worker's fetch is held up by a frozen proxy. It detaches
+    // as it begins to stop, so the return of that fetch is never heard here. Then X holds the key, and its idle
+    // worker, nudged for the job woken early (102, which only Z, another process, may take), comes back
+    // empty: once no other fetch of this process is out, the key must not be kept for 102 at the release.
+    const { proxy, proxied } = await proxiedDatabase();
+    const locks = newLocks();
+    const { task, spans, gate } = spannedTask(locks, "kept_after_stop", 400);
+    const staleEvents = new EventEmitter() as WorkerEvents;
+    let staleWorker: Worker | undefined;
+    staleEvents.on("worker:getJob:empty", ({ worker }) => void (staleWorker ??= worker));
+    let staleFetching = false;
+    staleEvents.on("worker:getJob:start", () => void (staleFetching = true));
+    staleEvents.on("worker:getJob:empty", () => void (staleFetching = false));
+    const stale = await startRunner({
+      connectionString: proxied.toString(),
+      concurrency: 1,
+      pollInterval: 60_000,
+      events: staleEvents,
+      taskList: { kept_after_stop_other: async () => undefined },
+    });
+    cleanups.push(async () => {
+      proxy.thaw();
+      await stale.stop().catch(() => undefined);
+    });
+    locks.attach(stale);
+    await waitFor(async () => staleWorker !== undefined && !staleFetching, {
+      message: "the first runner's worker to be idle",
+    });
+    proxy.freeze();
+    expect(staleWorker!.nudge()).toBe(true);
+    await waitFor(async () => staleFetching, { message: "the first runner's worker to fetch" });
+    const stopping = stale.stop();
+    proxy.thaw();
+    await stopping;
+
+    const x = await runner({
+      connectionString: h.db.url,
+      concurrency: 2,
+      pollInterval: 60_000,
+      forbiddenFlags: ["z_only"],
+      taskList: { kept_after_stop: task },
+    });
+    locks.attach(x);
+    const other = newLocks();
+    const z = spannedTask(other, "kept_after_stop", 400);
+    await runner({
+      connectionString: h.db.url,
+      concurrency: 1,
+      pollInterval: 100,
+      forbiddenFlags: ["x_only"],
+      taskList: { kept_after_stop: z.task },
+    });
+
+    // Three jobs of 400 ms teach X's task its usual hold: the next job in line is woken 380 ms into a hold,
+    // and a key is kept for it for 800 ms at most.
+    await locks.addJobs(
+      [0, 1, 2].map((n) => ({ identifier: "kept_after_stop", payload: { n }, flags: ["x_only"] })),
+    );
+    await waitFor(async () => [0, 1, 2].every((n) => spans.get(n)?.end != null), {
+      message: "the teaching jobs to run",
+    });
+    await waitFor(async () => (await parkedCount()) === 0, { message: "the line to empty" });
+
+    // 100 holds the key in X; 101 (for X) and 102 (for Z only) meet it and wait in line. 100's release wakes
+    // 101, whose hold, having a line, wakes 102 early for an idle worker of X, which may not take it.
+    let xFetching = 0;
+    x.events.on("worker:getJob:start", () => void xFetching++);
+    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+      x.events.on(done, () => void (xFetching = Math.max(0, xFetching - 1)));
+    const held = (n: number) =>
+      nextEvent(locks, "lock:acquired", (e) => (e.job.payload as { n: number }).n === n);
+    const held100 = held(100);
+    await locks.addJob("kept_after_stop", { n: 100 }, { flags: ["x_only"] });
+    await held100;
+    const held101 = held(101);
+    const parked102 = nextEvent(
+      other,
+      "job:rescheduled",
+      (e) => (e.job.payload as { n: number }).n === 102,
+    );
+    await locks.addJob("kept_after_stop", { n: 101, gated: true }, { flags: ["x_only"] });
+    await locks.addJob("kept_after_stop", { n: 102 }, { flags: ["z_only"] });
+    await parked102;
+    await held101;
+    const mid = locks.status().handoffs;
+    await waitFor(
+      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && xFetching === 0,
+      { message: "101 to wake 102 early for an idle worker of X, which comes back empty" },
+    );
+    gate.resolve();
+    await waitFor(async () => spans.get(101)?.end != null, { message: "101 to end" });
+    await waitFor(async () => z.spans.get(102)?.end != null, { message: "102 to run in Z" });
+    expect(locks.status().handoffs.keptForArrival).toBe(mid.keptForArrival);
+    expect(z.spans.get(102)!.start).toBeGreaterThanOrEqual(spans.get(101)!.end!);
   });
 });
