@@ -64,7 +64,9 @@ interface Summary {
   maxPerKey: number;
   executed: number;
   rttP50Ms: number;
+  rttMeanMs?: number;
   makespanFloorOverIdeal: number;
+  makespanFloorP50OverIdeal?: number;
 }
 
 const libs = builds.map((name) => ({ name, lib: build(name) }));
@@ -96,7 +98,7 @@ const median = (values: number[]): number => {
 };
 const fmt = (v: number, digits = 2) => v.toFixed(digits);
 process.stdout.write(
-  "build | variant | makespan/ideal (runs) | median | floor | hand-off p50 ms | p99 ms | round trip p50 ms (floor of a hand-off) | fetches/job | worst out of order | max per key | executed\n",
+  "build | variant | makespan/ideal (runs) | median | floor (mean round trip) | floor (p50 round trip) | hand-off p50 ms | p99 ms | round trip p50 ms (floor of a hand-off) | round trip mean ms | fetches/job | worst out of order | max per key | executed\n",
 );
 for (const { name } of libs) {
   for (const variant of new Set(results.map((x) => x.variant))) {
@@ -109,9 +111,11 @@ for (const { name } of libs) {
       mine.map((x) => fmt(x.makespanOverIdeal)).join(" "),
       m((x) => x.makespanOverIdeal),
       m((x) => x.makespanFloorOverIdeal ?? NaN),
+      m((x) => x.makespanFloorP50OverIdeal ?? NaN),
       m((x) => x.handoffP50Ms),
       m((x) => x.handoffP99Ms),
       m((x) => x.rttP50Ms ?? NaN),
+      m((x) => x.rttMeanMs ?? NaN),
       m((x) => x.fetchesPerJob),
       String(Math.max(...mine.map((x) => x.worstOutOfOrder))),
       String(Math.max(...mine.map((x) => x.maxPerKey))),
