@@ -5,6 +5,7 @@ import type { AddJobSpec } from "./options.js";
 import type { ConnectionState } from "./session/connection.js";
 import type { AcquireResult, HoldInfo, RateRide } from "./session/holds.js";
 import type { AheadAcquisition } from "./session/lock-ahead.js";
+import type { LineWaiter } from "./session/handoff.js";
 import type { Sql } from "./sql.js";
 import type { LimitKeys } from "./key.js";
 import type { LockedAborts } from "./exclusive/aborts.js";
@@ -30,6 +31,15 @@ export interface LockService {
    * of one lately (`supersede`); else null.
    */
   supersededBy(key: bigint, jobId: string): string | null;
+  /** See LockSession.lineWaiter and waitInLine. */
+  lineWaiter(key: string, jobId: string): LineWaiter;
+  waitInLine(
+    waiter: LineWaiter,
+    slots: readonly bigint[],
+    info: HoldInfo,
+    until: number,
+    now: boolean,
+  ): Promise<AcquireResult | "timeout" | "recheck">;
   /** The backend pid of the session's connection, if connected. */
   readonly pid: number | null;
   readonly state: ConnectionState;
@@ -72,6 +82,8 @@ export interface LocksContext {
   limitsHeld(limits: readonly LimitKeys[]): Promise<number[]>;
   /** The lock-ahead acquisition of a starting job, if its lock was taken ahead (see session/lock-ahead.ts). */
   lockedAhead(jobId: string): AheadAcquisition | undefined;
+  /** Whether job `jobId`, starting, was fetched in a batch of a local queue. */
+  fetchedInBatch(jobId: string): boolean;
   /**
    * Wakes a job given back to run in `delayMs` at that moment (rates/wakes.ts); `reservedCopy`: the copy's id,
    * when it was given back over its rate.

@@ -229,12 +229,16 @@ export function makeLocks(options: LocksOptions): Locks {
   });
 
   const exclusiveTasks = new Map<string, ExclusiveTaskImpl<never>>();
-  const lockAhead = new LockAhead(session, (job) => {
-    // (a task without an execution lock takes none ahead either, nor one with a rate: its jobs take their
-    // lock only once the rate lets them start, exclusive.ts)
-    const task = exclusiveTasks.get(job.task_identifier);
-    return task?.options.lock && task.options.rate === null ? task.lockPlan(job) : null;
-  });
+  const lockAhead = new LockAhead(
+    session,
+    (job) => {
+      // (a task without an execution lock takes none ahead either, nor one with a rate: its jobs take their
+      // lock only once the rate lets them start, exclusive.ts)
+      const task = exclusiveTasks.get(job.task_identifier);
+      return task?.options.lock && task.options.rate === null ? task.lockPlan(job) : null;
+    },
+    (job) => exclusiveTasks.get(job.task_identifier)?.waitsInLine === true,
+  );
 
   const wakes = new Wakes(idleWorkers, async (reserved, count) => {
     if (released) return [];
@@ -286,6 +290,7 @@ export function makeLocks(options: LocksOptions): Locks {
     outage: { waitingForSession: 0, givingBack: 0 },
     emit,
     lockedAhead: (jobId) => lockAhead.take(jobId),
+    fetchedInBatch: (jobId) => lockAhead.wasBatched(jobId),
     listening: (event) => events.listenerCount(event) > 0,
     async lockAvailable(keys) {
       assertOpen();

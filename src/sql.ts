@@ -225,7 +225,7 @@ export function lockStatementParams(shape: LockShape) {
     rated: shape.rated ? take(8) : 0,
     // (split: only the keys, for their line locks)
     wakes: shape.wakes ? take(shape.split ? 1 : 2) : 0,
-    prewakes: shape.prewakes && !shape.split ? take(2) : 0,
+    prewakes: shape.prewakes && !shape.split ? take(3) : 0,
   };
 }
 
@@ -262,7 +262,7 @@ function wakeBranches(s: string, wakes: number, prewakes: number, own: string): 
   }
   if (prewakes > 0) {
     branches.push(`
-      select ${BatchOp.PREWOKEN}, p.i, p.job_id::text from ${s}.prewake($${prewakes}::bigint[], $${prewakes + 1}::boolean) p
+      select ${BatchOp.PREWOKEN}, p.i, p.job_id from ${s}.prewake_line($${prewakes}::bigint[], $${prewakes + 1}::boolean, $${prewakes + 2}::bigint[]) p
         where ${own}`);
   }
   return branches;
@@ -633,6 +633,9 @@ export function makeSql(schema: string, workerSchema: string, preparedStatements
     /** Removes the rows of jobs given back (parked or deferred) that graphile-worker will never complete. */
     cleanGivenBack: `select job_id::text as job_id from ${s}.clean_given_back()`,
     wakeIfFree: `select ${s}.wake_if_free($1::bigint[], $2::bigint, $3::bigint) as woken`,
+    joinLine: `select ${s}.join_line($1::bigint, $2::bigint, $3::bigint[]) as ahead`,
+    /** Asks the jobs waiting at their workers in the line of key $1 to look at it again (sql/000014.sql). */
+    lineChanged: `select pg_catalog.pg_notify('gwl_release', $1::text || '/?')`,
     sweepWaiters: `select ${s}.sweep_waiters()::int + ${s}.sweep_prewakes()::int as removed`,
 
     /** $1: the lock keys to show, or null for all. */

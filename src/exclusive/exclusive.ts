@@ -21,6 +21,8 @@ import type { ExclusiveTask } from "../types.js";
 export interface ExclusiveTaskImpl<TPayload = unknown> extends ExclusiveTask<TPayload> {
   /** How lock-ahead locks a fetched job of this task. */
   readonly lockPlan: (job: Job) => LockPlan;
+  /** Whether a job of this task fetched in a batch waits in its key's line when it meets the key held. */
+  readonly waitsInLine: boolean;
 }
 
 /**
@@ -41,6 +43,14 @@ interface LockPlan {
  * matters on a stalled connection, whose loss answers the release.
  */
 const HAND_OFF_WAIT_MAX_MS = 1000;
+
+/**
+ * How long a job fetched in a batch that met its key held waits at its worker, in its key's line, for the
+ * key (`waitInLine`), before it parks like any other job: also the most it keeps its worker from the other
+ * jobs of its local queue. Long enough for a batch of another process's jobs of the key, fetched before it,
+ * to go first (figures: bench/README.md, section "A hot key in a local queue, waiting in line").
+ */
+const LINE_WAIT_MS = 1000;
 
 /** Resolves with `hold`'s release answer, or after HAND_OFF_WAIT_MAX_MS. */
 function handOffAnswered(hold: Hold): Promise<unknown> {
@@ -369,6 +379,7 @@ export function makeExclusiveTask<TPayload>(
     payload: unknown,
     helpers: JobHelpers,
     counted?: CountedStart,
+    fetchedAhead = false,
   ): Promise<ReturnType<Task>> => {
     const { job } = helpers;
     if (options.limits) {
@@ -383,8 +394,67 @@ export function makeExclusiveTask<TPayload>(
     const slots = keysOfJob(job);
     const result = await giveBack.acquire(job, helpers, slots, holdInfo);
     if (result === null) return;
-    if (!result.acquired) return onConflict(job, helpers, slots, result.local);
+    if (!result.acquired) {
+      if (fetchedAhead && waitsInLine && slots.length === 1) {
+        const waited = await waitInLine(job, helpers, slots);
+        if (waited !== null && waited !== "timeout" && waited.acquired)
+          return runHeld(waited.hold, payload, helpers, counted);
+        const parked = await onConflict(job, helpers, slots, result.local);
+        // (a job that waited its time out parked ahead of those behind it, which look at their line again)
+        if (waited === "timeout") await lineChanged(helpers, slots[0]!);
+        return parked;
+      }
+      return onConflict(job, helpers, slots, result.local);
+    }
     return runHeld(result.hold, payload, helpers, counted);
+  };
+
+  /**
+   * A job fetched in a batch of a local queue that met its key held waits at its worker with its place in
+   * the key's line (join_line, sql/000014.sql), for at most LINE_WAIT_MS, rather than go back to the queue
+   * and be fetched again: it tries the key whenever a release names it, or takes it in memory from a hold of
+   * this process that woke it early. It does not wait where a job ahead of it in line is not fetched (that
+   * job needs a worker), and looks again when a job ahead parks. Its hold, or null when it parks at once, or
+   * "timeout" (it parks then, and those behind it look at their line again: `lineChanged`).
+   */
+  const waitInLine = async (job: Job, helpers: JobHelpers, slots: readonly bigint[]) => {
+    const info = holdInfo(job, slots);
+    if (!info.reschedule) return null;
+    if (ctx.session.supersededBy(slots[0]!, job.id) !== null) return null;
+    const waiter = ctx.session.lineWaiter(slots[0]!.toString(), job.id);
+    const until = performance.now() + LINE_WAIT_MS;
+    try {
+      for (let first = true; ; first = false) {
+        if (!first && performance.now() >= until) return "timeout";
+        const ahead = await helpers.withPgClient(async (client) => {
+          const { rows } = await ctx.poolQuery<{ ahead: number }>(
+            client,
+            "join_line",
+            ctx.sql.joinLine,
+            [slots[0]!.toString(), job.id, slots.map(String)],
+          );
+          return rows[0]?.ahead ?? 0;
+        });
+        if (ahead === -2) return null;
+        const result = await ctx.session.waitInLine(waiter, slots, info, until, ahead === -1);
+        if (result !== "recheck") return result;
+      }
+    } catch {
+      return null;
+    } finally {
+      waiter.close();
+    }
+  };
+
+  /** Tells the jobs waiting in `key`'s line at their workers, in every process, to look at it again. */
+  const lineChanged = async (helpers: JobHelpers, key: bigint) => {
+    try {
+      await helpers.withPgClient((client) =>
+        ctx.poolQuery(client, "line_changed", ctx.sql.lineChanged, [key.toString()]),
+      );
+    } catch {
+      // (they look again when their own time is out)
+    }
   };
 
   /**
@@ -394,7 +464,7 @@ export function makeExclusiveTask<TPayload>(
   const runLockedAhead = (result: AcquireResult | null, payload: unknown, helpers: JobHelpers) =>
     result?.acquired && !result.hold.lost
       ? runHeld(result.hold, payload, helpers)
-      : acquireAndRun(payload, helpers);
+      : acquireAndRun(payload, helpers, undefined, true);
 
   /**
    * A job of a task with a lock and a rate asks the rate first (a probe), and takes its lock only when its
@@ -415,6 +485,15 @@ export function makeExclusiveTask<TPayload>(
     }
   };
   const probed = options.lock && options.rate !== null;
+  // A job of a single key (not a semaphore, no limits, no rate or pause) fetched in a batch waits in its key's
+  // line at its worker when it meets the key held (`waitInLine`; a `limit` given as a function is decided by
+  // the job's slots).
+  const waitsInLine =
+    options.lock &&
+    options.onConflict === "reschedule" &&
+    !options.limits &&
+    (typeof options.limit === "function" || options.limit === 1) &&
+    !gated;
   // A job of such a task with one slot and one limit asks its rate in its lock statement instead (lock_rated,
   // sql/000012.sql and 000013.sql): no round trip of its own.
   const rides = probed && !options.limits;
@@ -455,8 +534,9 @@ export function makeExclusiveTask<TPayload>(
     // With lock-ahead the key was derived (and usually taken) when the job was fetched (never for a task
     // with a rate: its jobs ask the rate before they take their lock).
     const ahead = ctx.lockedAhead(helpers.job.id);
+    const batched = ctx.fetchedInBatch(helpers.job.id);
     if (!ahead) {
-      if (!probed) return acquireAndRun(payload, helpers);
+      if (!probed) return acquireAndRun(payload, helpers, undefined, batched);
       return rides ? rideAndRun(payload, helpers) : probeAndRun(payload, helpers);
     }
     if (ahead.settled) return runLockedAhead(ahead.result, payload, helpers);
@@ -468,6 +548,7 @@ export function makeExclusiveTask<TPayload>(
     options,
     lockKey: (payload: TPayload) => keysOf(payload)[0]!,
     lockPlan: planOf,
+    waitsInLine,
     lockAvailable: async (payload: TPayload) => {
       if (!options.limits) return ctx.lockAvailable(keysOf(payload));
       const limits = jobLimitKeys(taskIdentifier, options, payload);

@@ -181,7 +181,11 @@ export function batchQueries(
   const wakeValues: unknown[] = [];
   if (shape.wakes) wakeValues.push(integerArray(waking.keys), integerArray(waking.jobIds));
   if (shape.prewakes)
-    wakeValues.push(integerArray(prewakes.map((hold) => hold.keyText)), !wakeHere);
+    wakeValues.push(
+      integerArray(prewakes.map((hold) => hold.keyText)),
+      !wakeHere,
+      integerArray(prewakes.map((hold) => hold.info.jobId)),
+    );
   if (!shape.split) {
     values.push(...wakeValues);
     return { lock: { ...sql.lockStatement(shape), values }, wake: null };

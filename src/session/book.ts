@@ -122,7 +122,8 @@ export abstract class SessionBook implements HoldOwner {
     }
     for (const [i, key] of answer.slots) this.settleLock(multis[i - 1]!, key, generation, false);
     for (const [i, jobId] of answer.prewoken)
-      this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
+      if (jobId.startsWith("f")) this.handoff.prewokeFetched(prewakes[i - 1]!, jobId.slice(1));
+      else this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
     for (const [i, taken] of answer.stacked) this.settleStacked(stacked[i - 1]!, taken, generation);
     const { holdAt } = unlockKeys(unlocks);
     if (holdAt && answer.failedUnlocks.size > 0) {
@@ -278,7 +279,8 @@ export abstract class SessionBook implements HoldOwner {
   ): void {
     if (generation !== this.connection.generation) return;
     for (const [i, jobId] of decodeBatch(rows).prewoken)
-      this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
+      if (jobId.startsWith("f")) this.handoff.prewokeFetched(prewakes[i - 1]!, jobId.slice(1));
+      else this.handoff.prewoke(prewakes[i - 1]!, jobId, wakeHere);
   }
 
   /**

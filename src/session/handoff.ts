@@ -25,6 +25,9 @@
  *   again, its key still pending meanwhile.
  * - Successor lines: `reschedule` jobs of this process that meet the same release go on in job id order, the
  *   job woken early first (`joinLine`).
+ * - Line waiters: a job fetched in a batch that waits for its key at its worker, in the key's line
+ *   (`lineWaiter`), hears of the release notifications that name it, and of a hold here that woke it early
+ *   (`prewokeFetched`), which then passes it the key in memory as to any job woken early.
  */
 import type { IdleWorkers } from "./idle.js";
 import {
@@ -55,6 +58,11 @@ export interface HandoffCounts {
   waitedHere: number;
   /** Requests of jobs with several limits sent in the statement of the unlock that freed a slot they took. */
   rodeWithUnlock: number;
+  /**
+   * Keys taken by a job fetched in a batch of a local queue that waited for its key at its worker, in the
+   * key's line, rather than park (`LineWaiter`).
+   */
+  waitedInLine: number;
 }
 
 /** What the hand-off needs of the lock session. */
@@ -111,6 +119,7 @@ export class Handoff {
     keptForArrival: 0,
     waitedHere: 0,
     rodeWithUnlock: 0,
+    waitedInLine: 0,
   };
   /** `reschedule` jobs of this process waiting for a hold's release, by hold (see joinLine). */
   private readonly successorLines = new Map<HoldImpl, Set<bigint>>();
@@ -130,6 +139,11 @@ export class Handoff {
   private readonly releaseNotices = new Map<string, number>();
   /** How many release notifications this session has seen. */
   notices = 0;
+  /**
+   * Fetched jobs of this process that wait at their worker in their key's line (join_line), by key: each
+   * is told when a release notification for its key comes or a hold here names it the next (`poke`).
+   */
+  private readonly lineWaiters = new Map<string, Set<LineWaiter>>();
 
   constructor(
     private readonly host: HandoffHost,
@@ -371,8 +385,45 @@ export class Handoff {
     else this.waitIn(this.awaitingRelease, request, () => this.host.retryLock(request));
   }
 
+  /** Registers a fetched job of `key` waiting at its worker in the key's line; `close` ends it. */
+  lineWaiter(key: string, jobId: string): LineWaiter {
+    const waiter = new LineWaiter(key, jobId, () => {
+      const set = this.lineWaiters.get(key);
+      set?.delete(waiter);
+      if (set?.size === 0) this.lineWaiters.delete(key);
+    });
+    let set = this.lineWaiters.get(key);
+    if (!set) this.lineWaiters.set(key, (set = new Set()));
+    set.add(waiter);
+    return waiter;
+  }
+
+  /**
+   * A hold here woke, early, a first waiter that is already fetched (it waits at its worker in line): if it
+   * is a job of this process, it takes the key in memory at the release, as a job woken early does.
+   */
+  prewokeFetched(hold: HoldImpl, jobId: string): void {
+    this.counts.prewakes++;
+    const key = hold.keyText;
+    if (this.host.holdOf(key) !== hold || hold.releaseRequested) return;
+    const waiter = [...(this.lineWaiters.get(key) ?? [])].find((w) => w.jobId === jobId);
+    if (!waiter) return;
+    const before = this.prewoken.get(key);
+    if (before !== undefined && before !== jobId) this.idleWorkers?.unwatch(before);
+    this.prewoken.set(key, jobId);
+    waiter.poke();
+  }
+
   /** A release notification: a key that a job woken early may be waiting for is free. */
-  onReleaseNotice(key: string): void {
+  onReleaseNotice(payload: string): void {
+    const slash = payload.indexOf("/");
+    const key = slash < 0 ? payload : payload.slice(0, slash);
+    if (slash >= 0) {
+      const jobId = payload.slice(slash + 1);
+      for (const waiter of this.lineWaiters.get(key) ?? [])
+        if (jobId === "?") waiter.poke(true);
+        else if (waiter.jobId === jobId) waiter.poke();
+    }
     if (!this.host.isPending(key)) return;
     this.releaseNotices.set(key, ++this.notices);
     const waiting = this.awaitingRelease.get(key);
@@ -401,6 +452,8 @@ export class Handoff {
     this.releaseNotices.clear();
     this.prewoken.clear();
     this.prewakeQueue = [];
+    // (jobs waiting in line at their workers try again, and meet the connection's state)
+    for (const waiters of this.lineWaiters.values()) for (const waiter of waiters) waiter.poke();
   }
 
   /** Forgets the job woken early for `key`. */
@@ -421,5 +474,58 @@ export class Handoff {
       onTimeout();
     }, releaseWaitMs(request.info));
     waiting.set(key, { request, timer });
+  }
+}
+
+/** A fetched job waiting at its worker in its key's line (see Handoff.lineWaiter). */
+export class LineWaiter {
+  private poked = false;
+  /** Whether a job ahead in line parked since the last look: the waiter looks at its line again. */
+  private recheck = false;
+  private wake: (() => void) | null = null;
+
+  constructor(
+    readonly key: string,
+    readonly jobId: string,
+    private readonly onClose: () => void,
+  ) {}
+
+  /** Something happened that may let the job take its key (`recheck`: a job ahead parked): it looks again. */
+  poke(recheck = false): void {
+    this.poked = true;
+    if (recheck) this.recheck = true;
+    this.wake?.();
+  }
+
+  /** Whether a job ahead parked since the last call. */
+  takeRecheck(): boolean {
+    const recheck = this.recheck;
+    this.recheck = false;
+    return recheck;
+  }
+
+  /** Resolves true once poked (at once if it was since the last call), false after `ms`. */
+  next(ms: number): Promise<boolean> {
+    if (this.poked) {
+      this.poked = false;
+      return Promise.resolve(true);
+    }
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        this.wake = null;
+        resolve(false);
+      }, ms);
+      this.wake = () => {
+        clearTimeout(timer);
+        this.wake = null;
+        this.poked = false;
+        resolve(true);
+      };
+    });
+  }
+
+  close(): void {
+    this.wake = null;
+    this.onClose();
   }
 }

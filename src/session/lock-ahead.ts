@@ -74,14 +74,19 @@ export class LockAhead {
     { acquisition: AheadAcquisition; queue: QueueAhead }
   >();
   private readonly queues = new WeakMap<object, QueueAhead>();
+  /** Jobs fetched in a batch that would wait in line for a held key, and have not started yet. */
+  private readonly batched = new Set<string>();
 
+  /** `waitsInLine`: whether a job of a batch would wait in its key's line at its worker (exclusive.ts). */
   constructor(
     private readonly session: LockSession,
     private readonly plan: LockPlan,
+    private readonly waitsInLine: (job: Job) => boolean = () => false,
   ) {}
 
   /** A batch `queue` fetched: its first jobs take their locks, for its idle workers and the margin. */
   fetched(jobs: readonly Job[], queue: LocalQueueView = {}): void {
+    for (const job of jobs) if (this.waitsInLine(job)) this.batched.add(job.id);
     let state = this.queues.get(queue);
     if (!state) {
       state = { queue, ahead: 0 };
@@ -92,7 +97,10 @@ export class LockAhead {
 
   /**
    * Takes locks ahead for `jobs` (in the order they will start) while fewer of `state`'s jobs hold one than
-   * it has idle workers plus LOCK_AHEAD_MARGIN. (A fetched batch goes to the idle workers after this.)
+   * it has idle workers plus LOCK_AHEAD_MARGIN. (A fetched batch goes to the idle workers after this.) A job
+   * that would wait in line at its worker takes its lock ahead only as one of the idle workers' jobs, never
+   * within the margin: a key taken ahead by a job that waits in the local queue for a worker would keep
+   * this process's workers waiting in line for it, for as long as they wait.
    */
   private fill(state: QueueAhead, jobs: readonly Job[]): void {
     const idle = state.queue.workerQueue?.length ?? 0;
@@ -100,6 +108,7 @@ export class LockAhead {
     for (const job of jobs) {
       if (state.ahead >= limit) return;
       if (this.pending.has(job.id)) continue;
+      if (state.ahead >= idle && this.waitsInLine(job)) continue;
       let plan: ReturnType<LockPlan>;
       try {
         plan = this.plan(job);
@@ -134,9 +143,17 @@ export class LockAhead {
     return entry;
   }
 
+  /** Whether job `jobId`, starting, was fetched in a batch (and forgets it). */
+  wasBatched(jobId: string): boolean {
+    return this.batched.delete(jobId);
+  }
+
   /** Jobs handed back by the local queue: their locks taken ahead are released. */
   returned(jobs: readonly Job[]): void {
-    for (const job of jobs) this.giveBack(job.id);
+    for (const job of jobs) {
+      this.batched.delete(job.id);
+      this.giveBack(job.id);
+    }
   }
 
   releaseAll(): void {

@@ -55,7 +55,7 @@ import { batchQueries, makeBatch, type BatchRow } from "./batch.js";
 import { SessionBook } from "./book.js";
 import { LockConnection, type ConnectionState, type LockConnectionOptions } from "./connection.js";
 import { lockLost, lockSessionUnavailable, SupersededError, type LocksError } from "../errors.js";
-import { Handoff, type HandoffCounts } from "./handoff.js";
+import { Handoff, type HandoffCounts, type LineWaiter } from "./handoff.js";
 import {
   Acquisition,
   HoldImpl,
@@ -229,6 +229,37 @@ export class LockSession extends SessionBook {
   /** What the session has done about hand-offs, for `locks.status()`. */
   get handoffs(): HandoffCounts {
     return this.handoff.counts;
+  }
+
+  /** Registers a fetched job of `key` about to wait at its worker in the key's line (`waitInLine`). */
+  lineWaiter(key: string, jobId: string): LineWaiter {
+    return this.handoff.lineWaiter(key, jobId);
+  }
+
+  /**
+   * A fetched `reschedule` job that met its key held, with its place in the key's line (join_line): it tries
+   * the key again each time a release notification names it or a hold here wakes it early (it then takes the
+   * key in memory at the release), until it holds it, or `until` (`performance.now()`) passes ("timeout"), or
+   * it tried and did not get it, or a job ahead of it parked ("recheck": the caller takes its place in line
+   * again, which a job woken from it has left, and looks at its line). `now`: it tries at once (the key looked
+   * free, and it next, as it took its place).
+   */
+  async waitInLine(
+    waiter: LineWaiter,
+    slots: readonly bigint[],
+    info: HoldInfo,
+    until: number,
+    now: boolean,
+  ): Promise<AcquireResult | "timeout" | "recheck"> {
+    if (!now) {
+      const left = until - performance.now();
+      if (left <= 0 || !(await waiter.next(left))) return "timeout";
+      if (waiter.takeRecheck()) return "recheck";
+    }
+    const result = await this.acquire(slots, info);
+    if (!result.acquired) return "recheck";
+    this.handoff.counts.waitedInLine++;
+    return result;
   }
 
   /** A signal that aborts when the current connection is lost; every hold of this connection shares it. */

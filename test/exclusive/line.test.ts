@@ -604,13 +604,14 @@ describe("reschedule hand-off", () => {
         )
       ).rows[0]!.run_at;
     expect((await wokenAt(waitingA)).getTime()).toBeLessThan(Date.now() + 1000);
-    // It is fetched (running) when the holder releases: nobody else is woken, its session is told.
+    // It is fetched (running) when the holder releases: nobody else is woken, its session is told (by the
+    // key's notification, and by one naming the job, which a job waiting in line at its worker hears).
     await markFetched(waitingA);
     const release = (jobId: string) =>
       q("select graphile_worker_locks.release_waiters($1, $2) as woken", [[key], [jobId]]);
     expect((await release(holder)).rows[0]!.woken).toBe(0);
-    await waitFor(async () => notices.length > 0, { message: "the notification" });
-    expect(notices).toEqual([`gwl_release:${key}`]);
+    await waitFor(async () => notices.length > 1, { message: "the notifications" });
+    expect(notices).toEqual([`gwl_release:${key}`, `gwl_release:${key}/${waitingA}`]);
     expect((await wokenAt(waitingB)).getTime()).toBeGreaterThan(Date.now() + 60_000);
 
     // Next time the early-woken job gave up waiting and parked again (under a new id, in its place): the
@@ -624,7 +625,7 @@ describe("reschedule hand-off", () => {
     const reparked = await park(waitingB);
     expect((await release(waitingA)).rows[0]!.woken).toBe(1);
     expect((await wokenAt(reparked)).getTime()).toBeLessThan(Date.now() + 1000);
-    expect(notices).toHaveLength(1);
+    expect(notices).toHaveLength(2);
   });
 
   it("a job parking while a release's wake is not yet committed wakes nobody: one job is sent after the key", async () => {
@@ -770,10 +771,10 @@ describe("reschedule hand-off", () => {
     );
     expect(announced).toEqual([{ job_id: waiting[1] }]);
     expect(await settle()).toEqual(["jobs:insert:1"]);
-    // Fetched by the release: only its session is told.
+    // Fetched by the release: only its session is told (the key's notification, and one naming the job).
     await markFetched(waiting[1]!);
     expect((await release(waiting[0]!)).rows[0]!.woken).toBe(0);
-    expect(await settle()).toEqual([`gwl_release:${key}`]);
+    expect(await settle()).toEqual([`gwl_release:${key}`, `gwl_release:${key}/${waiting[1]}`]);
   });
 });
 
