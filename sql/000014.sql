@@ -57,13 +57,9 @@ begin
       return -1;
     end if;
     -- The key is free and another job is next: one that joined the line after this job was woken, say. Unless
-    -- a job woken for it is on its way, the first in line is woken, so that the line does not stop here.
-    if not exists (
-      select 1 from :GWL_SCHEMA.wakes k
-      where k.lock_key = p_key and k.job_id <> p_job_id and :GWL_SCHEMA.wake_on_its_way(k.at, k.job_id)
-    ) then
-      perform :GWL_SCHEMA.wake_waiters(array[p_key], true);
-    end if;
+    -- a job woken for it is on its way, the first in line is woken (the parker's check, wake_if_free), so
+    -- that the line does not stop here.
+    perform :GWL_SCHEMA.wake_if_free(p_slots, p_key, p_job_id);
   end if;
   return (select count(*) from :GWL_SCHEMA.waiters w where w.lock_key = p_key and w.pos < v_pos);
 end;

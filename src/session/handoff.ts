@@ -335,11 +335,8 @@ export class Handoff {
   /** `hold`'s early wake woke job `jobId`. */
   prewoke(hold: HoldImpl, jobId: string, wakeHere: boolean): void {
     // (a hold released meanwhile has told the woken job at its release, in the database)
-    if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested) {
-      const before = this.prewoken.get(hold.keyText);
-      if (before !== undefined && before !== jobId) this.idleWorkers?.unwatch(before);
-      this.prewoken.set(hold.keyText, jobId);
-    }
+    if (this.host.holdOf(hold.keyText) === hold && !hold.releaseRequested)
+      this.rememberPrewoken(hold.keyText, jobId);
     this.counts.prewakes++;
     // (should no worker be idle any more, the release announces the job if it is still unfetched)
     const key = hold.keyText;
@@ -408,10 +405,15 @@ export class Handoff {
     if (this.host.holdOf(key) !== hold || hold.releaseRequested) return;
     const waiter = [...(this.lineWaiters.get(key) ?? [])].find((w) => w.jobId === jobId);
     if (!waiter) return;
+    this.rememberPrewoken(key, jobId);
+    waiter.poke();
+  }
+
+  /** Job `jobId` is the one woken early for `key`, held here (in place of any woken before it). */
+  private rememberPrewoken(key: string, jobId: string): void {
     const before = this.prewoken.get(key);
     if (before !== undefined && before !== jobId) this.idleWorkers?.unwatch(before);
     this.prewoken.set(key, jobId);
-    waiter.poke();
   }
 
   /** A release notification: a key that a job woken early may be waiting for is free. */

@@ -4,13 +4,13 @@
  * release, fetched once; it waits at most a second, then parks at its place; it never waits behind a job
  * that needs a worker. Real PostgreSQL, real graphile-worker runners, two lock sessions (two `Locks`).
  */
-import { setTimeout as sleep } from "node:timers/promises";
 import type { Runner } from "graphile-worker";
 import { describe, expect, it } from "vitest";
 import { lockKey, type Locks } from "../../src/index.js";
-import { deferred, waitFor } from "../support/db.js";
+import { waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent } from "../support/runner.js";
+import { spannedTask } from "../support/spans.js";
 
 const h = useExclusiveHarness();
 const { cleanups, newLocks, runner, q, holdExternally, markFetched } = h;
@@ -18,31 +18,14 @@ const { cleanups, newLocks, runner, q, holdExternally, markFetched } = h;
 const LOCAL_QUEUE = { worker: { localQueue: { size: 50 }, completeJobBatchDelay: 0 } };
 
 /**
- * A `reschedule` task on one key whose jobs (payload `n`) record their span: a gated job runs until
- * `gate` resolves (at the latest when the test ends), any other for 5 ms.
+ * A task of `spannedTask` (jobs of 5 ms) in `lockGroup`; a parked copy waits for its wake (its safety net
+ * is half a minute away).
  */
-function spannedTask(locks: Locks, identifier: string, lockGroup: string) {
-  const gate = deferred();
-  cleanups.push(async () => gate.resolve());
-  const spans = new Map<number, { start: number; end: number | null }>();
-  const task = locks.exclusive(
-    identifier,
-    async (p: { n: number; gated?: boolean }) => {
-      const span = { start: performance.now(), end: null as number | null };
-      spans.set(p.n, span);
-      await (p.gated ? gate.promise : sleep(5));
-      span.end = performance.now();
-    },
-    // (a parked copy waits for its wake: its safety net is half a minute away)
-    {
-      key: () => "one key",
-      lockGroup,
-      onConflict: "reschedule",
-      reschedule: { minDelay: 30_000, maxDelay: 60_000 },
-    },
-  );
-  return { task, spans, gate };
-}
+const groupTask = (locks: Locks, identifier: string, lockGroup: string) =>
+  spannedTask(cleanups, locks, identifier, 5, {
+    lockGroup,
+    reschedule: { minDelay: 30_000, maxDelay: 60_000 },
+  });
 
 /** How many times each job (by payload `n`) was fetched by `r`'s workers, and when it last was. */
 function countFetches(r: Runner) {
@@ -63,14 +46,14 @@ function countFetches(r: Runner) {
  */
 async function twoSessions(group: string) {
   const holder = newLocks();
-  const held = spannedTask(holder, `${group}_holder`, group);
+  const held = groupTask(holder, `${group}_holder`, group);
   await runner({
     connectionString: h.db.url,
     concurrency: 2,
     taskList: { [`${group}_holder`]: held.task },
   });
   const locks = newLocks();
-  const batch = spannedTask(locks, `${group}_batch`, group);
+  const batch = groupTask(locks, `${group}_batch`, group);
   const r = await runner({
     connectionString: h.db.url,
     concurrency: 2,

@@ -10,13 +10,14 @@ import { setTimeout as sleep } from "node:timers/promises";
 
 import pg from "pg";
 import { describe, expect, it } from "vitest";
-import type { Worker, WorkerEvents } from "graphile-worker";
+import type { Runner, Worker, WorkerEvents } from "graphile-worker";
 import type { Locks } from "../../src/index.js";
 import { startProxy } from "../../scripts/soak/proxy.js";
 import { deferred, waitFor } from "../support/db.js";
 import { useExclusiveHarness } from "../support/exclusive.js";
 import { nextEvent, startRunner } from "../support/runner.js";
 import { setTimingProbe } from "../../src/session/timing-probe.js";
+import { spannedTask as spannedTaskOf } from "../support/spans.js";
 
 const h = useExclusiveHarness();
 const { cleanups, newLocks, runner, parkedCount } = h;
@@ -53,25 +54,43 @@ async function proxiedDatabase() {
   return { proxy, proxied };
 }
 
+/** `spannedTask` of this test's cleanups. */
+const spannedTask = (locks: Locks, identifier: string, ms: number) =>
+  spannedTaskOf(cleanups, locks, identifier, ms);
+
 /**
- * A `reschedule` task on one key whose jobs (payload `n`) record their span on the machine clock: a gated
- * job runs until `gate` resolves (at the latest when the test ends), any other for `ms`.
+ * With X's fetches in flight counted from now: job 100 of `identifier` holds the key in runner X; 101 (gated,
+ * for X) and 102 (`flags102`) meet it and wait in line; resolves once 102 has parked (`parkedOn`: the
+ * `Locks` of the runner that fetched it) and 100's release has passed the key to 101, whose hold, having a
+ * line, wakes 102 early for an idle worker of X.
  */
-function spannedTask(locks: Locks, identifier: string, ms: number) {
-  const gate = deferred();
-  cleanups.push(async () => gate.resolve());
-  const spans = new Map<number, { start: number; end: number | null }>();
-  const task = locks.exclusive(
-    identifier,
-    async (p: { n: number; gated?: boolean }) => {
-      const span = { start: performance.now(), end: null as number | null };
-      spans.set(p.n, span);
-      await (p.gated ? gate.promise : sleep(ms));
-      span.end = performance.now();
-    },
-    { key: () => "one key", onConflict: "reschedule" },
+async function holdWithLine(
+  locks: Locks,
+  x: Runner,
+  identifier: string,
+  flags102: string[],
+  parkedOn: Locks,
+) {
+  let xFetching = 0;
+  x.events.on("worker:getJob:start", () => void xFetching++);
+  for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
+    x.events.on(done, () => void (xFetching = Math.max(0, xFetching - 1)));
+  const held = (n: number) =>
+    nextEvent(locks, "lock:acquired", (e) => (e.job.payload as { n: number }).n === n);
+  const held100 = held(100);
+  await locks.addJob(identifier, { n: 100 }, { flags: ["x_only"] });
+  await held100;
+  const held101 = held(101);
+  const parked102 = nextEvent(
+    parkedOn,
+    "job:rescheduled",
+    (e) => (e.job.payload as { n: number }).n === 102,
   );
-  return { task, spans, gate };
+  await locks.addJob(identifier, { n: 101, gated: true }, { flags: ["x_only"] });
+  await locks.addJob(identifier, { n: 102 }, { flags: flags102 });
+  await parked102;
+  await held101;
+  return { fetching: () => xFetching };
 }
 
 describe("hand-over check", () => {
@@ -295,25 +314,7 @@ describe("hand-over check", () => {
 
     // 100 holds the key in X; 101 (for X) and 102 (for Y only) meet it and wait in line. 100's release wakes
     // 101, whose hold, having a line, wakes 102 early for an idle worker of this process.
-    let xFetching = 0;
-    x.events.on("worker:getJob:start", () => void xFetching++);
-    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
-      x.events.on(done, () => void (xFetching = Math.max(0, xFetching - 1)));
-    const held = (n: number) =>
-      nextEvent(locks, "lock:acquired", (e) => (e.job.payload as { n: number }).n === n);
-    const held100 = held(100);
-    await locks.addJob("kept_while_fetching", { n: 100 }, { flags: ["x_only"] });
-    await held100;
-    const held101 = held(101);
-    const parked102 = nextEvent(
-      locks,
-      "job:rescheduled",
-      (e) => (e.job.payload as { n: number }).n === 102,
-    );
-    await locks.addJob("kept_while_fetching", { n: 101, gated: true }, { flags: ["x_only"] });
-    await locks.addJob("kept_while_fetching", { n: 102 }, { flags: ["y_only"] });
-    await parked102;
-    await held101;
+    const x102 = await holdWithLine(locks, x, "kept_while_fetching", ["y_only"], locks);
     const mid = locks.status().handoffs;
     // Y's next poll is held up in flight, so that an idle worker of X is the one nudged for 102; it may not
     // take 102 and comes back empty.
@@ -325,7 +326,7 @@ describe("hand-over check", () => {
     });
     await waitFor(async () => yFetching, { message: "Y to fetch" });
     await waitFor(
-      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && xFetching === 0,
+      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && x102.fetching() === 0,
       { message: "101 to wake 102 early for an idle worker of X, which comes back empty" },
     );
     gate.resolve();
@@ -408,28 +409,10 @@ describe("hand-over check", () => {
 
     // 100 holds the key in X; 101 (for X) and 102 (for Z only) meet it and wait in line. 100's release wakes
     // 101, whose hold, having a line, wakes 102 early for an idle worker of X, which may not take it.
-    let xFetching = 0;
-    x.events.on("worker:getJob:start", () => void xFetching++);
-    for (const done of ["worker:getJob:empty", "worker:getJob:error", "job:start"] as const)
-      x.events.on(done, () => void (xFetching = Math.max(0, xFetching - 1)));
-    const held = (n: number) =>
-      nextEvent(locks, "lock:acquired", (e) => (e.job.payload as { n: number }).n === n);
-    const held100 = held(100);
-    await locks.addJob("kept_after_stop", { n: 100 }, { flags: ["x_only"] });
-    await held100;
-    const held101 = held(101);
-    const parked102 = nextEvent(
-      other,
-      "job:rescheduled",
-      (e) => (e.job.payload as { n: number }).n === 102,
-    );
-    await locks.addJob("kept_after_stop", { n: 101, gated: true }, { flags: ["x_only"] });
-    await locks.addJob("kept_after_stop", { n: 102 }, { flags: ["z_only"] });
-    await parked102;
-    await held101;
+    const x102 = await holdWithLine(locks, x, "kept_after_stop", ["z_only"], other);
     const mid = locks.status().handoffs;
     await waitFor(
-      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && xFetching === 0,
+      async () => locks.status().handoffs.wokenHere === mid.wokenHere + 1 && x102.fetching() === 0,
       { message: "101 to wake 102 early for an idle worker of X, which comes back empty" },
     );
     gate.resolve();
